@@ -1,0 +1,37 @@
+# Set-up is a virtual environment in .venv, made on first use. torch==2.13.0 is installed first and
+# explicitly (a CPU build on local disk here); pip never resolves torch by itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test test-all lint format bench-forward clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check tokenmill tests benchmarks
+	$(BIN)/ruff format --check tokenmill tests benchmarks
+	$(BIN)/mypy tokenmill/core
+
+format: $(STAMP)
+	$(BIN)/ruff format tokenmill tests benchmarks
+	$(BIN)/ruff check --fix tokenmill tests benchmarks
+
+test: lint
+	$(BIN)/pytest
+
+test-all: lint
+	$(BIN)/pytest -m "slow or not slow"
+
+bench-forward: $(STAMP)
+	$(BIN)/python benchmarks/forward.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random-weight checkpoints of each family, built offline once per session,
+and transformers' logits on them as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.models.make_model import ARCHS, make_model
+
+# Sharded checkpoints (with an index file) for two families, single files for the others.
+SHARDED = {"llama", "qwen3"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Path]:
+    """(arch, tied) -> folder of a tiny random-weight checkpoint, built on first request."""
+    built: dict[tuple[str, bool], Path] = {}
+
+    def get(arch: str, tied: bool = False) -> Path:
+        assert arch in ARCHS
+        key = (arch, tied)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}")
+            shard = "1MB" if arch in SHARDED and not tied else None
+            built[key] = make_model(arch, "tiny", out, seed=1, tie_embeddings=tied, max_shard_size=shard)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_logits() -> Callable[[Path, torch.Tensor], torch.Tensor]:
+    """(folder, token ids [L]) -> transformers' float32 logits [L, vocab] for the whole sequence."""
+    import transformers
+
+    models: dict[Path, torch.nn.Module] = {}
+
+    def run(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+        if folder not in models:
+            models[folder] = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return models[folder](ids[None]).logits[0].float()
+
+    return run

@@ -1,0 +1,1 @@
+"""Building blocks of the forward: attention over a paged cache, RoPE, norms."""

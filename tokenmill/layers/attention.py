@@ -1,0 +1,109 @@
+"""Attention over a paged KV cache: the metadata every backend reads, and the backend protocol.
+
+Owns `KVCache` (one layer's paged K and V), `AttentionMetadata` (what a flat batch of several
+sequences' tokens needs to attend: slot mapping, block tables, sequence lengths, query starts) and
+`build_attention_metadata`, which derives it from per-sequence lengths and block tables. Metadata is
+always passed as an argument, never through a global.
+
+Layout of a flat batch: the tokens of sequence 0, then of sequence 1, ...; then optional padding up
+to a fixed size. Padding tokens are computed but never written to the cache, and their outputs are
+meaningless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """One layer's paged cache. k, v: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int  # tokens [0, n) of the batch are real; the rest is padding
+    slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
+    query_start_loc: torch.Tensor  # [B + 1] int64: sequence b's tokens are [qsl[b], qsl[b+1])
+    seq_lens: torch.Tensor  # [B] int64: tokens in the cache for sequence b after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64: block ids of sequence b, in order
+    max_query_len: int
+    max_seq_len: int
+    token_seq: torch.Tensor  # [n] int64: the sequence each real token belongs to
+    token_query_idx: torch.Tensor  # [n] int64: its index among that sequence's new tokens
+    query_positions: torch.Tensor  # [B, max_query_len] int64: position of each query slot (0 if padding)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are new.
+
+    `block_tables[b]` must hold at least ceil(seq_lens[b] / block_size) block ids.
+    """
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        if not 0 < q <= s:
+            raise ValueError(f"query_lens[{b}]={q} must be in [1, seq_lens[{b}]={s}]")
+        if len(table) * block_size < s:
+            raise ValueError(f"block_tables[{b}] holds {len(table)} blocks, too few for {s} tokens")
+    num_seqs = len(query_lens)
+    max_q, max_s = max(query_lens), max(seq_lens)
+    max_blocks = -(-max_s // block_size)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    for b, table in enumerate(block_tables):
+        row = table[:max_blocks]
+        tables[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=qsl[1:])
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [n]
+    token_query_idx = torch.arange(int(qsl[-1])) - qsl[token_seq]  # [n]
+    token_pos = (s_lens - q_lens)[token_seq] + token_query_idx  # [n]
+    slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+    query_positions = torch.zeros(num_seqs, max_q, dtype=torch.int64)
+    query_positions[token_seq, token_query_idx] = token_pos
+    return AttentionMetadata(
+        num_actual_tokens=int(qsl[-1]),
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=qsl.to(device),
+        seq_lens=s_lens.to(device),
+        block_tables=tables.to(device),
+        max_query_len=max_q,
+        max_seq_len=max_s,
+        token_seq=token_seq.to(device),
+        token_query_idx=token_query_idx.to(device),
+        query_positions=query_positions.to(device),
+    )
+
+
+class AttentionBackend(Protocol):
+    """Writes the new tokens' K/V into the paged cache and attends over each sequence's cache."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim] (T >= num_actual_tokens: padded batch)
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        cache: KVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...

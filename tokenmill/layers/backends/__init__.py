@@ -1,0 +1,1 @@
+"""Attention backends: implementations of `tokenmill.layers.attention.AttentionBackend`."""

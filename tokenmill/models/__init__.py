@@ -1,0 +1,1 @@
+"""Model families, their configs, loading from Hugging Face folders, and test checkpoints."""

@@ -1,0 +1,132 @@
+"""Model folder -> a ready `LlamaForCausalLM`: safetensors read by mmap into fused parameters.
+
+Owns finding the weight files (a single `model.safetensors`, or shards listed by
+`model.safetensors.index.json`), checking every tensor's name and shape against the config before
+reading it, and copying each tensor once, from the memory-mapped file straight into its slice of the
+final (fused, converted) parameter. Pickle checkpoints (`*.bin`, `*.pt`) are refused, never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
+from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
+from tokenmill.models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that the forward recomputes rather than loads.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 when config.json names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} or 'auto', got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(cfg.dtype or "float32", torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def weight_files(folder: Path) -> dict[Path, list[str] | None]:
+    """Safetensors files of the folder -> the tensor names the index assigns them (None: all)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{index}: malformed index, field 'weight_map' ({e})") from None
+        files: dict[Path, list[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(folder / str(file), []).append(name)  # type: ignore[union-attr]
+        for path in files:
+            if not path.is_file():
+                raise ModelLoadError(f"{path}: listed in {INDEX_FILE} but missing from the folder")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return {single: None}
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return {p: None for p in shards}
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if pickles:
+        raise ModelLoadError(
+            f"{folder}: only pickle checkpoints ({', '.join(pickles)}) found; tokenmill loads "
+            "safetensors only and never unpickles model files (convert with safetensors first)"
+        )
+    raise ModelLoadError(f"{folder}: no model.safetensors (or *.safetensors shards) in the model folder")
+
+
+def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    """Fill every parameter of `model` from the folder's safetensors, checking names and shapes."""
+    layout = model.checkpoint_layout()
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for path, indexed_names in weight_files(folder).items():
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                if indexed_names is not None:
+                    absent = sorted(set(indexed_names) - set(names))
+                    if absent:
+                        raise ModelLoadError(f"{path}: tensor '{absent[0]}' listed in {INDEX_FILE} is not in this file")
+                for name in names:
+                    if name.endswith(IGNORED_SUFFIXES) or (
+                        name == "lm_head.weight" and model.config.tie_word_embeddings
+                    ):
+                        continue
+                    slot = layout.get(name)
+                    if slot is None:
+                        raise ModelLoadError(
+                            f"{path}: unexpected tensor '{name}' (not part of a "
+                            f"{model.config.architecture} with this config.json)"
+                        )
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != slot.shape:
+                        raise ModelLoadError(
+                            f"{path}: tensor '{name}' has shape {list(shape)}, config.json implies {list(slot.shape)}"
+                        )
+                    if name in seen:
+                        raise ModelLoadError(f"{path}: tensor '{name}' appears in more than one file")
+                    target = params[slot.param].data[slot.row_start : slot.row_start + shape[0]]
+                    target.copy_(f.get_tensor(name))
+                    seen.add(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+    missing = sorted(set(layout) - seen)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{folder}: tensor '{missing[0]}'{more} missing from the safetensors files")
+
+
+def load_model(
+    folder: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    backend: AttentionBackend | None = None,
+) -> LlamaForCausalLM:
+    """Load a Llama-family model folder for inference (eval mode, no gradients)."""
+    folder = Path(folder)
+    cfg = load_config(folder)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend or TorchReferenceBackend())
+    model = model.to_empty(device=device).to(torch_dtype)
+    load_weights(model, folder)
+    model.init_rotary(device)
+    model.requires_grad_(False)
+    return model.eval()
