@@ -53,13 +53,13 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        # q and k heads side by side: one rotation for both
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

@@ -93,9 +93,8 @@ def build_config(arch: str, size: str, tie_embeddings: bool, bos: int, eos: int,
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
+        "head_dim": p.hidden_size // p.num_attention_heads,
     }
-    if arch in ("llama", "mistral"):
-        fields["head_dim"] = p.hidden_size // p.num_attention_heads
     overrides = family_overrides(arch, size)
     if "rope_theta" in overrides:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": overrides.pop("rope_theta")}

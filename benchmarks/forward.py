@@ -1,0 +1,260 @@
+"""Forward benchmark: tokenmill's paged forward beside transformers' own forward and cache.
+
+Measures, on the `small` peer model (shared/PEERS.md) in float32 and bfloat16, in one run with the
+two engines interleaved (median of repeats, spread shown):
+- prefill tokens/s for a 512-token prompt (logits for the last token only, as an engine needs);
+- decode step time at batch 1, 8 and 32 (context 128 tokens per sequence);
+- each decode step against this machine's memory-bandwidth floor: weight bytes read per step
+  (every weight but the embedding table, of which a step reads only a few rows) / measured read
+  bandwidth (a streaming sum over 512 MiB); and against the same bytes at the bandwidth torch's
+  fp32 GEMV reaches on a 512 MiB matrix, which separates kernel limits from tokenmill's overhead.
+
+Usage: python benchmarks/forward.py [--repeats 3] [--threads 2] [--out benchmarks/results/forward.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from tokenmill.layers.attention import build_attention_metadata
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.loader import load_model
+from tokenmill.models.make_model import make_model
+from tokenmill.runner.kv_cache import allocate_kv_cache
+
+ROOT = Path(__file__).resolve().parent
+MODEL_DIR = ROOT / ".models" / "small-llama"
+BLOCK = 16
+PROMPT = 512
+CONTEXT = 128
+BATCHES = (1, 8, 32)
+DECODE_STEPS = 16
+
+
+def ensure_model() -> Path:
+    if not (MODEL_DIR / "config.json").is_file():
+        make_model("llama", "small", MODEL_DIR, seed=0)
+    return MODEL_DIR
+
+
+def _bytes_per_s(fn: Callable[[], object], nbytes: int, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def read_bandwidth() -> dict[str, float]:
+    """Bytes/s reading 512 MiB (far past the caches): a streaming sum, the machine's read limit,
+    and an fp32 GEMV (x @ W.T, W [32768, 4096]), the best torch's matrix-vector kernel does."""
+    x = torch.randn(128 * 1024 * 1024)
+    w, v = x.view(32768, 4096), torch.randn(1, 4096)
+    return {
+        "stream_sum": _bytes_per_s(x.sum, x.numel() * 4),
+        "gemv_fp32": _bytes_per_s(lambda: torch.nn.functional.linear(v, w), w.numel() * 4),
+    }
+
+
+def decode_weight_bytes(model: LlamaForCausalLM) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    if not model.config.tie_word_embeddings:  # a step reads a few rows of the table, not the table
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+class Tokenmill:
+    name = "tokenmill"
+
+    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
+        self.model = load_model(folder, dtype=dtype)
+        self.dtype = dtype
+
+    def _fresh(self, batch: int, tokens: int) -> None:
+        per_seq = -(-(tokens + DECODE_STEPS + 1) // BLOCK)
+        self.caches = allocate_kv_cache(self.model.config, batch * per_seq, BLOCK, self.dtype)
+        self.tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+
+    def _run(self, ids: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+        md = build_attention_metadata(query_lens, seq_lens, self.tables, BLOCK)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
+        hidden = self.model(ids, positions, self.caches, md)
+        last = md.query_start_loc[1:] - 1
+        return self.model.compute_logits(hidden[last])
+
+    def prefill(self, prompt: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            self._fresh(1, len(prompt))
+            self._run(prompt, [len(prompt)], [len(prompt)])
+
+        return run
+
+    def decode(self, prompts: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+        batch, ctx = prompts.shape
+        state = {"len": ctx}
+
+        def setup() -> None:
+            self._fresh(batch, ctx)
+            self._run(prompts.flatten(), [ctx] * batch, [ctx] * batch)
+            state["len"] = ctx
+
+        def step() -> None:
+            state["len"] += 1
+            self._run(torch.zeros(batch, dtype=torch.int64), [1] * batch, [state["len"]] * batch)
+
+        return setup, step
+
+
+class HF:
+    name = "transformers"
+
+    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+    def prefill(self, prompt: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            self.model(prompt[None], use_cache=True, logits_to_keep=1)
+
+        return run
+
+    def decode(self, prompts: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+        batch = prompts.shape[0]
+        state: dict[str, object] = {}
+
+        def setup() -> None:
+            out = self.model(prompts, use_cache=True, logits_to_keep=1)
+            state["cache"] = out.past_key_values
+
+        def step() -> None:
+            out = self.model(
+                torch.zeros(batch, 1, dtype=torch.int64),
+                past_key_values=state["cache"],
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            state["cache"] = out.past_key_values
+
+        return setup, step
+
+
+def time_once(setup: Callable[[], None] | None, fn: Callable[[], None], calls: int) -> float:
+    """Seconds per call of `fn`, after an untimed `setup`."""
+    if setup is not None:
+        setup()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls
+
+
+def summary(samples: list[float]) -> dict[str, float | list[float]]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": samples}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--out", default=str(ROOT / "results" / "forward.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    folder = ensure_model()
+    bandwidths = read_bandwidth()
+    bandwidth = bandwidths["stream_sum"]
+    print(
+        f"read bandwidth ({args.threads} threads): streaming {bandwidth / 1e9:.1f} GB/s, "
+        f"fp32 GEMV {bandwidths['gemv_fp32'] / 1e9:.1f} GB/s"
+    )
+    result: dict[str, object] = {
+        "model": "make-model --arch llama --size small --seed 0 (54.9M parameters)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "read_bandwidth_GBps": {k: v / 1e9 for k, v in bandwidths.items()},
+        "dtypes": {},
+    }
+    with torch.inference_mode():
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            engines = [Tokenmill(folder, dtype), HF(folder, dtype)]
+            weight_bytes = decode_weight_bytes(engines[0].model)
+            floor = weight_bytes / bandwidth
+            prompt = torch.randint(0, 32000, (PROMPT,))
+            prefill = {e.name: e.prefill(prompt) for e in engines}
+            decodes = {b: {e.name: e.decode(torch.randint(0, 32000, (b, CONTEXT))) for e in engines} for b in BATCHES}
+            for e in engines:  # warm-up
+                prefill[e.name]()
+                time_once(*decodes[1][e.name], calls=2)
+            samples: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
+            for _ in range(args.repeats):  # interleaved: each repeat runs every case on both engines
+                for e in engines:
+                    s = samples[e.name]
+                    s.setdefault("prefill_s", []).append(time_once(None, prefill[e.name], calls=1))
+                    for b in BATCHES:
+                        s.setdefault(f"decode_b{b}_s", []).append(time_once(*decodes[b][e.name], calls=DECODE_STEPS))
+            gemv_floor = weight_bytes / bandwidths["gemv_fp32"]
+            entry: dict[str, object] = {
+                "weight_bytes_per_decode_step": weight_bytes,
+                "floor_s": floor,
+                "gemv_fp32_floor_s": gemv_floor,
+            }
+            for e in engines:
+                s = samples[e.name]
+                entry[e.name] = {
+                    "prefill_tokens_per_s": summary([PROMPT / t for t in s["prefill_s"]]),
+                    **{f"decode_step_ms_b{b}": summary([t * 1e3 for t in s[f"decode_b{b}_s"]]) for b in BATCHES},
+                }
+            tm, hf = entry["tokenmill"], entry["transformers"]
+            assert isinstance(tm, dict) and isinstance(hf, dict)
+            ratios = {"prefill_speedup": tm["prefill_tokens_per_s"]["median"] / hf["prefill_tokens_per_s"]["median"]}
+            for b in BATCHES:
+                key = f"decode_step_ms_b{b}"
+                ratios[f"decode_b{b}_speedup"] = hf[key]["median"] / tm[key]["median"]
+                ratios[f"decode_b{b}_vs_floor"] = tm[key]["median"] / (floor * 1e3)
+                ratios[f"decode_b{b}_vs_gemv_fp32_floor"] = tm[key]["median"] / (gemv_floor * 1e3)
+            entry["ratios"] = ratios
+            result["dtypes"][dtype_name] = entry  # type: ignore[index]
+            print(
+                f"\n{dtype_name}: weights read per decode step {weight_bytes / 1e6:.0f} MB, floor "
+                f"{floor * 1e3:.2f} ms (at fp32 GEMV bandwidth {gemv_floor * 1e3:.2f} ms)"
+            )
+            print(f"{'':28}{'tokenmill':>22}{'transformers':>22}{'ratio':>8}")
+
+            def row(label: str, key: str, ratio: float) -> None:
+                cells = [
+                    f"{d[key]['median']:9.1f} [{d[key]['min']:.1f}-{d[key]['max']:.1f}]"  # type: ignore[index]
+                    for d in (tm, hf)
+                ]
+                print(f"{label:28}{cells[0]:>22}{cells[1]:>22}{ratio:7.2f}x")
+
+            row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"])
+            for b in BATCHES:
+                row(f"decode step b={b}, ms", f"decode_step_ms_b{b}", ratios[f"decode_b{b}_speedup"])
+            print(
+                f"decode b=1: {ratios['decode_b1_vs_floor']:.2f}x the floor, "
+                f"{ratios['decode_b1_vs_gemv_fp32_floor']:.2f}x the fp32-GEMV floor"
+            )
+            del engines, prefill, decodes
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""SamplingParams: how one request is sampled and when it stops (frozen; validated on creation).
+
+Field names and meanings follow vLLM's `SamplingParams` and the OpenAI API, so users of either
+find what they expect. Every bad value raises a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt; child i is seeded from (seed, i)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much probability
+    top_k: int | None = None  # keep the k most likely tokens; None keeps all
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or the output
+    presence_penalty: float = 0.0  # subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    seed: int | None = None  # randomness is a pure function of (seed, output position)
+    max_tokens: int | None = 16  # None: up to the model's maximum length
+    stop: tuple[str, ...] = ()  # stop strings, left out of the output
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N log-probabilities per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None  # the same for each prompt token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, "a finite number")
+            return float(value)
+
+        def integer(name: str) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, "an integer")
+            return value
+
+        if integer("n") < 1:
+            raise bad("n", "an integer >= 1")
+        if number("temperature") < 0:
+            raise bad("temperature", "a number >= 0")
+        if not 0 < number("top_p") <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if self.top_k is not None and integer("top_k") < 1:
+            raise bad("top_k", "an integer >= 1, or None for no limit")
+        if not 0 <= number("min_p") <= 1:
+            raise bad("min_p", "a number in [0, 1]")
+        if number("repetition_penalty") <= 0:
+            raise bad("repetition_penalty", "a number > 0")
+        if not -2 <= number("presence_penalty") <= 2:
+            raise bad("presence_penalty", "a number in [-2, 2]")
+        if not -2 <= number("frequency_penalty") <= 2:
+            raise bad("frequency_penalty", "a number in [-2, 2]")
+        if self.seed is not None:
+            integer("seed")
+        if self.max_tokens is not None and integer("max_tokens") < 1:
+            raise bad("max_tokens", "an integer >= 1, or None for up to the model's maximum length")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= integer(name) <= MAX_LOGPROBS:
+                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}], or None")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a boolean")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
