@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -163,6 +164,11 @@ def summary(samples: list[float]) -> dict[str, float | list[float]]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": samples}
 
 
+def print_row(label: str, key: str, ratio: float, *sides: dict[str, Any]) -> None:
+    cells = [f"{d[key]['median']:9.1f} [{d[key]['min']:.1f}-{d[key]['max']:.1f}]" for d in sides]
+    print(f"{label:28}{cells[0]:>22}{cells[1]:>22}{ratio:7.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -236,16 +242,9 @@ def main() -> None:
             )
             print(f"{'':28}{'tokenmill':>22}{'transformers':>22}{'ratio':>8}")
 
-            def row(label: str, key: str, ratio: float) -> None:
-                cells = [
-                    f"{d[key]['median']:9.1f} [{d[key]['min']:.1f}-{d[key]['max']:.1f}]"  # type: ignore[index]
-                    for d in (tm, hf)
-                ]
-                print(f"{label:28}{cells[0]:>22}{cells[1]:>22}{ratio:7.2f}x")
-
-            row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"])
+            print_row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"], tm, hf)
             for b in BATCHES:
-                row(f"decode step b={b}, ms", f"decode_step_ms_b{b}", ratios[f"decode_b{b}_speedup"])
+                print_row(f"decode step b={b}, ms", f"decode_step_ms_b{b}", ratios[f"decode_b{b}_speedup"], tm, hf)
             print(
                 f"decode b=1: {ratios['decode_b1_vs_floor']:.2f}x the floor, "
                 f"{ratios['decode_b1_vs_gemv_fp32_floor']:.2f}x the fp32-GEMV floor"

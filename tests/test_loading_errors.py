@@ -119,7 +119,7 @@ def test_sliding_window_fields(folder):
 
 def test_no_weights(folder):
     (folder / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"no model\.safetensors"):
         load_model(folder)
 
 
