@@ -1,5 +1,5 @@
-"""The `tokenmill` command line: one subcommand per job (`make-model` for now; `serve`,
-`generate`, `bench` and `doctor` arrive with their issues)."""
+"""The `tokenmill` command line: one subcommand per job (`make-model`, `generate`; `serve`, `bench`
+and `doctor` arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,38 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    engine.add_request("cli", prompt, params)
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].text_delta)
+            sys.stdout.flush()
+            finish = out.outputs[0].finish_reason
+    sys.stdout.write("\n")
+    print(f"[finish_reason: {finish}]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-size", default=None, help="split the weights into shards of at most this size (e.g. 1MB)"
     )
     mm.set_defaults(func=_make_model)
+
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming the text to the terminal")
+    gen.add_argument("model", help="Hugging Face model folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 for greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.set_defaults(func=_generate)
     return parser
 
 

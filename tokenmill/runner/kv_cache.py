@@ -1,4 +1,4 @@
-"""Allocation of the paged KV cache: per layer K and V of [num_blocks, block_size, kv_heads, head_dim]."""
+"""The paged KV cache: sized from a memory budget; per layer K and V of [num_blocks, block_size, kv_heads, head_dim]."""
 
 from __future__ import annotations
 
@@ -28,3 +28,17 @@ def allocate_kv_cache(
         KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_layers)
     ]
+
+
+def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
+    return memory_bytes // kv_bytes_per_block(cfg, block_size, dtype)
+
+
+def kv_cache_budget(device: torch.device, configured: int | None, cpu_default: int, gpu_fraction: float) -> int:
+    """Bytes for the KV cache: as configured, else the CPU default, else a fraction of free GPU memory."""
+    if configured is not None:
+        return configured
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * gpu_fraction)
+    return cpu_default

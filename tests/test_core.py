@@ -1,0 +1,167 @@
+"""Block pool, KV manager and scheduler: exact block ids, free counts, chunking, preemption, static batching."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.kv_manager import KVManager
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.core.static import StaticScheduler
+from tokenmill.outputs import StepOutput
+from tokenmill.request import Request, RequestStatus, RequestTimes
+from tokenmill.sampling_params import SamplingParams
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, **params: object) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        seed=0,
+        max_tokens=max_tokens,
+        eos_token_ids=(1,),
+        times=RequestTimes(arrival=0.0),
+    )
+
+
+def run_step(s: Scheduler, token: int = 7) -> tuple[dict[str, tuple[int, int]], list[Request]]:
+    """One step where every sampling chunk produces `token`; returns {id: (start, n)} and changed requests."""
+    out = s.schedule(now=0.0)
+    sampled = {c.request_id: [token] for c in out.chunks if c.sample}
+    changed = s.update(out, StepOutput(sampled=sampled), now=0.0)
+    return {c.request_id: (c.start_position, len(c.token_ids)) for c in out.chunks}, changed
+
+
+def test_block_pool_ids_refcounts_and_order():
+    pool = BlockPool(4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(1) == [2]
+    assert pool.num_free == 1
+    pool.free([1, 0])
+    assert pool.num_free == 3
+    assert pool.allocate(3) == [3, 1, 0]  # FIFO: the oldest free block first
+    with pytest.raises(RuntimeError, match="asked for 1 KV blocks with 0 free"):
+        pool.allocate(1)
+    pool.free([2])
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([2])
+
+
+def test_kv_manager_grows_a_block_at_a_time_and_frees_tail_first():
+    kv = KVManager(num_blocks=6, block_size=4)
+    assert kv.allocate("a", 5) and kv.block_table("a") == [0, 1]
+    assert kv.allocate("a", 8) and kv.block_table("a") == [0, 1]
+    assert kv.allocate("a", 9) and kv.block_table("a") == [0, 1, 2]
+    assert kv.allocate("b", 12) and kv.block_table("b") == [3, 4, 5]
+    assert not kv.allocate("a", 13) and kv.block_table("a") == [0, 1, 2]  # nothing changes on failure
+    kv.free("a")
+    assert kv.num_free_blocks == 3
+    assert kv.allocate("c", 4) and kv.block_table("c") == [2]  # tail first: 2 was freed first
+    kv.free("b")
+    kv.free("c")
+    assert kv.num_free_blocks == 6
+
+
+def test_chunked_prefill_mixes_with_decodes_within_the_budget():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64), KVManager(32, 4))
+    s.add_request(make_request("a", 3))
+    s.add_request(make_request("b", 13))
+    chunks, _ = run_step(s)
+    assert chunks == {"a": (0, 3), "b": (0, 5)}  # b's prompt is chunked
+    chunks, _ = run_step(s)
+    assert chunks == {"a": (3, 1), "b": (5, 7)}  # a decodes while b's prefill continues
+    chunks, _ = run_step(s)
+    assert chunks == {"a": (4, 1), "b": (12, 1)}  # b's last prompt token, which samples its first token
+    assert s.requests["b"].output_token_ids == [7]
+    assert s.requests["a"].output_token_ids == [7, 7, 7]
+
+
+def test_finish_on_eos_stop_token_and_max_tokens():
+    s = Scheduler(SchedulerConfig(4, 64, 64), KVManager(32, 4))
+    s.add_request(make_request("eos", 2, max_tokens=5))
+    s.add_request(make_request("ignore", 2, max_tokens=3, ignore_eos=True))
+    s.add_request(make_request("stopid", 2, max_tokens=5, stop_token_ids=[1, 9]))
+    _, changed = run_step(s, token=1)
+    status = {r.request_id: r.status for r in changed}
+    assert status["eos"] is RequestStatus.FINISHED_STOPPED
+    assert status["stopid"] is RequestStatus.FINISHED_STOPPED and changed[2].stop_reason == 1
+    assert status["ignore"] is RequestStatus.RUNNING
+    run_step(s, token=1)
+    _, changed = run_step(s, token=1)
+    assert changed[0].status is RequestStatus.FINISHED_LENGTH and len(changed[0].output_token_ids) == 3
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 32
+
+
+def test_model_length_and_cache_limits_are_clear_errors():
+    s = Scheduler(SchedulerConfig(4, 64, max_model_len=20), KVManager(4, 4))
+    with pytest.raises(ValueError, match=r"max_tokens: prompt \(18 tokens\) \+ max_tokens \(4\) exceeds"):
+        s.add_request(make_request("long", 18, max_tokens=4))
+    with pytest.raises(ValueError, match="needs 5 KV blocks; the cache holds 4"):
+        s.add_request(make_request("big", 15, max_tokens=4))
+    s.add_request(make_request("ok", 12, max_tokens=4))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(make_request("ok", 2))
+
+
+def test_preemption_frees_the_newest_and_readmits_it():
+    # 6 blocks of 4 tokens; two requests of 8-token prompts that each want 8 more tokens
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), KVManager(6, 4))
+    s.add_request(make_request("old", 8, max_tokens=8))
+    s.add_request(make_request("new", 8, max_tokens=8))
+    chunks, _ = run_step(s)  # 2 + 2 blocks
+    assert chunks == {"old": (0, 8), "new": (0, 8)}
+    run_step(s)  # 9 tokens each: 3 + 3 blocks, all 6 used
+    run_step(s)  # 10
+    run_step(s)  # 11
+    run_step(s)  # 12
+    chunks, _ = run_step(s)  # "old" needs a 4th block: "new" is preempted
+    assert chunks == {"old": (12, 1)}
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert s.num_preemptions == 1 and s.kv.block_table("new") == []
+    while "old" in s.requests:
+        run_step(s)
+    chunks, _ = run_step(s)  # re-admitted: prompt and the tokens it had generated are recomputed
+    assert chunks == {"new": (0, 13)}
+    while s.has_unfinished():
+        run_step(s)
+    assert s.kv.num_free_blocks == 6
+
+
+def test_max_num_seqs_and_fcfs_admission():
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), KVManager(32, 4))
+    for rid in "abc":
+        s.add_request(make_request(rid, 4, max_tokens=2))
+    chunks, _ = run_step(s)
+    assert set(chunks) == {"a", "b"}
+    chunks, _ = run_step(s)  # a and b finish (2 tokens each)
+    chunks, _ = run_step(s)
+    assert set(chunks) == {"c"}
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64), KVManager(8, 4))
+    s.add_request(make_request("run", 6))
+    s.add_request(make_request("wait", 6))
+    run_step(s)
+    s.finish_request("run", RequestStatus.FINISHED_ABORTED)
+    s.finish_request("wait", RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 8
+    assert s.schedule(now=0.0).finished_request_ids == ["run", "wait"]
+
+
+def test_static_batching_reserves_up_front_and_admits_only_between_batches():
+    s = StaticScheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), KVManager(32, 4))
+    s.add_request(make_request("a", 4, max_tokens=1))
+    s.add_request(make_request("b", 4, max_tokens=5))
+    s.add_request(make_request("c", 4, max_tokens=1))
+    chunks, _ = run_step(s)
+    assert set(chunks) == {"a", "b"}
+    assert s.kv.block_table("b") == [2, 3, 4]  # prompt + max_tokens = 9 tokens reserved at admission
+    for _ in range(4):
+        chunks, _ = run_step(s)
+        assert set(chunks) == {"b"}  # a finished and idles; c may not join
+    chunks, _ = run_step(s)
+    assert set(chunks) == {"c"}
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 32

@@ -1,0 +1,211 @@
+"""Scheduler: the one rule of the engine, continuous batching over a paged KV cache.
+
+Each step hands out a token budget (`max_num_batched_tokens`) and moves requests'
+`num_computed_tokens` toward their token count: running requests first (oldest first: a decode
+asks for one token, an unfinished prompt for its next chunk), then waiting requests in arrival
+order while there is room (`max_num_seqs`, budget, KV blocks). When blocks run out, the newest
+running request is preempted: its blocks are freed and it waits, at the head of the queue, to be
+recomputed. Chunked prefill and preemption fall out of this rule; there is no prefill phase.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tokenmill.core.kv_manager import KVManager
+from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
+from tokenmill.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+
+@dataclass
+class SchedulerStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    preemptions: int
+    prompt_tokens: int  # prompt tokens computed (recomputation included)
+    generated_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._scheduled_once: set[str] = set()
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                f"exceeds the maximum model length ({self.config.max_model_len})"
+            )
+        if self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens ({total} tokens) needs {self.kv.blocks_for(total)} KV blocks; "
+                f"the cache holds {self.kv.num_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Finish (or abort) a request wherever it is; its blocks are freed now."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self.kv.free(request_id)
+        self._finished_ids.append(request_id)
+        del self.requests[request_id]
+        self._scheduled_once.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new: list[NewRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                i += 1
+
+        if not preempted:
+            budget = self._admit(budget, chunks, new, now)
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(new_requests=new, chunks=chunks, finished_request_ids=finished)
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], new: list[NewRequestData], now: float) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = now
+            if request.request_id not in self._scheduled_once:
+                self._scheduled_once.add(request.request_id)
+                new.append(
+                    NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.seed)
+                )
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _reserve(self, request: Request, num_new: int) -> bool:
+        """KV for an admission: the first chunk, keeping a few blocks spare for running decodes."""
+        return self.kv.allocate(request.request_id, request.num_computed_tokens + num_new, keep_watermark=True)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_ids(start, start + num_new),
+            start_position=start,
+            block_table=list(self.kv.block_table(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, scheduled: SchedulerOutput, result: StepOutput, now: float) -> list[Request]:
+        """Apply a step's results; returns the requests that changed (finished ones included)."""
+        changed: list[Request] = []
+        for chunk in scheduled.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens += min(len(chunk.token_ids), request.num_prompt_tokens - chunk.start_position)
+            request.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            for token in result.sampled.get(chunk.request_id, []):
+                request.output_token_ids.append(token)
+                self.num_generated_tokens += 1
+                if request.times.first_token is None:
+                    request.times.first_token = now
+                status, reason = self._check_stop(request, token)
+                if status is not None:
+                    request.times.finished = now
+                    self.finish_request(request.request_id, status, reason)
+                    break
+            changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.sampling_params
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+            preemptions=self.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens,
+            generated_tokens=self.num_generated_tokens,
+        )

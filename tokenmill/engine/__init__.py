@@ -1,0 +1,1 @@
+"""The engine: requests in, tokens and text out (tokenizer, detokenizer, scheduling loop)."""

@@ -1,0 +1,274 @@
+"""Sampling: turns a batch of float32 logits into next tokens, and their log-probabilities.
+
+Owns `SamplingMetadata` (per-row sampling parameters as tensors, plus the token history the
+penalties read), `Sampler` (penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+an exact sample), `LogprobsTensors`/`gather_logprobs` (top-k and chosen-token log-probabilities,
+also used for prompt logprobs) and `generator_seed`, which makes randomness a pure function of
+(seed, output position).
+
+Semantics follow vLLM, Hugging Face and the OpenAI API:
+- Log-probabilities come from the raw logits (log-softmax before penalties, temperature and
+  truncation), as vLLM returns them by default.
+- Penalties, in this order, on the raw logits: repetition (HF `RepetitionPenaltyLogitsProcessor`:
+  a token seen in the prompt or the output has its logit divided by the penalty when positive,
+  multiplied when not), then frequency and presence (OpenAI: `logit -= frequency * count +
+  presence * (count > 0)`, counts over the output tokens only).
+- Greedy rows (temperature 0) take the argmax of the penalised logits (the first index on ties).
+- Other rows: divide by the temperature, keep the top-k logits (every token tied with the k-th
+  largest is kept too, as HF's `TopKLogitsWarper` does), then the smallest prefix of the sorted
+  distribution whose probability reaches top_p (at least the top token; HF's `TopPLogitsWarper`),
+  then drop tokens whose probability is below min_p x the top token's (HF's `MinPLogitsWarper`;
+  the ratio does not depend on the earlier renormalisations), then sample.
+- Sampling is an exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. per token is an exact
+  sample from probs. Each row draws q from its own generator seeded by `generator_seed(seed,
+  output_position)`, so a row's token depends neither on the other rows nor on their order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijective, well-mixed map of 64-bit integers."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def generator_seed(seed: int, output_position: int) -> int:
+    """The 64-bit seed (in [0, 2**64)) of the generator that samples output token `output_position`.
+
+    A fixed integer mix, identical in every process (unlike Python's salted `hash()`); any int seed
+    is accepted, negative or wider than 64 bits ones are reduced modulo 2**64.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (output_position & _MASK64))
+
+
+@dataclass
+class SamplingMetadata:
+    """One row per request that samples this step; all tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32 (0 = greedy row)
+    top_k: torch.Tensor  # [B] int64 (vocab_size where the request has top_k None)
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    seeds: list[int]  # per row: the request's seed
+    output_positions: list[int]  # per row: index of the output token being sampled (0 = first)
+    prompt_token_ids: list[list[int]]  # per row: the prompt (seen by the repetition penalty)
+    output_token_ids: list[list[int]]  # per row: tokens generated so far (seen by every penalty)
+    max_num_logprobs: int  # max over rows of SamplingParams.logprobs (0 if none asks)
+    logprobs_requested: bool  # some row has logprobs not None (it may ask for 0: chosen token only)
+    all_greedy: bool  # every row greedy: argmax of the (penalised) logits, no sorting, no randomness
+    no_penalties: bool  # every row has repetition 1, presence 0, frequency 0
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_positions: list[int],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Metadata for rows sampled with `params[b]`; top_k None (or above the vocabulary) -> vocab_size."""
+        rows = len(params)
+        if not (rows == len(seeds) == len(output_positions) == len(prompt_token_ids) == len(output_token_ids)):
+            raise ValueError(
+                "params, seeds, output_positions, prompt_token_ids and output_token_ids must have one entry per row"
+            )
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats([p.temperature for p in params]),
+            top_k=torch.tensor(
+                [vocab_size if p.top_k is None else min(p.top_k, vocab_size) for p in params],
+                dtype=torch.int64,
+                device=device,
+            ),
+            top_p=floats([p.top_p for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            seeds=list(seeds),
+            output_positions=list(output_positions),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            max_num_logprobs=max(requested, default=0),
+            logprobs_requested=bool(requested),
+            all_greedy=all(p.greedy for p in params),
+            no_penalties=all(
+                p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params
+            ),
+        )
+
+
+@dataclass
+class LogprobsTensors:
+    topk_ids: torch.Tensor  # [B, k] int64: the k most likely token ids, most likely first
+    topk_logprobs: torch.Tensor  # [B, k] float32
+    chosen_logprobs: torch.Tensor  # [B] float32: log-probability of the given (sampled) token
+    chosen_ranks: torch.Tensor  # [B] int64: 1 + the number of tokens strictly more likely
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # None when no row asks for logprobs
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """logprobs [N, V] (log-softmax), token_ids [N] -> top-k ids/logprobs, the given tokens' logprobs and ranks.
+
+    Used for sampled-token logprobs and for prompt_logprobs (where token_ids are the next prompt
+    tokens). The rank is 1 + the number of tokens with a strictly larger logprob, so a token tied
+    with the most likely one has rank 1.
+    """
+    topk_logprobs, topk_ids = torch.topk(logprobs, k, dim=-1)  # [N, k]
+    chosen = logprobs.gather(-1, token_ids.long().unsqueeze(-1))  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [N]
+    return LogprobsTensors(
+        topk_ids=topk_ids, topk_logprobs=topk_logprobs, chosen_logprobs=chosen.squeeze(-1), chosen_ranks=ranks
+    )
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32: how many times each token occurs in each row's list."""
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    flat = list(itertools.chain.from_iterable(token_ids))
+    if flat:
+        lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64, device=device)
+        rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)  # [n]
+        tokens = torch.tensor(flat, dtype=torch.int64, device=device)  # [n]
+        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logits [B, V] -> new [B, V] with repetition, then frequency and presence penalties applied."""
+    vocab_size = logits.shape[-1]
+    output_counts = _token_counts(metadata.output_token_ids, vocab_size, logits.device)  # [B, V]
+    output_seen = output_counts > 0  # [B, V]
+    if bool((metadata.repetition_penalty != 1).any()):
+        prompt_counts = _token_counts(metadata.prompt_token_ids, vocab_size, logits.device)  # [B, V]
+        seen = output_seen | (prompt_counts > 0)
+        penalty = torch.where(seen, metadata.repetition_penalty.unsqueeze(-1), 1.0)  # [B, V]
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - metadata.frequency_penalty.unsqueeze(-1) * output_counts
+    return logits - metadata.presence_penalty.unsqueeze(-1) * output_seen
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] -> [B, V] with tokens outside each row's top-k, then top-p, set to -inf.
+
+    top_k [B] int64 in [1, V] (V keeps all), top_p [B] float32 in (0, 1] (1 keeps all); None skips.
+    """
+    vocab_size = logits.shape[-1]
+    if top_p is None:
+        if top_k is None:
+            return logits
+        # Top-k alone: the k-th largest logit of each row from one topk over the largest k, no full sort.
+        no_limit = top_k >= vocab_size  # [B]
+        k = top_k.masked_fill(no_limit, 1)  # [B]
+        largest = torch.topk(logits, int(k.max()), dim=-1).values  # [B, max_k], descending
+        kth = largest.gather(-1, (k - 1).unsqueeze(-1))  # [B, 1]
+        kth = kth.masked_fill(no_limit.unsqueeze(-1), float("-inf"))
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+    sorted_logits, order = torch.sort(logits, dim=-1)  # [B, V] ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(-1, (vocab_size - top_k).unsqueeze(-1))  # [B, 1]: the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Ascending cumulative probability: a token goes when it and every less likely token together hold
+    # at most 1 - top_p, i.e. when the more likely tokens before it already reach top_p.
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    drop = cumulative <= 1 - top_p.unsqueeze(-1)  # [B, V]
+    drop[:, -1] = False  # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    """Stateless: every call reads only its logits and metadata."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits [B, V] float32 -> the next token of every row, with log-probabilities when asked for."""
+        logits = logits.float()
+        penalised = logits if metadata.no_penalties else apply_penalties(logits, metadata)  # [B, V]
+        if metadata.all_greedy:
+            token_ids = penalised.argmax(dim=-1)  # [B]
+        else:
+            probs = self._probabilities(penalised, metadata)  # [B, V]
+            token_ids = (probs / self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [B]
+        logprobs = None
+        if metadata.logprobs_requested:
+            raw = torch.log_softmax(logits, dim=-1)  # [B, V]
+            logprobs = gather_logprobs(raw, token_ids, metadata.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logits [B, V] -> [B, V] float32: the distribution each row samples from (one-hot for greedy rows)."""
+        logits = logits.float()
+        penalised = logits if metadata.no_penalties else apply_penalties(logits, metadata)
+        return self._probabilities(penalised, metadata)
+
+    def _probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Penalised logits [B, V] -> [B, V] probabilities after temperature, top-k, top-p and min-p."""
+        vocab_size = logits.shape[-1]
+        greedy = metadata.temperature == 0  # [B]
+        temperature = torch.where(greedy, 1.0, metadata.temperature).unsqueeze(-1)  # [B, 1]
+        # Shifting by the row maximum first leaves the distribution unchanged and keeps tiny
+        # temperatures from overflowing: the top logit becomes 0, the others <= 0 (or -inf).
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # [B, V]
+        top_k = metadata.top_k.clamp(1, vocab_size)
+        scaled = _top_k_top_p(
+            scaled,
+            top_k if bool((top_k < vocab_size).any()) else None,
+            metadata.top_p if bool((metadata.top_p < 1).any()) else None,
+        )
+        probs = scaled.softmax(dim=-1)  # [B, V]
+        if bool((metadata.min_p > 0).any()):
+            top = probs.amax(dim=-1, keepdim=True)  # [B, 1]
+            min_p = metadata.min_p.unsqueeze(-1)  # [B, 1]
+            kept = probs.masked_fill(probs < min_p * top, 0.0)
+            # Renormalise only the rows that use min-p, so a row's distribution, down to the last bit,
+            # does not depend on whether another row in the batch uses it.
+            probs = torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
+        if bool(greedy.any()):
+            one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+        return probs
+
+    @staticmethod
+    def _exponential_noise(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """[B, V] i.i.d. Exp(1) noise per sampled row, from its own (seed, position) generator; 1 for greedy rows."""
+        noise = torch.ones_like(probs)
+        tiny = torch.finfo(noise.dtype).tiny
+        greedy = (metadata.temperature == 0).tolist()
+        for row, (seed, position, is_greedy) in enumerate(
+            zip(metadata.seeds, metadata.output_positions, greedy, strict=True)
+        ):
+            if is_greedy:
+                continue
+            generator = torch.Generator(device=probs.device)
+            generator.manual_seed(generator_seed(seed, position))
+            noise[row].exponential_(generator=generator)
+        # A draw of exactly 0 would turn a zero probability into 0/0 = nan, which argmax prefers.
+        return noise.clamp_(min=tiny)

@@ -1,0 +1,91 @@
+"""Plain dataclasses that cross room boundaries: scheduler -> runner -> scheduler -> user.
+
+`SchedulerOutput` says what to compute this step, `StepOutput` what the runner computed,
+`RequestOutput` what a user sees. None of them holds a live object from another room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent to the runner once, the first time a request is scheduled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's work this step: run `token_ids` at positions start_position, ... ."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int  # the request's num_computed_tokens before this step
+    block_table: list[int]
+    sample: bool  # the chunk reaches the request's last token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    chunks: list[ScheduledChunk]
+    finished_request_ids: list[str]  # finished since the last step: the runner drops their state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one token (generated or prompt), its rank, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per new token
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rows of this chunk
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    text_delta: str = ""  # text added by the latest step (for streaming)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[TokenLogprob | None] | None  # None for the first prompt token
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
