@@ -58,6 +58,19 @@ class StepOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per new token
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rows of this chunk
+    forward_seconds: float = 0.0  # time in the model forward and the logits
+
+
+@dataclass
+class StepStats:
+    """What one engine step did and what it cost; the engine keeps the latest."""
+
+    num_running: int
+    num_batched_tokens: int
+    total_seconds: float  # schedule + execute + update + detokenize
+    forward_seconds: float  # the model forward and the logits only
+    kv_live_tokens: int  # tokens whose KV is in the cache, over running requests
+    kv_allocated_slots: int  # slots in the blocks those requests hold
 
 
 @dataclass

@@ -20,23 +20,15 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.static import StaticScheduler
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.layers.sampler import generator_seed
 from tokenmill.models.loader import load_model, resolve_dtype
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats, TokenLogprob
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block, kv_cache_budget, num_blocks_for_memory
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
-SEED_MASK = (1 << 63) - 1
-
-
-def child_seed(seed: int, index: int) -> int:
-    """Seed of child `index` of a request seeded `seed` (splitmix64 of the pair)."""
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & SEED_MASK
 
 
 @dataclass
@@ -99,6 +91,7 @@ class LLMEngine:
         self._parents: dict[str, Parent] = {}
         self._children: dict[str, tuple[Parent, int]] = {}  # internal child id -> (parent, index)
         self._next_id = 0
+        self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -140,7 +133,7 @@ class LLMEngine:
                 request_id=internal_id,
                 prompt_token_ids=ids,
                 sampling_params=params,
-                seed=child_seed(base_seed, i),
+                seed=generator_seed(base_seed, i),  # child i seeded from (seed, i)
                 max_tokens=max_tokens,
                 eos_token_ids=self.tokenizer.info.eos_token_ids,
                 times=RequestTimes(arrival=arrival),
@@ -170,6 +163,7 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         now = time.monotonic()
         scheduled = self.scheduler.schedule(now)
         result = self.runner.execute(scheduled)
@@ -201,6 +195,14 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._release(self._parents.pop(out.request_id))
+        self.last_step = StepStats(
+            num_running=len(scheduled.chunks),
+            num_batched_tokens=scheduled.num_batched_tokens,
+            total_seconds=time.perf_counter() - start,
+            forward_seconds=result.forward_seconds,
+            kv_live_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
+            kv_allocated_slots=self.scheduler.kv.num_allocated_slots(),
+        )
         return outputs
 
     def _release(self, parent: Parent) -> None:

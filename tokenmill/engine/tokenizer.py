@@ -83,6 +83,7 @@ class Tokenizer:
             raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
         self.folder = path
         self.hf: PreTrainedTokenizerBase = hf
+        self._fast = getattr(hf, "backend_tokenizer", None)
         eos = read_generation_eos(path)
         if eos is None:
             eos = () if hf.eos_token_id is None else (int(hf.eos_token_id),)
@@ -101,6 +102,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. No clean-up of spaces before punctuation: that heuristic is not a local
         operation, and streamed text must equal text decoded at once."""
+        if self._fast is not None:  # the Rust tokenizer directly: the detokenizer calls this per token
+            return str(self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens))
         text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
         assert isinstance(text, str)
         return text

@@ -31,6 +31,16 @@ class KVCache:
 
 
 @dataclass
+class PrefillSequence:
+    """A sequence with several new tokens this step (a prompt chunk): attended on its own."""
+
+    row_start: int  # its first token's row in the flat batch
+    query_len: int
+    seq_len: int  # tokens in the cache for it after this step
+    block_table: torch.Tensor  # [ceil(seq_len / block_size)] int64
+
+
+@dataclass
 class AttentionMetadata:
     num_actual_tokens: int  # tokens [0, n) of the batch are real; the rest is padding
     slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
@@ -39,9 +49,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64: block ids of sequence b, in order
     max_query_len: int
     max_seq_len: int
-    token_seq: torch.Tensor  # [n] int64: the sequence each real token belongs to
-    token_query_idx: torch.Tensor  # [n] int64: its index among that sequence's new tokens
-    query_positions: torch.Tensor  # [B, max_query_len] int64: position of each query slot (0 if padding)
+    # Sequences with one new token (decodes), batched together:
+    decode_rows: torch.Tensor  # [Bd] int64: their tokens' rows in the flat batch
+    decode_seq_lens: torch.Tensor  # [Bd] int64
+    decode_block_tables: torch.Tensor  # [Bd, ceil(decode_max_seq_len / block_size)] int64
+    decode_max_seq_len: int
+    # Sequences with several new tokens:
+    prefills: list[PrefillSequence]
 
 
 def build_attention_metadata(
@@ -63,7 +77,7 @@ def build_attention_metadata(
         if len(table) * block_size < s:
             raise ValueError(f"block_tables[{b}] holds {len(table)} blocks, too few for {s} tokens")
     num_seqs = len(query_lens)
-    max_q, max_s = max(query_lens), max(seq_lens)
+    max_s = max(seq_lens)
     max_blocks = -(-max_s // block_size)
     tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
     for b, table in enumerate(block_tables):
@@ -74,22 +88,30 @@ def build_attention_metadata(
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
     torch.cumsum(q_lens, 0, out=qsl[1:])
     token_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [n]
-    token_query_idx = torch.arange(int(qsl[-1])) - qsl[token_seq]  # [n]
-    token_pos = (s_lens - q_lens)[token_seq] + token_query_idx  # [n]
+    token_pos = (s_lens - q_lens)[token_seq] + torch.arange(int(qsl[-1])) - qsl[token_seq]  # [n]
     slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-    query_positions = torch.zeros(num_seqs, max_q, dtype=torch.int64)
-    query_positions[token_seq, token_query_idx] = token_pos
+
+    decodes = [b for b, q in enumerate(query_lens) if q == 1]
+    decode_max = max((seq_lens[b] for b in decodes), default=0)
+    starts = qsl.tolist()
+    prefills = [
+        PrefillSequence(starts[b], q, seq_lens[b], tables[b, : -(-seq_lens[b] // block_size)].to(device))
+        for b, q in enumerate(query_lens)
+        if q > 1
+    ]
     return AttentionMetadata(
         num_actual_tokens=int(qsl[-1]),
         slot_mapping=slot_mapping.to(device),
         query_start_loc=qsl.to(device),
         seq_lens=s_lens.to(device),
         block_tables=tables.to(device),
-        max_query_len=max_q,
+        max_query_len=max(query_lens),
         max_seq_len=max_s,
-        token_seq=token_seq.to(device),
-        token_query_idx=token_query_idx.to(device),
-        query_positions=query_positions.to(device),
+        decode_rows=qsl[decodes].to(device),
+        decode_seq_lens=s_lens[decodes].to(device),
+        decode_block_tables=tables[decodes, : -(-decode_max // block_size)].to(device),
+        decode_max_seq_len=decode_max,
+        prefills=prefills,
     )
 
 

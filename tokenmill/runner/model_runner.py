@@ -7,6 +7,7 @@ request and dropped when it reports the id finished.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from tokenmill.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata,
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import prepare_inputs
+from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -37,6 +39,8 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
+        if self.device.type == "cpu":
+            keep_freed_memory()
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
@@ -55,8 +59,12 @@ class ModelRunner:
         }
         inputs = prepare_inputs(scheduled.chunks, self.block_size, targets, self.device)
         with torch.inference_mode():
+            start = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [R, vocab] float32
+            if logits.is_cuda:
+                torch.cuda.synchronize()
+            result.forward_seconds = time.perf_counter() - start
 
             for rows in inputs.prompt_rows:
                 state = self.states[rows.request_id]
