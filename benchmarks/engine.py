@@ -152,7 +152,9 @@ def main() -> None:
             print(f"repeat {r} transformers: {json.dumps(runs['transformers'][-1])}", flush=True)
 
     def ratio(a: str, b: str) -> dict[str, Any]:
-        return summary([x["output_tokens_per_s"] / y["output_tokens_per_s"] for x, y in zip(runs[a], runs[b])])
+        return summary(
+            [x["output_tokens_per_s"] / y["output_tokens_per_s"] for x, y in zip(runs[a], runs[b], strict=True)]
+        )
 
     result: dict[str, Any] = {
         "model": "make-model --arch llama --size small --seed 0 (54.9M parameters)",
