@@ -9,6 +9,9 @@ two engines interleaved (median of repeats, spread shown):
   bandwidth (a streaming sum over 512 MiB); and against the same bytes at the bandwidth torch's
   fp32 GEMV reaches on a 512 MiB matrix, which separates kernel limits from tokenmill's overhead.
 
+Both sides run in one process with glibc's malloc thresholds raised (`keep_freed_memory`, as the
+engine sets them on CPU), so neither pays page faults for its per-step temporaries.
+
 Usage: python benchmarks/forward.py [--repeats 3] [--threads 2] [--out benchmarks/results/forward.json]
 """
 
@@ -30,6 +33,7 @@ from tokenmill.layers.attention import build_attention_metadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.models.make_model import make_model
+from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.kv_cache import allocate_kv_cache
 
 ROOT = Path(__file__).resolve().parent
@@ -178,6 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    keep_freed_memory()  # as tokenmill's engine does on CPU; it applies to both sides of the comparison
     folder = ensure_model()
     bandwidths = read_bandwidth()
     bandwidth = bandwidths["stream_sum"]

@@ -198,3 +198,43 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(llama):
     out = llm.generate("hello world", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) <= 3
     assert_no_leaks(llm)
+
+
+def test_stats_count_tokens_and_blocks(llama):
+    llm = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, max_num_batched_tokens=32)
+    ps = prompts(5, seed=11)
+    outs = llm.generate(ps, greedy(logprobs=None, max_tokens=6), use_tqdm=False)
+    stats = llm.stats()
+    assert stats["prompt_tokens"] == sum(len(p) for p in ps)
+    assert stats["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 30
+    assert stats["kv_blocks_total"] == 64 and stats["preemptions"] == 0
+    assert_no_leaks(llm)
+
+
+def test_cli_generate_streams_the_greedy_text(llama, capsys):
+    from tokenmill.cli import main
+
+    text = "def main():\n    return"
+    assert main(["generate", llama, "--prompt", text, "--max-tokens", "8", "--temperature", "0", "--ignore-eos"]) == 0
+    printed = capsys.readouterr()
+    llm = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
+    expected = llm.generate(text, greedy(logprobs=None, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert printed.out == expected + "\n"
+    assert "[finish_reason: length]" in printed.err
+    assert main(["generate", llama, "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature: expected a number >= 0" in capsys.readouterr().err
+
+
+def test_seeded_sampling_survives_preemption_and_recompute(llama):
+    ps = prompts(16, seed=12)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_NEW, ignore_eos=True) for i in range(16)
+    ]
+    tight = LLM(llama, max_num_seqs=16, max_num_batched_tokens=40, kv_cache_memory=11 * 24576, max_model_len=128)
+    batched = tight.generate(ps, params, use_tqdm=False)
+    assert tight.stats()["preemptions"] > 0
+    assert_no_leaks(tight)
+    roomy = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
+    for p, param, out in zip(ps, params, batched, strict=True):
+        alone = roomy.generate([p], param, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids

@@ -4,6 +4,7 @@ and `doctor` arrive with their issues)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log = logging.getLogger("tokenmill")  # tokenmill's own log lines (KV cache size, ...) to stderr
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         return int(args.func(args))
     except ValueError as e:  # bad input: one clear line, no stack trace

@@ -76,42 +76,40 @@ def build_attention_metadata(
             raise ValueError(f"query_lens[{b}]={q} must be in [1, seq_lens[{b}]={s}]")
         if len(table) * block_size < s:
             raise ValueError(f"block_tables[{b}] holds {len(table)} blocks, too few for {s} tokens")
-    num_seqs = len(query_lens)
+    # Built in plain Python, then one tensor per field: a decode step has one token per sequence,
+    # and a dozen small torch ops per step cost more than these loops.
     max_s = max(seq_lens)
     max_blocks = -(-max_s // block_size)
-    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
-    for b, table in enumerate(block_tables):
-        row = table[:max_blocks]
-        tables[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    s_lens = torch.tensor(seq_lens, dtype=torch.int64)
-    qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=qsl[1:])
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [n]
-    token_pos = (s_lens - q_lens)[token_seq] + torch.arange(int(qsl[-1])) - qsl[token_seq]  # [n]
-    slot_mapping = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-
+    tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
+    starts = [0]
+    slots: list[int] = []
+    for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        starts.append(starts[-1] + q)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s - q, s))
     decodes = [b for b, q in enumerate(query_lens) if q == 1]
     decode_max = max((seq_lens[b] for b in decodes), default=0)
-    starts = qsl.tolist()
-    prefills = [
-        PrefillSequence(starts[b], q, seq_lens[b], tables[b, : -(-seq_lens[b] // block_size)].to(device))
-        for b, q in enumerate(query_lens)
-        if q > 1
-    ]
+    decode_blocks = -(-decode_max // block_size)
+
+    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     return AttentionMetadata(
-        num_actual_tokens=int(qsl[-1]),
-        slot_mapping=slot_mapping.to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=s_lens.to(device),
-        block_tables=tables.to(device),
+        num_actual_tokens=starts[-1],
+        slot_mapping=tensor(slots),
+        query_start_loc=tensor(starts),
+        seq_lens=tensor(seq_lens),
+        block_tables=tensor(tables),
         max_query_len=max(query_lens),
         max_seq_len=max_s,
-        decode_rows=qsl[decodes].to(device),
-        decode_seq_lens=s_lens[decodes].to(device),
-        decode_block_tables=tables[decodes, : -(-decode_max // block_size)].to(device),
+        decode_rows=tensor([starts[b] for b in decodes]),
+        decode_seq_lens=tensor([seq_lens[b] for b in decodes]),
+        decode_block_tables=tensor([tables[b][:decode_blocks] for b in decodes]).view(len(decodes), decode_blocks),
         decode_max_seq_len=decode_max,
-        prefills=prefills,
+        prefills=[
+            PrefillSequence(starts[b], q, seq_lens[b], tensor(tables[b][: -(-seq_lens[b] // block_size)]))
+            for b, q in enumerate(query_lens)
+            if q > 1
+        ],
     )
 
 

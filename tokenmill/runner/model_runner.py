@@ -93,8 +93,10 @@ class ModelRunner:
             logits.shape[-1],
             logits.device,
         )
-        rows = torch.tensor([sample_rows[i] for i in ids], dtype=torch.int64, device=logits.device)
-        out = self.sampler(logits[rows], metadata)
+        rows = [sample_rows[i] for i in ids]
+        if rows != list(range(logits.shape[0])):  # prompt-logprob rows are mixed in: pick the sampling ones
+            logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        out = self.sampler(logits, metadata)
         tokens = out.token_ids.tolist()
         for b, (request_id, state, token) in enumerate(zip(ids, states, tokens, strict=True)):
             state.output_token_ids.append(token)
