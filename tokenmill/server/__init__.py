@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: schemas, the FastAPI app, SSE streaming."""
