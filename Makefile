@@ -5,7 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all lint format bench-forward clean
+MODEL_DIR ?= models/small-llama
+
+.PHONY: install test test-all lint format serve bench-forward bench-engine clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +31,17 @@ test: lint
 
 test-all: lint
 	$(BIN)/pytest -m "slow or not slow"
+
+# Until the bundled default model lands: a random-weight model of the peer size, built on first use.
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(BIN)/tokenmill make-model --arch llama --size small --out $(MODEL_DIR)
+
+serve: $(STAMP) $(MODEL_DIR)/config.json
+	$(BIN)/tokenmill serve $(MODEL_DIR)
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/engine.py --dtype float32
+	$(BIN)/python benchmarks/engine.py --dtype bfloat16
 
 bench-forward: $(STAMP)
 	$(BIN)/python benchmarks/forward.py

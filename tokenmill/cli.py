@@ -1,5 +1,5 @@
-"""The `tokenmill` command line: one subcommand per job (`make-model`, `generate`; `serve`, `bench`
-and `doctor` arrive with their issues)."""
+"""The `tokenmill` command line: one subcommand per job (`make-model`, `generate`, `serve`; `bench` and
+`doctor` arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.server.launch import build_server, serve
+    from tokenmill.server.protocol import Limits
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        scheduling=args.scheduling,
+        seed=args.seed,
+    )
+    limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
+    server = build_server(config, args.served_model_name, args.max_waiting, limits, args.log_interval)
+    serve(server, args.host, args.port, args.api_key or os.environ.get("TOKENMILL_API_KEY"), args.drain_timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,7 +115,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over the OpenAI API (completions, chat, models, metrics)")
+    srv.add_argument(
+        "model",
+        nargs="?",
+        default="models/small-llama",
+        help="Hugging Face model folder (default: the one `make serve` builds)",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port, logged at start)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TOKENMILL_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
+    srv.add_argument("--max-waiting", type=int, default=64, help="refuse new requests (429) past this many waiting")
+    srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    srv.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
+    srv.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted, in tokens")
+    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
+    add_engine_flags(srv)
+    srv.set_defaults(func=_serve)
     return parser
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 2 GiB)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    p.add_argument("--seed", type=int, default=0)
 
 
 def main(argv: list[str] | None = None) -> int:

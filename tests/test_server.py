@@ -1,0 +1,240 @@
+"""The OpenAI-compatible server, through the official openai client and raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server_harness import RunningServer, start_server
+
+API_KEY = "test-key"
+TIMEOUT = httpx.Timeout(30.0)
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir) -> RunningServer:
+    running = start_server(str(tiny_model_dir("llama")), api_key=API_KEY)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30.0)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request, srv):
+    yield
+    stats = srv.wait_all_free()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+def post(srv: RunningServer, path: str, body: object, key: str | None = API_KEY, raw: bytes | None = None):
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(f"{srv.base_url}{path}", content=content, headers=headers, timeout=TIMEOUT)
+
+
+def test_models_and_health(srv, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{srv.base_url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_completion_streamed_equals_whole_and_usage_counts(srv, client):
+    tok = srv.server.tokenizer
+    prompt = "def fibonacci(n):\n    "
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text
+    assert whole.usage.prompt_tokens == len(tok.encode(prompt)) == chunks[-1].usage.prompt_tokens
+    assert whole.usage.completion_tokens == 12 == chunks[-1].usage.completion_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert whole.choices[0].finish_reason == "length"
+
+
+def test_chat_streamed_equals_whole(srv, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    expected = srv.server.tokenizer.apply_chat_template(messages)
+    assert whole.usage.prompt_tokens == len(expected)
+
+
+def test_n_seed_stop_and_logprobs(client):
+    a = client.completions.create(model="tiny", prompt="import os", max_tokens=8, n=2, seed=5, temperature=1.0)
+    b = client.completions.create(model="tiny", prompt="import os", max_tokens=8, n=2, seed=5, temperature=1.0)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text
+    full = client.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0).choices[0].text
+    stop = full[3:5]
+    cut = client.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model="tiny", prompt="x = 1", max_tokens=4, temperature=0, logprobs=3)
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and len(logprobs.top_logprobs[0]) >= 3
+    assert all(v <= 0 for v in logprobs.token_logprobs)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 2
+    assert content[0].logprob == pytest.approx(max(t.logprob for t in content[0].top_logprobs))
+
+
+def test_several_prompts_and_echo(client):
+    out = client.completions.create(model="tiny", prompt=["a = 1", "b = 2"], max_tokens=3, temperature=0, echo=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text.startswith("a = 1") and out.choices[1].text.startswith("b = 2")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "other", "prompt": "x"}, "model"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 300}, "max_tokens"),
+        ({"model": "tiny", "prompt": "x " * 200, "max_tokens": 100}, "prompt"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
+        ({"model": "tiny", "prompt": [[1, 99999]]}, "prompt[0]"),
+        ({"model": "tiny", "prompt": "x", "n": 9}, "n"),
+        ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_completion_requests_are_400_naming_the_field(srv, body, param):
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_other_errors(srv):
+    r = post(srv, "/v1/completions", None, raw=b'{"model": "tiny", "prompt": ')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": [], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0]")
+    r = post(
+        srv,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}, key=None)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}, key="wrong")
+    assert r.status_code == 401
+    r = httpx.get(f"{srv.base_url}/v2/nothing", timeout=TIMEOUT)
+    assert r.status_code == 404 and "error" in r.json()
+    r = post(srv, "/v1/completions", [1, 2])
+    assert r.status_code == 400
+
+
+def test_client_disconnect_mid_stream_frees_blocks(srv):
+    body = {"model": "tiny", "prompt": "for i in range(10):", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, headers=headers, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert srv.stats()["running"] == 1
+    stats = srv.wait_all_free(timeout=5)  # within a few engine steps of the close
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == 0
+
+
+def test_burst_beyond_max_waiting_is_refused_politely(srv):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=TIMEOUT, headers={"authorization": f"Bearer {API_KEY}"}) as c:
+            body = {"model": "tiny", "prompt": "while True:", "max_tokens": 16, "ignore_eos": True}
+            return await asyncio.gather(*(c.post(f"{srv.base_url}/v1/completions", json=body) for _ in range(80)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) > 0 and codes.count(200) >= 8
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_metrics_use_vllm_names(srv, client):
+    client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
+    text = httpx.get(f"{srv.base_url}/metrics", timeout=TIMEOUT).text
+    for name in (
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+    ):
+        assert f"tokenmill:{name}" in text, name
+    assert 'finished_reason="length"' in text
+
+
+def test_openapi_fuzzing_finds_no_server_error(srv):
+    """A bounded schemathesis run against /openapi.json: whatever it sends, no 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{srv.base_url}/openapi.json")
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    checked = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def check(case) -> None:
+            if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):
+                case.body["max_tokens"] = min(case.body["max_tokens"], 4)  # keep generation short
+            if isinstance(case.body, dict):
+                case.body.pop("stream", None)
+            response = case.call(headers=headers, timeout=30)
+            assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+        check()
+        checked += 1
+    assert checked >= 5

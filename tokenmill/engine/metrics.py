@@ -1,0 +1,132 @@
+"""Engine metrics: Prometheus series named as vLLM's (prefix `tokenmill:`), and the periodic log line.
+
+Owns one `CollectorRegistry` per server (no process-global registry), the per-request latency
+histograms (TTFT, inter-token latency, TPOT, end-to-end, queue, prefill, decode), the engine gauges
+and counters (running, waiting, KV usage, preemptions, prompt and generation tokens, successes by
+finish reason), and a vLLM-like summary line of throughput and load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.outputs import RequestMetrics
+
+PREFIX = "tokenmill:"
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """A snapshot of the engine after a step (totals are cumulative since start)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_BUCKETS)
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Mean time per output token after the first.", TOKEN_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels, registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Preemptions.", labels, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens computed.", labels, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)
+        self.success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
+        )
+        self.model_name = model_name
+        self._last = EngineGauges(0, 0, 0.0, 0, 0, 0)
+        self._log_mark = (time.monotonic(), self._last)
+
+    def observe_step(self, g: EngineGauges) -> None:
+        m = self.model_name
+        self.running.labels(m).set(g.running)
+        self.waiting.labels(m).set(g.waiting)
+        self.kv_usage.labels(m).set(g.kv_cache_usage)
+        self.preemptions.labels(m).inc(g.preemptions_total - self._last.preemptions_total)
+        self.prompt_tokens.labels(m).inc(g.prompt_tokens_total - self._last.prompt_tokens_total)
+        self.generation_tokens.labels(m).inc(g.generation_tokens_total - self._last.generation_tokens_total)
+        self._last = g
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, t: RequestMetrics, num_output_tokens: int, finish_reason: str) -> None:
+        m = self.model_name
+        self.success.labels(m, finish_reason).inc()
+        if t.finished_time is None:
+            return
+        self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
+        if t.first_scheduled_time is not None:
+            self.queue.labels(m).observe(t.first_scheduled_time - t.arrival_time)
+        if t.first_token_time is None:
+            return
+        self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+        self.decode.labels(m).observe(t.finished_time - t.first_token_time)
+        if t.first_scheduled_time is not None:
+            self.prefill.labels(m).observe(t.first_token_time - t.first_scheduled_time)
+        if num_output_tokens > 1:
+            self.tpot.labels(m).observe((t.finished_time - t.first_token_time) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def log_line(self) -> str:
+        """Throughput since the previous call and the current load, like vLLM's periodic line."""
+        now, g = time.monotonic(), self._last
+        then, before = self._log_mark
+        dt = max(now - then, 1e-9)
+        self._log_mark = (now, g)
+        return (
+            f"Avg prompt throughput: {(g.prompt_tokens_total - before.prompt_tokens_total) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(g.generation_tokens_total - before.generation_tokens_total) / dt:.1f} "
+            f"tokens/s, Running: {g.running} reqs, Waiting: {g.waiting} reqs, "
+            f"KV cache usage: {g.kv_cache_usage * 100:.1f}%, Preemptions: {g.preemptions_total}"
+        )

@@ -1,0 +1,649 @@
+"""The OpenAI-compatible request schemas and their validation.
+
+Owns: `CompletionRequest` and `ChatCompletionRequest` (strict pydantic models: no string-to-number
+coercion, unknown fields rejected, OpenAI fields tokenmill does not support rejected unless they hold
+their default), `parse_completion_request` / `parse_chat_request` (raw JSON value -> request, or a
+`RequestError` that is a 400 in OpenAI's error shape naming the offending parameter), and the
+conversion of requests into `SamplingParams`. Responses live in `responses.py`. No I/O here: the
+FastAPI app reads the body, calls these, and writes what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import PydanticCustomError, core_schema
+
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+
+INVALID_REQUEST = "invalid_request_error"
+CONTENT_PART_SEPARATOR = "\n"  # text parts of one message are joined with this (as vLLM does)
+PARAM = "{param}"  # in a custom error's message: replaced by the parameter's full path
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+class RequestError(Exception):
+    """A request the server refuses; `body()` is OpenAI's error JSON, `status` its HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = INVALID_REQUEST,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side caps on what one request may ask for (beyond what the schema allows)."""
+
+    max_n: int = 16
+    max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: no extra cap
+    max_prompt_tokens: int | None = None  # None: only the model's length limits the prompt
+    max_stop: int = 16  # OpenAI allows 4
+
+
+def _custom_error(
+    detail: str, loc: tuple[str | int, ...] = (), code: str = "invalid_value", whole: bool = False
+) -> PydanticCustomError:
+    """A validation error with our own message; `loc` extends the location pydantic reports. The
+    message becomes "Invalid value for '<param>': <detail>"; or, when `whole`, `detail` itself with
+    PARAM replaced by the parameter's full path (known only once the error reaches the top)."""
+    return PydanticCustomError("tokenmill", "{message}", {"message": detail, "loc": loc, "code": code, "whole": whole})
+
+
+def _param(loc: Sequence[str | int]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+_TYPE_MESSAGES = {
+    "string_type": "expected a string",
+    "int_type": "expected an integer",
+    "float_type": "expected a number",
+    "bool_type": "expected a boolean",
+    "list_type": "expected an array",
+    "dict_type": "expected an object",
+    "model_type": "expected an object",
+    "model_attributes_type": "expected an object",
+}
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _from_validation_error(exc: ValidationError) -> RequestError:
+    """The first error of a pydantic validation, as a 400 naming the parameter."""
+    error = exc.errors(include_url=False)[0]
+    ctx = error.get("ctx") or {}
+    loc = tuple(error["loc"]) + tuple(ctx.get("loc", ()))
+    param = _param(loc) or None
+    kind = error["type"]
+    if kind == "tokenmill":
+        if ctx["whole"]:
+            return RequestError(ctx["message"].replace(PARAM, param or ""), param, ctx["code"])
+        what = "type" if ctx["code"] == "invalid_type" else "value"
+        return RequestError(f"Invalid {what} for '{param}': {ctx['message']}", param, ctx["code"])
+    if kind == "extra_forbidden":
+        return RequestError(f"Unknown field '{param}'.", param, "unknown_field")
+    if kind == "missing":
+        return RequestError(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    if kind == "too_short":
+        detail = f"expected at least {ctx['min_length']} item(s), got {_show(error['input'])}."
+        return RequestError(f"Invalid value for '{param}': {detail}", param, "invalid_value")
+    if kind in _TYPE_MESSAGES:
+        expected = _TYPE_MESSAGES[kind]
+        return RequestError(
+            f"Invalid type for '{param}': {expected}, got {_show(error['input'])}.", param, "invalid_type"
+        )
+    return RequestError(
+        f"Invalid value for '{param}': {error['msg']}, got {_show(error['input'])}.", param, "invalid_value"
+    )
+
+
+# ------------------------------------------------------------------------------------ request pieces
+
+# Numbers: ints are accepted where floats are expected (JSON has no other way), strings never are.
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PositiveInt = Annotated[int, Field(ge=1)]
+TokenId = Annotated[int, Field(ge=0)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopStrings = NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unsupported_default(name: str, value: Any, raw: dict[str, Any]) -> str | None:
+    """None when `value` is the default of unsupported field `name` (so it may be dropped), else what
+    would be accepted, for the error message."""
+    if value is None:
+        return None
+    match name:
+        case "response_format":
+            ok, allowed = value == {"type": "text"}, 'null or {"type": "text"}'
+        case "logit_bias" | "metadata":
+            ok, allowed = isinstance(value, dict) and not value, "null or {}"
+        case "suffix":
+            ok, allowed = value == "", 'null or ""'
+        case "best_of":
+            n = raw.get("n")
+            n = 1 if n is None else n
+            ok, allowed = _is_int(value) and _is_int(n) and value == n, "null or equal to n"
+        case "modalities":
+            ok, allowed = value == ["text"], 'null or ["text"]'
+        case "store":
+            ok, allowed = value is False, "null or false"
+        case "service_tier":
+            ok, allowed = value in ("auto", "default"), 'null, "auto" or "default"'
+        case "tool_calls" | "annotations":
+            ok, allowed = value == [], "null or []"
+        case _:
+            ok, allowed = False, "null"
+    return None if ok else allowed
+
+
+def _check_unsupported(raw: Any, fields: tuple[str, ...]) -> Any:
+    """Drop unsupported fields that hold their default; raise for any other value."""
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    for name in fields:
+        if name not in out:
+            continue
+        allowed = _unsupported_default(name, out[name], raw)
+        if allowed is not None:
+            raise _custom_error(
+                f"'{PARAM}' is not supported by tokenmill yet (got {_show(out[name])}); "
+                f"leave it out or send {allowed}.",
+                (name,),
+                "unsupported_field",
+                whole=True,
+            )
+        del out[name]
+    return out
+
+
+class _Strict(BaseModel):
+    """Strict parsing: no coercion (bool is not an int, "1.0" is not a number) and no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Request(_Strict):
+    """Shared by both requests: unsupported OpenAI fields, null meaning "the default", the sampling
+    fields common to both endpoints, and the JSON schema that documents the nulls."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+        "logit_bias",
+        "suffix",
+        "best_of",
+        "audio",
+        "modalities",
+        "prediction",
+        "reasoning_effort",
+        "web_search_options",
+        "store",
+        "metadata",
+        "service_tier",
+    )
+
+    model: str
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0 (vLLM's "no limit") are read as None
+    min_p: MinP = 0.0
+    n: PositiveInt = 1
+    stop: StopStrings | None = None
+    seed: int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    ignore_eos: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def _null_means_default(cls) -> list[str]:
+        """Optional fields that cannot be None: OpenAI clients may send null for them, meaning the default."""
+        return [
+            name
+            for name, f in cls.model_fields.items()
+            if not f.is_required() and type(None) not in get_args(f.annotation)
+        ]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prepare(cls, raw: Any) -> Any:
+        raw = _check_unsupported(raw, cls.UNSUPPORTED)
+        if isinstance(raw, dict):
+            nullable = cls._null_means_default()
+            raw = {k: v for k, v in raw.items() if not (v is None and k in nullable)}
+        return raw
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        json_schema = handler.resolve_ref_schema(handler(schema))
+        properties = json_schema.get("properties", {})
+        for name in cls._null_means_default():
+            prop = properties.get(name)
+            if prop is None:
+                continue
+            keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            properties[name] = {"anyOf": [prop, {"type": "null"}], **keep}
+        return json_schema
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_no_limit(cls, value: Any) -> Any:
+        return None if _is_int(value) and value in (-1, 0) else value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value):
+            return value
+        if isinstance(value, list) and value and all(isinstance(s, str) and s for s in value):
+            return value
+        if isinstance(value, list):
+            for i, s in enumerate(value):
+                if not (isinstance(s, str) and s):
+                    raise _custom_error(f"expected a non-empty string, got {_show(s)}.", (i,))
+        raise _custom_error(f"expected a non-empty string or a non-empty array of them, got {_show(value)}.")
+
+    def _stream_options_check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise _custom_error(
+                "'stream_options' is only allowed when 'stream' is true.", ("stream_options",), whole=True
+            )
+
+    def _common_sampling(self) -> dict[str, Any]:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": tuple(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+
+    def _sampling_params(
+        self,
+        fields: dict[str, Any],
+        requested: int | None,
+        max_tokens_param: str,
+        max_model_len: int,
+        default_max_tokens: int | None,
+        renames: dict[str, str],
+    ) -> SamplingParams:
+        if requested is not None and requested > max_model_len:
+            raise RequestError(
+                f"Invalid value for '{max_tokens_param}': {requested} is more than the model's maximum "
+                f"length ({max_model_len} tokens).",
+                max_tokens_param,
+                "invalid_value",
+            )
+        if requested is None and default_max_tokens is not None:
+            requested = min(default_max_tokens, max_model_len)
+        try:
+            return SamplingParams(max_tokens=requested, **fields)
+        except ValueError as exc:
+            name = str(exc).split(":", 1)[0]
+            param = max_tokens_param if name == "max_tokens" else renames.get(name, name)
+            raise RequestError(f"Invalid value for '{param}': {exc}", param, "invalid_value") from exc
+
+
+def _max_tokens_limit(value: int | None, param: str, limits: Limits) -> None:
+    if value is not None and limits.max_tokens is not None and value > limits.max_tokens:
+        raise RequestError(
+            f"Invalid value for '{param}': {value} is more than this server allows ({limits.max_tokens}).",
+            param,
+            "invalid_value",
+        )
+
+
+def _common_limits(request: _Request, limits: Limits) -> None:
+    if request.n > limits.max_n:
+        raise RequestError(
+            f"Invalid value for 'n': {request.n} is more than this server allows ({limits.max_n}).",
+            "n",
+            "invalid_value",
+        )
+    if isinstance(request.stop, list) and len(request.stop) > limits.max_stop:
+        raise RequestError(
+            f"Invalid value for 'stop': {len(request.stop)} stop strings, this server allows at most "
+            f"{limits.max_stop}.",
+            "stop",
+            "invalid_value",
+        )
+
+
+# ---------------------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    max_tokens: PositiveInt | None = 16  # null: the server's default (up to the model's length)
+    logprobs: Logprobs | None = None
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        def bad(message: str, loc: tuple[str | int, ...] = ()) -> PydanticCustomError:
+            return _custom_error(message, loc)
+
+        shape = "expected a non-empty string, array of strings, array of token ids or array of token id arrays"
+        if isinstance(value, str):
+            if not value:
+                raise bad("the prompt is empty.")
+            return value
+        if not isinstance(value, list):
+            raise bad(f"{shape}, got {_show(value)}.")
+        if not value:
+            raise bad("the prompt is empty.")
+        first = value[0]
+        for i, item in enumerate(value):
+            if isinstance(first, str):
+                if not (isinstance(item, str) and item):
+                    raise bad("expected a non-empty string.", (i,))
+            elif _is_int(first) or isinstance(first, bool):
+                if not (_is_int(item) and item >= 0):
+                    raise bad(f"expected a non-negative integer token id, got {_show(item)}.", (i,))
+            elif isinstance(first, list):
+                if not (isinstance(item, list) and item):
+                    raise bad("expected a non-empty array of token ids.", (i,))
+                for j, token in enumerate(item):
+                    if not (_is_int(token) and token >= 0):
+                        raise bad(f"expected a non-negative integer token id, got {_show(token)}.", (i, j))
+            else:
+                raise bad(f"{shape}, got {_show(value)}.")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> CompletionRequest:
+        self._stream_options_check()
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one per entry (a request may batch several)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if _is_int(self.prompt[0]):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
+        fields = self._common_sampling()
+        fields["logprobs"] = self.logprobs
+        fields["prompt_logprobs"] = self.logprobs if self.echo else None
+        return self._sampling_params(
+            fields, self.max_tokens, "max_tokens", max_model_len, default_max_tokens, {"prompt_logprobs": "logprobs"}
+        )
+
+
+def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
+    """The parsed JSON body of POST /v1/completions -> a valid request, or a RequestError (400)."""
+    request = _parse(CompletionRequest, raw)
+    _common_limits(request, limits)
+    _max_tokens_limit(request.max_tokens, "max_tokens", limits)
+    if limits.max_prompt_tokens is not None:
+        for i, prompt in enumerate(request.prompts()):
+            if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:
+                param = "prompt" if _is_int(request.prompt[0]) else f"prompt[{i}]"
+                raise RequestError(
+                    f"Invalid value for '{param}': {len(prompt)} prompt tokens, this server allows at most "
+                    f"{limits.max_prompt_tokens}.",
+                    param,
+                    "invalid_value",
+                )
+    return request
+
+
+# ----------------------------------------------------------------------------------------------- chat
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(_Strict):
+    """One message of a chat request. Content is a string or a list of text parts (joined by `text`)."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "tool_calls",
+        "tool_call_id",
+        "function_call",
+        "refusal",
+        "audio",
+        "annotations",
+    )
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prepare(cls, raw: Any) -> Any:
+        return _check_unsupported(raw, cls.UNSUPPORTED)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _custom_error(
+                f"expected a string or an array of text parts, got {_show(value)}.", code="invalid_type"
+            )
+        for j, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise _custom_error(
+                    f"only text content parts are supported, part {j} has type {_show(kind)}.",
+                    code="unsupported_content",
+                )
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise _custom_error(f'part {j}: expected {{"type": "text", "text": "..."}}, got {_show(part)}.')
+        return value
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return CONTENT_PART_SEPARATOR.join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: PositiveInt | None = None  # None: the server's default (up to the model's length)
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ChatCompletionRequest:
+        self._stream_options_check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _custom_error(
+                "'top_logprobs' is only allowed when 'logprobs' is true.", ("top_logprobs",), whole=True
+            )
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise _custom_error(
+                f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' ({self.max_completion_tokens}) "
+                "disagree; send only 'max_completion_tokens'.",
+                ("max_tokens",),
+                whole=True,
+            )
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as a chat template takes them: role, content as text, and name when given. The
+        "developer" role (OpenAI's newer name for "system") is given as "system", which templates know."""
+        out = []
+        for message in self.messages:
+            role = "system" if message.role == "developer" else message.role
+            entry = {"role": role, "content": message.text}
+            if message.name is not None:
+                entry["name"] = message.name
+            out.append(entry)
+        return out
+
+    def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
+        fields = self._common_sampling()
+        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(
+            fields,
+            self.requested_max_tokens,
+            self.max_tokens_param,
+            max_model_len,
+            default_max_tokens,
+            {"logprobs": "top_logprobs"},
+        )
+
+
+def parse_chat_request(raw: Any, limits: Limits) -> ChatCompletionRequest:
+    """The parsed JSON body of POST /v1/chat/completions -> a valid request, or a RequestError (400)."""
+    request = _parse(ChatCompletionRequest, raw)
+    _common_limits(request, limits)
+    _max_tokens_limit(request.requested_max_tokens, request.max_tokens_param, limits)
+    return request
+
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else type(value).__name__
+
+
+def _parse(cls: type[RequestT], raw: Any) -> RequestT:
+    if not isinstance(raw, dict):
+        raise RequestError(f"The request body must be a JSON object, got {_json_kind(raw)}.", None, "invalid_body")
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
+
+
+def check_prompt_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: Limits, param: str
+) -> None:
+    """After tokenizing: the prompt must fit the server's cap and leave room in the model's length for
+    `max_tokens` (at least one) generated tokens. `param` is "prompt" or "messages"."""
+    if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
+        raise RequestError(
+            f"Invalid value for '{param}': {num_prompt_tokens} prompt tokens, this server allows at most "
+            f"{limits.max_prompt_tokens}.",
+            param,
+            "invalid_value",
+        )
+    wanted = num_prompt_tokens + (max_tokens or 1)
+    if wanted > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} tokens "
+            f"({num_prompt_tokens} in the {param}, {max_tokens or 1} in the completion). Please reduce the length "
+            "of the prompt or the completion.",
+            param,
+            "context_length_exceeded",
+        )

@@ -1,0 +1,307 @@
+"""Serving one OpenAI request: tokenize, run through the AsyncEngine, and build the JSON or the SSE
+stream. Completions and chat share the flow; they differ in how the prompt is made and in the shape
+of what comes back.
+
+A request with several prompts runs them concurrently as separate engine requests; choice indices
+follow OpenAI (prompt i, child j -> i * n + j). A streaming client that goes away closes the engine
+generators, which aborts their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
+    RequestError,
+    check_prompt_length,
+)
+from tokenmill.server.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    chat_logprobs,
+    completion_logprobs,
+    usage_info,
+)
+
+
+@dataclass
+class Job:
+    """One OpenAI request on its way through the engine."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # for echo
+    params: SamplingParams
+    echo: bool
+    include_usage: bool
+    sent_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> logprob entries streamed
+    done_choices: set[int] = field(default_factory=set)  # choices whose finish_reason was streamed
+
+
+@dataclass
+class Server:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    limits: Limits
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prepare_completion(self, req: CompletionRequest) -> Job:
+        self._check_model(req.model)
+        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
+        prompts, texts = [], []
+        listed = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)  # several prompts' form
+        for i, p in enumerate(req.prompts()):
+            param = f"prompt[{i}]" if listed else "prompt"
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self._check_ids(ids, param)
+            check_prompt_length(len(ids), req.max_tokens, self.max_model_len, self.limits, param)
+            prompts.append(ids)
+            texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Job(
+            False,
+            f"cmpl-{uuid.uuid4().hex}",
+            req.model,
+            int(time.time()),
+            prompts,
+            texts,
+            params,
+            req.echo,
+            include_usage,
+        )
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Job:
+        self._check_model(req.model)
+        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
+        try:
+            ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt)
+        except ValueError as e:
+            raise RequestError(str(e), "messages", "invalid_value") from None
+        check_prompt_length(len(ids), req.requested_max_tokens, self.max_model_len, self.limits, "messages")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Job(
+            True, f"chatcmpl-{uuid.uuid4().hex}", req.model, int(time.time()), [ids], [""], params, False, include_usage
+        )
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise RequestError(
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                "model",
+                "model_not_found",
+            )
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"Invalid value for '{param}': token id {bad} is outside the vocabulary ({vocab}).",
+                param,
+                "invalid_value",
+            )
+        if not ids:
+            raise RequestError(f"Invalid value for '{param}': the prompt is empty.", param, "invalid_value")
+
+    @staticmethod
+    def _params(build: Callable[[], SamplingParams]) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as e:
+            field_name = str(e).split(":", 1)[0]
+            raise RequestError(str(e), field_name, "invalid_value") from None
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
+        return [self.engine.generate(f"{job.request_id}-{i}", p, job.params) for i, p in enumerate(job.prompts)]
+
+    async def complete(self, job: Job) -> dict[str, Any]:
+        """Run every prompt to the end; the whole response as JSON."""
+        streams = self._streams(job)
+        try:
+            finals = await asyncio.gather(*(_last(s) for s in streams))
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split(":", 1)[0], "invalid_value") from None
+        usage = usage_info(finals)
+        n = job.params.n
+        if job.chat:
+            choices = [
+                ChatChoice(
+                    index=i * n + c.index,
+                    message=ChatMessage(content=c.text),
+                    logprobs=chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, out in enumerate(finals)
+                for c in out.outputs
+            ]
+            return ChatCompletionResponse(
+                id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
+            ).model_dump(mode="json")
+        completions = [
+            self._completion_choice(job, i, out, c, c.text, c.logprobs, first=True)
+            for i, out in enumerate(finals)
+            for c in out.outputs
+        ]
+        return CompletionResponse(
+            id=job.request_id, created=job.created, model=job.model, choices=completions, usage=usage
+        ).model_dump(mode="json")
+
+    def _completion_choice(
+        self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, text: str, entries: Any, first: bool
+    ) -> CompletionChoice:
+        logprobs = None
+        prefix = job.prompt_texts[i] if job.echo and first else ""
+        if entries is not None:
+            prompt_entries = list(out.prompt_logprobs or []) if job.echo and first else []
+            ids = [*job.prompts[i], *(e.token_id for e in entries)] if prompt_entries else None
+            logprobs = completion_logprobs([*prompt_entries, *entries], self.token_text, 0, ids)
+        return CompletionChoice(
+            index=i * job.params.n + c.index,
+            text=prefix + text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        """SSE events for a streaming request, ending with `data: [DONE]`. Nothing is sent before the
+        engine accepts every prompt, so a refused request still gets its error status."""
+        streams = self._streams(job)
+        try:  # the first item (or the refusal) of each prompt, all submitted at once
+            results = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
+        except BaseException:
+            await _close_all(streams)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await _close_all(streams)
+            if isinstance(errors[0], ValueError):
+                raise RequestError(str(errors[0]), str(errors[0]).split(":", 1)[0], "invalid_value") from None
+            raise errors[0]
+        firsts = [r for r in results if not isinstance(r, BaseException)]
+        return self._events(job, streams, firsts)
+
+    async def _events(
+        self, job: Job, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]
+    ) -> AsyncIterator[str]:
+        merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(i: int, s: AsyncIterator[RequestOutput], first: RequestOutput | None) -> None:
+            if first is not None:
+                await merged.put((i, first))
+                async for out in s:
+                    await merged.put((i, out))
+            await merged.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
+        finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()
+        try:
+            if job.chat:
+                for i in range(len(streams)):
+                    for j in range(job.params.n):
+                        yield self._chat_chunk(job, i * job.params.n + j, DeltaMessage(role="assistant", content=""))
+            open_streams = len(streams)
+            while open_streams:
+                i, out = await merged.get()
+                if out is None:
+                    open_streams -= 1
+                    continue
+                finals[i] = out
+                for c in out.outputs:
+                    event = self._chunk_for(job, i, out, c, first=(i, c.index) not in started)
+                    if event is not None:
+                        started.add((i, c.index))
+                        yield event
+            if job.include_usage:
+                usage = usage_info([finals[i] for i in sorted(finals)])
+                cls = ChatCompletionChunk if job.chat else CompletionStreamResponse
+                chunk = cls(id=job.request_id, created=job.created, model=job.model, choices=[], usage=usage)
+                yield _sse(chunk.model_dump(mode="json"))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await _close_all(streams)
+
+    def _chunk_for(self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool) -> str | None:
+        key = i * job.params.n + c.index
+        if key in job.done_choices:
+            return None
+        if not c.text_delta and c.finish_reason is None and not (job.echo and first):
+            return None  # nothing to show yet (text held back): its logprobs go with the next chunk
+        if c.finish_reason is not None:
+            job.done_choices.add(key)
+        sent = job.sent_tokens.get(key, 0)
+        entries = c.logprobs[sent:] if c.logprobs is not None else None
+        job.sent_tokens[key] = len(c.logprobs) if c.logprobs is not None else 0
+        if job.chat:
+            logprobs = chat_logprobs(entries, self.token_text) if entries else None
+            choice = ChatChunkChoice(
+                index=key,
+                delta=DeltaMessage(content=c.text_delta),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            return self._chat_chunk_choice(job, choice)
+        choice = self._completion_choice(job, i, out, c, c.text_delta, entries, first)
+        chunk = CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model, choices=[choice])
+        return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+
+    def _chat_chunk(self, job: Job, index: int, delta: DeltaMessage) -> str:
+        return self._chat_chunk_choice(job, ChatChunkChoice(index=index, delta=delta))
+
+    @staticmethod
+    def _chat_chunk_choice(job: Job, choice: ChatChunkChoice) -> str:
+        chunk = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=[choice])
+        return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    for s in streams:
+        aclose = getattr(s, "aclose", None)
+        if aclose is not None:
+            await aclose()
