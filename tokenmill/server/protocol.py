@@ -10,8 +10,6 @@ FastAPI app reads the body, calls these, and writes what they return.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import (
@@ -27,114 +25,17 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.server.validation import (
+    Limits,
+    RequestError,
+    check_unsupported,
+    custom_error,
+    from_validation_error,
+    is_int,
+    show,
+)
 
-INVALID_REQUEST = "invalid_request_error"
 CONTENT_PART_SEPARATOR = "\n"  # text parts of one message are joined with this (as vLLM does)
-PARAM = "{param}"  # in a custom error's message: replaced by the parameter's full path
-
-# --------------------------------------------------------------------------------------------- errors
-
-
-class RequestError(Exception):
-    """A request the server refuses; `body()` is OpenAI's error JSON, `status` its HTTP status."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        status: int = 400,
-        type: str = INVALID_REQUEST,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def __repr__(self) -> str:
-        return f"RequestError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Server-side caps on what one request may ask for (beyond what the schema allows)."""
-
-    max_n: int = 16
-    max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: no extra cap
-    max_prompt_tokens: int | None = None  # None: only the model's length limits the prompt
-    max_stop: int = 16  # OpenAI allows 4
-
-
-def _custom_error(
-    detail: str, loc: tuple[str | int, ...] = (), code: str = "invalid_value", whole: bool = False
-) -> PydanticCustomError:
-    """A validation error with our own message; `loc` extends the location pydantic reports. The
-    message becomes "Invalid value for '<param>': <detail>"; or, when `whole`, `detail` itself with
-    PARAM replaced by the parameter's full path (known only once the error reaches the top)."""
-    return PydanticCustomError("tokenmill", "{message}", {"message": detail, "loc": loc, "code": code, "whole": whole})
-
-
-def _param(loc: Sequence[str | int]) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else part
-    return path
-
-
-_TYPE_MESSAGES = {
-    "string_type": "expected a string",
-    "int_type": "expected an integer",
-    "float_type": "expected a number",
-    "bool_type": "expected a boolean",
-    "list_type": "expected an array",
-    "dict_type": "expected an object",
-    "model_type": "expected an object",
-    "model_attributes_type": "expected an object",
-}
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _from_validation_error(exc: ValidationError) -> RequestError:
-    """The first error of a pydantic validation, as a 400 naming the parameter."""
-    error = exc.errors(include_url=False)[0]
-    ctx = error.get("ctx") or {}
-    loc = tuple(error["loc"]) + tuple(ctx.get("loc", ()))
-    param = _param(loc) or None
-    kind = error["type"]
-    if kind == "tokenmill":
-        if ctx["whole"]:
-            return RequestError(ctx["message"].replace(PARAM, param or ""), param, ctx["code"])
-        what = "type" if ctx["code"] == "invalid_type" else "value"
-        return RequestError(f"Invalid {what} for '{param}': {ctx['message']}", param, ctx["code"])
-    if kind == "extra_forbidden":
-        return RequestError(f"Unknown field '{param}'.", param, "unknown_field")
-    if kind == "missing":
-        return RequestError(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    if kind == "too_short":
-        detail = f"expected at least {ctx['min_length']} item(s), got {_show(error['input'])}."
-        return RequestError(f"Invalid value for '{param}': {detail}", param, "invalid_value")
-    if kind in _TYPE_MESSAGES:
-        expected = _TYPE_MESSAGES[kind]
-        return RequestError(
-            f"Invalid type for '{param}': {expected}, got {_show(error['input'])}.", param, "invalid_type"
-        )
-    return RequestError(
-        f"Invalid value for '{param}': {error['msg']}, got {_show(error['input'])}.", param, "invalid_value"
-    )
-
 
 # ------------------------------------------------------------------------------------ request pieces
 
@@ -156,60 +57,6 @@ Prompt = (
     | TokenIds
     | Annotated[list[TokenIds], Field(min_length=1)]
 )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _unsupported_default(name: str, value: Any, raw: dict[str, Any]) -> str | None:
-    """None when `value` is the default of unsupported field `name` (so it may be dropped), else what
-    would be accepted, for the error message."""
-    if value is None:
-        return None
-    match name:
-        case "response_format":
-            ok, allowed = value == {"type": "text"}, 'null or {"type": "text"}'
-        case "logit_bias" | "metadata":
-            ok, allowed = isinstance(value, dict) and not value, "null or {}"
-        case "suffix":
-            ok, allowed = value == "", 'null or ""'
-        case "best_of":
-            n = raw.get("n")
-            n = 1 if n is None else n
-            ok, allowed = _is_int(value) and _is_int(n) and value == n, "null or equal to n"
-        case "modalities":
-            ok, allowed = value == ["text"], 'null or ["text"]'
-        case "store":
-            ok, allowed = value is False, "null or false"
-        case "service_tier":
-            ok, allowed = value in ("auto", "default"), 'null, "auto" or "default"'
-        case "tool_calls" | "annotations":
-            ok, allowed = value == [], "null or []"
-        case _:
-            ok, allowed = False, "null"
-    return None if ok else allowed
-
-
-def _check_unsupported(raw: Any, fields: tuple[str, ...]) -> Any:
-    """Drop unsupported fields that hold their default; raise for any other value."""
-    if not isinstance(raw, dict):
-        return raw
-    out = dict(raw)
-    for name in fields:
-        if name not in out:
-            continue
-        allowed = _unsupported_default(name, out[name], raw)
-        if allowed is not None:
-            raise _custom_error(
-                f"'{PARAM}' is not supported by tokenmill yet (got {_show(out[name])}); "
-                f"leave it out or send {allowed}.",
-                (name,),
-                "unsupported_field",
-                whole=True,
-            )
-        del out[name]
-    return out
 
 
 class _Strict(BaseModel):
@@ -277,7 +124,7 @@ class _Request(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _prepare(cls, raw: Any) -> Any:
-        raw = _check_unsupported(raw, cls.UNSUPPORTED)
+        raw = check_unsupported(raw, cls.UNSUPPORTED)
         if isinstance(raw, dict):
             nullable = cls._null_means_default()
             raw = {k: v for k, v in raw.items() if not (v is None and k in nullable)}
@@ -300,7 +147,7 @@ class _Request(_Strict):
     @field_validator("top_k", mode="before")
     @classmethod
     def _top_k_no_limit(cls, value: Any) -> Any:
-        return None if _is_int(value) and value in (-1, 0) else value
+        return None if is_int(value) and value in (-1, 0) else value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -312,12 +159,12 @@ class _Request(_Strict):
         if isinstance(value, list):
             for i, s in enumerate(value):
                 if not (isinstance(s, str) and s):
-                    raise _custom_error(f"expected a non-empty string, got {_show(s)}.", (i,))
-        raise _custom_error(f"expected a non-empty string or a non-empty array of them, got {_show(value)}.")
+                    raise custom_error(f"expected a non-empty string, got {show(s)}.", (i,))
+        raise custom_error(f"expected a non-empty string or a non-empty array of them, got {show(value)}.")
 
     def _stream_options_check(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise _custom_error(
+            raise custom_error(
                 "'stream_options' is only allowed when 'stream' is true.", ("stream_options",), whole=True
             )
 
@@ -406,7 +253,7 @@ class CompletionRequest(_Request):
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
         def bad(message: str, loc: tuple[str | int, ...] = ()) -> PydanticCustomError:
-            return _custom_error(message, loc)
+            return custom_error(message, loc)
 
         shape = "expected a non-empty string, array of strings, array of token ids or array of token id arrays"
         if isinstance(value, str):
@@ -414,7 +261,7 @@ class CompletionRequest(_Request):
                 raise bad("the prompt is empty.")
             return value
         if not isinstance(value, list):
-            raise bad(f"{shape}, got {_show(value)}.")
+            raise bad(f"{shape}, got {show(value)}.")
         if not value:
             raise bad("the prompt is empty.")
         first = value[0]
@@ -422,17 +269,17 @@ class CompletionRequest(_Request):
             if isinstance(first, str):
                 if not (isinstance(item, str) and item):
                     raise bad("expected a non-empty string.", (i,))
-            elif _is_int(first) or isinstance(first, bool):
-                if not (_is_int(item) and item >= 0):
-                    raise bad(f"expected a non-negative integer token id, got {_show(item)}.", (i,))
+            elif is_int(first) or isinstance(first, bool):
+                if not (is_int(item) and item >= 0):
+                    raise bad(f"expected a non-negative integer token id, got {show(item)}.", (i,))
             elif isinstance(first, list):
                 if not (isinstance(item, list) and item):
                     raise bad("expected a non-empty array of token ids.", (i,))
                 for j, token in enumerate(item):
-                    if not (_is_int(token) and token >= 0):
-                        raise bad(f"expected a non-negative integer token id, got {_show(token)}.", (i, j))
+                    if not (is_int(token) and token >= 0):
+                        raise bad(f"expected a non-negative integer token id, got {show(token)}.", (i, j))
             else:
-                raise bad(f"{shape}, got {_show(value)}.")
+                raise bad(f"{shape}, got {show(value)}.")
         return value
 
     @model_validator(mode="after")
@@ -444,7 +291,7 @@ class CompletionRequest(_Request):
         """The prompts of this request, one per entry (a request may batch several)."""
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if _is_int(self.prompt[0]):
+        if is_int(self.prompt[0]):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
 
@@ -465,7 +312,7 @@ def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
     if limits.max_prompt_tokens is not None:
         for i, prompt in enumerate(request.prompts()):
             if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:
-                param = "prompt" if _is_int(request.prompt[0]) else f"prompt[{i}]"
+                param = "prompt" if is_int(request.prompt[0]) else f"prompt[{i}]"
                 raise RequestError(
                     f"Invalid value for '{param}': {len(prompt)} prompt tokens, this server allows at most "
                     f"{limits.max_prompt_tokens}.",
@@ -502,7 +349,7 @@ class ChatMessageParam(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _prepare(cls, raw: Any) -> Any:
-        return _check_unsupported(raw, cls.UNSUPPORTED)
+        return check_unsupported(raw, cls.UNSUPPORTED)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -510,18 +357,16 @@ class ChatMessageParam(_Strict):
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise _custom_error(
-                f"expected a string or an array of text parts, got {_show(value)}.", code="invalid_type"
-            )
+            raise custom_error(f"expected a string or an array of text parts, got {show(value)}.", code="invalid_type")
         for j, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise _custom_error(
-                    f"only text content parts are supported, part {j} has type {_show(kind)}.",
+                raise custom_error(
+                    f"only text content parts are supported, part {j} has type {show(kind)}.",
                     code="unsupported_content",
                 )
             if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise _custom_error(f'part {j}: expected {{"type": "text", "text": "..."}}, got {_show(part)}.')
+                raise custom_error(f'part {j}: expected {{"type": "text", "text": "..."}}, got {show(part)}.')
         return value
 
     @property
@@ -545,15 +390,13 @@ class ChatCompletionRequest(_Request):
     def _cross_field(self) -> ChatCompletionRequest:
         self._stream_options_check()
         if self.top_logprobs is not None and not self.logprobs:
-            raise _custom_error(
-                "'top_logprobs' is only allowed when 'logprobs' is true.", ("top_logprobs",), whole=True
-            )
+            raise custom_error("'top_logprobs' is only allowed when 'logprobs' is true.", ("top_logprobs",), whole=True)
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None
             and self.max_tokens != self.max_completion_tokens
         ):
-            raise _custom_error(
+            raise custom_error(
                 f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' ({self.max_completion_tokens}) "
                 "disagree; send only 'max_completion_tokens'.",
                 ("max_tokens",),
@@ -623,7 +466,7 @@ def _parse(cls: type[RequestT], raw: Any) -> RequestT:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
-        raise _from_validation_error(exc) from None
+        raise from_validation_error(exc) from None
 
 
 def check_prompt_length(
