@@ -165,3 +165,12 @@ def test_static_batching_reserves_up_front_and_admits_only_between_batches():
     chunks, _ = run_step(s)
     assert set(chunks) == {"c"}
     assert not s.has_unfinished() and s.kv.num_free_blocks == 32
+
+
+def test_a_request_that_needs_the_whole_cache_is_admitted_when_alone():
+    kv = KVManager(num_blocks=4, block_size=4, watermark_blocks=1)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    s.add_request(make_request("big", 15, max_tokens=1))  # 16 tokens: all 4 blocks
+    chunks, _ = run_step(s)
+    assert chunks == {"big": (0, 15)}
+    assert not s.has_unfinished() and kv.num_free_blocks == 4

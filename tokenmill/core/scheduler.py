@@ -143,8 +143,10 @@ class Scheduler:
         return budget
 
     def _reserve(self, request: Request, num_new: int) -> bool:
-        """KV for an admission: the first chunk, keeping a few blocks spare for running decodes."""
-        return self.kv.allocate(request.request_id, request.num_computed_tokens + num_new, keep_watermark=True)
+        """KV for an admission: the first chunk, keeping a few blocks spare for running decodes (unless
+        nothing runs: a request that fits the cache alone must always get in)."""
+        total = request.num_computed_tokens + num_new
+        return self.kv.allocate(request.request_id, total, keep_watermark=bool(self.running))
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
