@@ -7,8 +7,12 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.models.make_model import ARCHS, SIZES
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -26,8 +30,23 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
+def engine_config(args: argparse.Namespace, seed: int) -> EngineConfig:
     from tokenmill.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        scheduling=args.scheduling,
+        seed=seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
@@ -42,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len))
+    engine = LLMEngine(engine_config(args, seed=0 if args.seed is None else args.seed))
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -61,21 +80,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from tokenmill.config import EngineConfig
     from tokenmill.server.launch import build_server, serve
     from tokenmill.server.protocol import Limits
 
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        scheduling=args.scheduling,
-        seed=args.seed,
-    )
+    config = engine_config(args, seed=args.seed)
     limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
     server = build_server(config, args.served_model_name, args.max_waiting, limits, args.log_interval)
     serve(server, args.host, args.port, args.api_key or os.environ.get("TOKENMILL_API_KEY"), args.drain_timeout)
@@ -109,11 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--max-model-len", type=int, default=None)
+    add_engine_flags(gen, with_seed=False)
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API (completions, chat, models, metrics)")
@@ -138,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -146,7 +153,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 2 GiB)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
-    p.add_argument("--seed", type=int, default=0)
+    if with_seed:
+        p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
 
 
 def main(argv: list[str] | None = None) -> int:

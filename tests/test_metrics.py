@@ -1,0 +1,42 @@
+"""Engine metrics: counters from cumulative totals, latency histograms, the periodic log line."""
+
+from __future__ import annotations
+
+from tokenmill.engine.metrics import EngineGauges, EngineMetrics
+from tokenmill.outputs import RequestMetrics
+
+
+def sample(text: str, name: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + "{") or ln.startswith(name + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_counters_follow_totals_and_histograms_observe_a_request():
+    m = EngineMetrics("tiny")
+    m.observe_step(EngineGauges(2, 3, 0.25, 1, 100, 10))
+    m.observe_step(EngineGauges(1, 0, 0.5, 1, 150, 30))
+    m.observe_finished(RequestMetrics(10.0, 10.5, 11.0, 13.0), num_output_tokens=5, finish_reason="stop")
+    text = m.render().decode()
+    assert sample(text, "tokenmill:prompt_tokens_total") == 150
+    assert sample(text, "tokenmill:generation_tokens_total") == 30
+    assert sample(text, "tokenmill:num_preemptions_total") == 1
+    assert sample(text, "tokenmill:num_requests_running") == 1
+    assert sample(text, "tokenmill:kv_cache_usage_perc") == 0.5
+    assert sample(text, "tokenmill:time_to_first_token_seconds_sum") == 1.0
+    assert sample(text, "tokenmill:request_queue_time_seconds_sum") == 0.5
+    assert sample(text, "tokenmill:request_prefill_time_seconds_sum") == 0.5
+    assert sample(text, "tokenmill:request_decode_time_seconds_sum") == 2.0
+    assert sample(text, "tokenmill:time_per_output_token_seconds_sum") == 0.5  # 2 s over 4 tokens after the first
+    assert sample(text, "tokenmill:e2e_request_latency_seconds_sum") == 3.0
+    assert 'tokenmill:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
+
+
+def test_log_line_reports_rates_and_load():
+    m = EngineMetrics("tiny")
+    m.log_line()  # marks the start
+    m.observe_step(EngineGauges(4, 2, 0.125, 3, 1000, 200))
+    line = m.log_line()
+    assert "Running: 4 reqs, Waiting: 2 reqs, KV cache usage: 12.5%, Preemptions: 3" in line
+    assert "Avg prompt throughput:" in line and "Avg generation throughput:" in line
+    rate = float(line.split("Avg prompt throughput: ")[1].split(" ")[0])
+    assert rate > 1000  # 1000 tokens over well under a second
