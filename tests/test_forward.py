@@ -108,3 +108,19 @@ def test_half_precision_tracks_float32(tiny_model_dir, dtype):
     assert half.dtype == torch.float32  # logits are always returned in float32
     assert_logits_close(half, full, rel=0.05)
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_many_decodes_of_mixed_lengths_in_one_step(tiny_model_dir, hf_logits, arch):
+    """Eleven sequences decode together: they are attended in groups of similar context length."""
+    folder = tiny_model_dir(arch)
+    model = load_model(folder, dtype="float32")
+    order = list(range(120))
+    random.Random(11).shuffle(order)
+    runner = PagedRunner(model, num_blocks=120, block_size=4, block_order=order)
+    seqs = {i: prompt(20 + i, 5 + 7 * ((i * 5) % 11)) for i in range(11)}
+    for i, ids in seqs.items():
+        runner.step({i: ids[:-1]})
+    last = runner.step({i: ids[-1:] for i, ids in seqs.items()})
+    for i, ids in seqs.items():
+        assert_logits_close(last[i], hf_logits(folder, ids)[-1:])

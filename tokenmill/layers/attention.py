@@ -12,10 +12,15 @@ meaningless.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+# Decodes are attended in groups of this many sequences of similar context length: a few more
+# kernel calls, in exchange for not padding every context to the longest one in the step.
+DECODE_GROUP_SIZE = 8
 
 
 @dataclass
@@ -41,6 +46,16 @@ class PrefillSequence:
 
 
 @dataclass
+class DecodeGroup:
+    """Sequences with one new token each and contexts of similar length, attended in one batch."""
+
+    rows: torch.Tensor  # [G] int64: their tokens' rows in the flat batch
+    seq_lens: torch.Tensor  # [G] int64
+    block_tables: torch.Tensor  # [G, ceil(max_seq_len / block_size)] int64
+    max_seq_len: int
+
+
+@dataclass
 class AttentionMetadata:
     num_actual_tokens: int  # tokens [0, n) of the batch are real; the rest is padding
     slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
@@ -49,11 +64,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64: block ids of sequence b, in order
     max_query_len: int
     max_seq_len: int
-    # Sequences with one new token (decodes), batched together:
-    decode_rows: torch.Tensor  # [Bd] int64: their tokens' rows in the flat batch
-    decode_seq_lens: torch.Tensor  # [Bd] int64
-    decode_block_tables: torch.Tensor  # [Bd, ceil(decode_max_seq_len / block_size)] int64
-    decode_max_seq_len: int
+    # Sequences with one new token (decodes), sorted by context length and batched in groups, so that
+    # a short context is not padded to the longest one in the step:
+    decode_groups: list[DecodeGroup]
     # Sequences with several new tokens:
     prefills: list[PrefillSequence]
 
@@ -86,9 +99,8 @@ def build_attention_metadata(
     for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
         starts.append(starts[-1] + q)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s - q, s))
-    decodes = [b for b, q in enumerate(query_lens) if q == 1]
-    decode_max = max((seq_lens[b] for b in decodes), default=0)
-    decode_blocks = -(-decode_max // block_size)
+    decodes = sorted((b for b, q in enumerate(query_lens) if q == 1), key=lambda b: seq_lens[b])
+    groups = [decodes[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decodes), DECODE_GROUP_SIZE)]
 
     def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -101,15 +113,30 @@ def build_attention_metadata(
         block_tables=tensor(tables),
         max_query_len=max(query_lens),
         max_seq_len=max_s,
-        decode_rows=tensor([starts[b] for b in decodes]),
-        decode_seq_lens=tensor([seq_lens[b] for b in decodes]),
-        decode_block_tables=tensor([tables[b][:decode_blocks] for b in decodes]).view(len(decodes), decode_blocks),
-        decode_max_seq_len=decode_max,
+        decode_groups=[_decode_group(g, starts, seq_lens, tables, block_size, tensor) for g in groups],
         prefills=[
             PrefillSequence(starts[b], q, seq_lens[b], tensor(tables[b][: -(-seq_lens[b] // block_size)]))
             for b, q in enumerate(query_lens)
             if q > 1
         ],
+    )
+
+
+def _decode_group(
+    members: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    tensor: Callable[[list[int] | list[list[int]]], torch.Tensor],
+) -> DecodeGroup:
+    longest = max(seq_lens[b] for b in members)
+    blocks = -(-longest // block_size)
+    return DecodeGroup(
+        rows=tensor([starts[b] for b in members]),
+        seq_lens=tensor([seq_lens[b] for b in members]),
+        block_tables=tensor([tables[b][:blocks] for b in members]),
+        max_seq_len=longest,
     )
 
 

@@ -1,7 +1,8 @@
 """Pure-torch reference attention over a paged KV cache; runs on CPU (and anywhere torch runs).
 
-Decodes (one new token per sequence) are batched into one SDPA call: their cached K/V are gathered
-through the block tables into [Bd, max_seq_len, kv_heads, head_dim] and a mask from the sequence
+Decodes (one new token per sequence) are batched, in groups of similar context length, one SDPA call
+per group: their cached K/V are gathered through the block tables into
+[G, max_seq_len, kv_heads, head_dim] and a mask from the sequence
 lengths (and the sliding window) hides the rest. (`index_select` gathers the blocks: several times
 faster on CPU than advanced indexing.) Each sequence with several new tokens (a prompt
 chunk) gets its own SDPA call over its own cache, so a long chunk never pads the decodes; a chunk
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import AttentionMetadata, KVCache, PrefillSequence
+from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSequence
 
 
 class TorchReferenceBackend:
@@ -42,8 +43,8 @@ class TorchReferenceBackend:
         cache.v.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v[:n])
 
         out = q.new_zeros(q.shape)  # [T, heads, D]; padding rows stay zero
-        if md.decode_rows.numel():
-            out[md.decode_rows] = self._decode(q[md.decode_rows], cache, md, scale, sliding_window)
+        for group in md.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], cache, group, scale, sliding_window)
         for seq in md.prefills:
             rows = slice(seq.row_start, seq.row_start + seq.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], cache, seq, scale, sliding_window)
@@ -51,25 +52,25 @@ class TorchReferenceBackend:
 
     @staticmethod
     def _decode(
-        q: torch.Tensor,  # [Bd, heads, D]
+        q: torch.Tensor,  # [G, heads, D]
         cache: KVCache,
-        md: AttentionMetadata,
+        group: DecodeGroup,
         scale: float,
         sliding_window: int | None,
-    ) -> torch.Tensor:  # [Bd, heads, D]
+    ) -> torch.Tensor:  # [G, heads, D]
         num_seqs, _, head_dim = q.shape
-        ctx = md.decode_max_seq_len
-        blocks = md.decode_block_tables.flatten()
+        ctx = group.max_seq_len
+        blocks = group.block_tables.flatten()
         keys = cache.k.index_select(0, blocks).view(num_seqs, -1, cache.k.shape[2], head_dim)[:, :ctx]
         values = cache.v.index_select(0, blocks).view(num_seqs, -1, cache.v.shape[2], head_dim)[:, :ctx]
         key_pos = torch.arange(ctx, device=q.device)
-        lens = md.decode_seq_lens[:, None]  # [Bd, 1]; the query sits at position len - 1
-        mask = key_pos < lens  # [Bd, ctx]
+        lens = group.seq_lens[:, None]  # [G, 1]; the query sits at position len - 1
+        mask = key_pos < lens  # [G, ctx]
         if sliding_window is not None:
             mask &= key_pos > lens - 1 - sliding_window
         out = F.scaled_dot_product_attention(
-            q[:, :, None].float(),  # [Bd, heads, 1, D]
-            keys.transpose(1, 2).float(),  # [Bd, kv_heads, ctx, D]
+            q[:, :, None].float(),  # [G, heads, 1, D]
+            keys.transpose(1, 2).float(),  # [G, kv_heads, ctx, D]
             values.transpose(1, 2).float(),
             attn_mask=mask[:, None, None, :],
             scale=scale,
