@@ -174,3 +174,65 @@ def test_a_request_that_needs_the_whole_cache_is_admitted_when_alone():
     chunks, _ = run_step(s)
     assert chunks == {"big": (0, 15)}
     assert not s.has_unfinished() and kv.num_free_blocks == 4
+
+
+def test_block_pool_prefix_cache_shares_keeps_and_evicts_lru():
+    pool = BlockPool(4)
+    a = pool.allocate(2)  # [0, 1]
+    pool.cache(a[0], b"h0")
+    pool.cache(a[1], b"h1")
+    assert pool.lookup(b"h0") == 0 and pool.lookup(b"h1") == 1
+    pool.share(0)  # a second request hits block 0
+    assert pool.ref_counts[:2] == [2, 1]
+    pool.free([1, 0])  # the first request finishes, tail first
+    assert pool.ref_counts[:2] == [1, 0] and pool.num_free == 3
+    pool.free([0])
+    assert pool.num_free == 4 and pool.lookup(b"h0") == 0  # free, and still cached
+    pool.share(0)  # a hit on a free cached block takes it out of the free queue
+    assert pool.num_free == 3 and pool.ref_counts[0] == 1
+    assert pool.allocate(2) == [2, 3]  # least recently used first: the queue is 2, 3, 1
+    assert pool.allocate(1) == [1] and pool.num_evictions == 1 and pool.lookup(b"h1") is None
+    assert pool.lookup(b"h0") == 0
+
+
+def test_prefix_hits_are_whole_blocks_and_leave_the_last_token_to_compute():
+    kv = KVManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    first = make_request("a", 12, max_tokens=5)
+    s.add_request(first)
+    run_step(s)
+    assert kv.pool.num_cached == 3  # 12 computed prompt tokens fill 3 blocks
+    second = make_request("b", 12, max_tokens=2)  # the same 12-token prompt
+    s.add_request(second)
+    chunks, _ = run_step(s)
+    assert chunks["b"] == (8, 4)  # 2 blocks hit: at most (12 - 1) // 4; the last block is computed
+    assert second.num_cached_tokens == 8 and kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.pool.ref_counts[kv.block_table("a")[0]] == 2
+    short = make_request("c", 3, max_tokens=1)  # shorter than a block: no hit possible
+    s.add_request(short)
+    run_step(s)
+    assert short.num_cached_tokens == 0
+    while s.has_unfinished():
+        run_step(s)
+    assert kv.num_free_blocks == 16
+    assert s.prefix_hits == 8 and s.prefix_queries == 12 + 12 + 3
+
+
+def test_prefix_cache_salt_and_prompt_logprobs_never_share():
+    kv = KVManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    a = make_request("a", 12, max_tokens=1)
+    a.cache_salt = "tenant-1"
+    s.add_request(a)
+    run_step(s)
+    b = make_request("b", 12, max_tokens=1)
+    b.cache_salt = "tenant-2"
+    c = make_request("c", 12, max_tokens=1, prompt_logprobs=1)
+    c.cache_salt = "tenant-1"
+    d = make_request("d", 12, max_tokens=1)
+    d.cache_salt = "tenant-1"
+    for r in (b, c, d):
+        s.add_request(r)
+    chunks, _ = run_step(s)
+    assert chunks["b"] == (0, 12) and chunks["c"] == (0, 12) and chunks["d"] == (8, 4)
+    assert kv.num_free_blocks == 16

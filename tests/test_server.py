@@ -209,6 +209,8 @@ def test_metrics_use_vllm_names(srv, client):
         "prompt_tokens_total",
         "generation_tokens_total",
         "request_success_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
     ):
         assert f"tokenmill:{name}" in text, name
     assert 'finished_reason="length"' in text
@@ -238,3 +240,12 @@ def test_openapi_fuzzing_finds_no_server_error(srv):
         check()
         checked += 1
     assert checked >= 5
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    prompt = "def handler(event, context):\n    " * 6
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    assert again.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    assert again.choices[0].text == first.choices[0].text

@@ -43,6 +43,7 @@ def engine_config(args: argparse.Namespace, seed: int) -> EngineConfig:
         max_model_len=args.max_model_len,
         scheduling=args.scheduling,
         seed=seed,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -153,6 +154,12 @@ def add_engine_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> None
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 2 GiB)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV of common prompt prefixes (on by default)",
+    )
     if with_seed:
         p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
 

@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     scheduling: str = "continuous"
     seed: int = 0  # draws the seeds of requests that bring none
+    enable_prefix_caching: bool = True  # share the KV of common prompt prefixes across requests
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -41,5 +42,7 @@ class EngineConfig:
             raise ValueError(f"scheduling: expected one of {', '.join(SCHEDULING)}, got {self.scheduling!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected one of float32, bfloat16, float16 or 'auto', got {self.dtype!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: expected a boolean, got {self.enable_prefix_caching!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed: expected an integer, got {self.seed!r}")

@@ -27,6 +27,7 @@ class LLM:
         max_model_len: int | None = None,
         scheduling: str = "continuous",
         seed: int = 0,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             model=str(model),
@@ -39,6 +40,7 @@ class LLM:
             max_model_len=max_model_len,
             scheduling=scheduling,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(config)
         self._counter = 0

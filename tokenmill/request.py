@@ -48,6 +48,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
 
     @property
     def num_prompt_tokens(self) -> int:

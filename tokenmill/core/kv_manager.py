@@ -1,23 +1,31 @@
-"""KVManager: per-request block tables over the BlockPool.
+"""KVManager: per-request block tables over the BlockPool, and prefix lookup and caching.
 
 Pure Python. A request's table grows a block at a time as its computed tokens need room, and is
-returned whole on finish, abort and preemption (tail first, so a later prefix cache loses chain
-ends before heads).
+returned whole on finish, abort and preemption (tail first, so cached chains lose their ends before
+their heads). With prefix caching, a new request's table may start with cached blocks that other
+requests computed (shared by reference count), and every block a request fills is hashed and cached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from tokenmill.core.block_hash import block_hash, chain_hashes
 from tokenmill.core.block_pool import BlockPool
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark_blocks: int = 0, enable_prefix_caching: bool = False
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: expected a positive integer, got {block_size}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.watermark_blocks = watermark_blocks
+        self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # request -> hashes of its blocks cached so far
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,7 +53,42 @@ class KVManager:
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, [])
+        self._hashes.pop(request_id, None)
         self.pool.free(table[::-1])
+
+    # -- prefix cache --------------------------------------------------------------------------
+
+    def find_prefix(self, token_ids: Sequence[int], salt: str | None) -> tuple[list[int], list[bytes]]:
+        """The cached blocks holding the longest run of leading full blocks of `token_ids`, and their hashes."""
+        blocks: list[int] = []
+        hashes = chain_hashes(token_ids, self.block_size, salt)
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, hashes[: len(blocks)]
+
+    def adopt_prefix(self, request_id: str, blocks: list[int], hashes: list[bytes]) -> None:
+        """Start an empty table with shared cached blocks."""
+        assert not self.tables.get(request_id), "a prefix is adopted only by a request holding no blocks"
+        for b in blocks:
+            self.pool.share(b)
+        self.tables[request_id] = list(blocks)
+        self._hashes[request_id] = list(hashes)
+
+    def num_hashed_blocks(self, request_id: str) -> int:
+        return len(self._hashes.get(request_id, ()))
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], salt: str | None) -> None:
+        """Hash and cache the request's blocks that `token_ids` (its computed tokens) now fill."""
+        have = self._hashes.setdefault(request_id, [])
+        table = self.tables.get(request_id, [])
+        parent = have[-1] if have else None
+        for i in range(len(have), len(token_ids) // self.block_size):
+            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
+            self.pool.cache(table[i], parent)
+            have.append(parent)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])

@@ -40,6 +40,9 @@ class SchedulerStats:
     preemptions: int
     prompt_tokens: int  # prompt tokens computed (recomputation included)
     generated_tokens: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    prefix_cache_evictions: int  # cached blocks taken for new tokens
 
 
 class Scheduler:
@@ -54,6 +57,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -125,9 +130,14 @@ class Scheduler:
     def _admit(self, budget: int, chunks: list[ScheduledChunk], new: list[NewRequestData], now: float) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            hit = self._prefix_hit(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._reserve(request, num_new):
+                if hit:  # give the shared blocks back; the request retries from scratch next step
+                    self.kv.free(request.request_id)
+                    request.num_computed_tokens = 0
                 break
+            self._count_prefix(request, hit)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -141,6 +151,31 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return budget
+
+    def _prefix_hit(self, request: Request) -> int:
+        """Start a request holding nothing at its longest cached prefix: whole blocks only, at most
+        (tokens - 1) // block_size of them, so its last token is computed (it gives the first logits)
+        and it never writes into a shared block. Prompt logprobs need every prompt token computed."""
+        if (
+            not self.kv.enable_prefix_caching
+            or request.num_computed_tokens
+            or request.sampling_params.prompt_logprobs is not None
+        ):
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        blocks, hashes = self.kv.find_prefix(request.token_ids(0, max_blocks * self.kv.block_size), request.cache_salt)
+        if blocks:
+            self.kv.adopt_prefix(request.request_id, blocks, hashes)
+            request.num_computed_tokens = len(blocks) * self.kv.block_size
+        return request.num_computed_tokens
+
+    def _count_prefix(self, request: Request, hit: int) -> None:
+        if not self.kv.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        if request.num_preemptions == 0:  # a first admission: the user's view of caching
+            request.num_cached_tokens = hit
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += hit
 
     def _reserve(self, request: Request, num_new: int) -> bool:
         """KV for an admission: the first chunk, keeping a few blocks spare for running decodes (unless
@@ -176,6 +211,11 @@ class Scheduler:
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(len(chunk.token_ids), request.num_prompt_tokens - chunk.start_position)
             request.num_computed_tokens += len(chunk.token_ids)
+            if self.kv.enable_prefix_caching:
+                full = request.num_computed_tokens // self.kv.block_size
+                if full > self.kv.num_hashed_blocks(request.request_id):
+                    tokens = request.token_ids(0, full * self.kv.block_size)
+                    self.kv.cache_full_blocks(request.request_id, tokens, request.cache_salt)
             if not chunk.sample:
                 continue
             for token in result.sampled.get(chunk.request_id, []):
@@ -210,4 +250,7 @@ class Scheduler:
             preemptions=self.num_preemptions,
             prompt_tokens=self.num_prompt_tokens,
             generated_tokens=self.num_generated_tokens,
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+            prefix_cache_evictions=self.kv.pool.num_evictions,
         )

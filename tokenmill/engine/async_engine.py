@@ -205,5 +205,7 @@ class AsyncEngine:
                 preemptions_total=int(stats["preemptions"]),
                 prompt_tokens_total=int(stats["prompt_tokens"]),
                 generation_tokens_total=int(stats["generated_tokens"]),
+                prefix_cache_queries_total=int(stats["prefix_cache_queries"]),
+                prefix_cache_hits_total=int(stats["prefix_cache_hits"]),
             )
         )

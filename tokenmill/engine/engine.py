@@ -82,7 +82,12 @@ class LLMEngine:
         self.num_kv_blocks = num_blocks
         caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype, device)
         self.runner = ModelRunner(self.model, caches, config.block_size)
-        kv = KVManager(num_blocks, config.block_size, watermark_blocks=max(1, num_blocks // 100))
+        kv = KVManager(
+            num_blocks,
+            config.block_size,
+            watermark_blocks=max(1, num_blocks // 100),
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
         scheduler_cls = StaticScheduler if config.scheduling == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sched_config, kv)
@@ -101,6 +106,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if request_id in self._parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -137,6 +143,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 eos_token_ids=self.tokenizer.info.eos_token_ids,
                 times=RequestTimes(arrival=arrival),
+                cache_salt=cache_salt,
             )
             requests.append(request)
             detok = IncrementalDetokenizer(
@@ -236,6 +243,7 @@ class LLMEngine:
             prompt_logprobs=parent.prompt_logprobs,
             outputs=completions,
             finished=finished,
+            num_cached_tokens=parent.children[0].request.num_cached_tokens,
             metrics=RequestMetrics(
                 arrival_time=parent.arrival,
                 first_scheduled_time=min(firsts) if firsts else None,
@@ -255,4 +263,8 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            "prefix_cache_evictions": s.prefix_cache_evictions,
         }

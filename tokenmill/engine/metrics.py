@@ -52,6 +52,8 @@ class EngineGauges:
     preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries_total: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found
 
 
 class EngineMetrics:
@@ -78,6 +80,12 @@ class EngineMetrics:
         self.preemptions = Counter(PREFIX + "num_preemptions", "Preemptions.", labels, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens computed.", labels, registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)
+        self.prefix_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+        )
         self.success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -93,6 +101,8 @@ class EngineMetrics:
         self.preemptions.labels(m).inc(g.preemptions_total - self._last.preemptions_total)
         self.prompt_tokens.labels(m).inc(g.prompt_tokens_total - self._last.prompt_tokens_total)
         self.generation_tokens.labels(m).inc(g.generation_tokens_total - self._last.generation_tokens_total)
+        self.prefix_queries.labels(m).inc(g.prefix_cache_queries_total - self._last.prefix_cache_queries_total)
+        self.prefix_hits.labels(m).inc(g.prefix_cache_hits_total - self._last.prefix_cache_hits_total)
         self._last = g
 
     def observe_inter_token(self, seconds: float) -> None:
