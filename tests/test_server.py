@@ -249,3 +249,12 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
     assert again.usage.prompt_tokens_details.cached_tokens % 16 == 0
     assert again.choices[0].text == first.choices[0].text
+
+
+def test_cache_salt_isolates_tenants(client):
+    prompt = "class Config:\n    debug = False\n" * 6
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a"})
+    same = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a"})
+    other = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "b"})
+    assert same.usage.prompt_tokens_details.cached_tokens >= 16
+    assert other.usage.prompt_tokens_details.cached_tokens == 0

@@ -39,6 +39,7 @@ class AddCommand:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    cache_salt: str | None
     arrival: float
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
@@ -90,7 +91,7 @@ class AsyncEngine:
         return self._waiting + self._pending
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them, until it finishes. Raises
         EngineOverloaded or EngineStopped before anything is accepted, ValueError for a request the
@@ -104,7 +105,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         accepted: Future[None] = Future()
-        self._commands.put(AddCommand(request_id, prompt, params, time.monotonic(), sink, loop, accepted))
+        self._commands.put(AddCommand(request_id, prompt, params, cache_salt, time.monotonic(), sink, loop, accepted))
         await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a refused request
         finished = False
         try:
@@ -166,7 +167,9 @@ class AsyncEngine:
             with self._pending_lock:
                 self._pending -= 1
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival)
+                self.engine.add_request(
+                    command.request_id, command.prompt, command.params, command.arrival, command.cache_salt
+                )
             except ValueError as e:
                 command.accepted.set_exception(e)
                 continue

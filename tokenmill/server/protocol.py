@@ -111,6 +111,7 @@ class _Request(_Strict):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: NonEmptyStr | None = None  # vLLM's: prefix-cache entries shared only with the same salt
 
     @classmethod
     def _null_means_default(cls) -> list[str]:

@@ -57,6 +57,7 @@ class Job:
     params: SamplingParams
     echo: bool
     include_usage: bool
+    cache_salt: str | None
     sent_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> logprob entries streamed
     done_choices: set[int] = field(default_factory=set)  # choices whose finish_reason was streamed
 
@@ -95,6 +96,7 @@ class Server:
             params,
             req.echo,
             include_usage,
+            req.cache_salt,
         )
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
@@ -107,7 +109,16 @@ class Server:
         check_prompt_length(len(ids), req.requested_max_tokens, self.max_model_len, self.limits, "messages")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Job(
-            True, f"chatcmpl-{uuid.uuid4().hex}", req.model, int(time.time()), [ids], [""], params, False, include_usage
+            True,
+            f"chatcmpl-{uuid.uuid4().hex}",
+            req.model,
+            int(time.time()),
+            [ids],
+            [""],
+            params,
+            False,
+            include_usage,
+            req.cache_salt,
         )
 
     def _check_model(self, model: str) -> None:
@@ -141,7 +152,10 @@ class Server:
     # -- running -------------------------------------------------------------------------------
 
     def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
-        return [self.engine.generate(f"{job.request_id}-{i}", p, job.params) for i, p in enumerate(job.prompts)]
+        return [
+            self.engine.generate(f"{job.request_id}-{i}", p, job.params, job.cache_salt)
+            for i, p in enumerate(job.prompts)
+        ]
 
     async def complete(self, job: Job) -> dict[str, Any]:
         """Run every prompt to the end; the whole response as JSON."""
