@@ -91,6 +91,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefix_report(args: argparse.Namespace) -> int:
+    from tokenmill.doctor.prefix_report import analyse, read_trace
+    from tokenmill.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+    prompts = read_trace(Path(args.trace), tokenizer)
+    print(analyse(prompts, args.block_size, args.cache_blocks, tokenizer).render())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
     add_engine_flags(srv)
     srv.set_defaults(func=_serve)
+
+    pr = sub.add_parser(
+        "prefix-report", help="replay a trace of prompts through the prefix cache's hasher: why it hits"
+    )
+    pr.add_argument("trace", help="JSONL, one request per line: prompt (text or ids), prompt_token_ids or messages")
+    pr.add_argument("--block-size", type=int, default=16)
+    pr.add_argument("--cache-blocks", type=int, default=None, help="also replay an LRU cache of this many blocks")
+    pr.add_argument("--tokenizer", default=None, help="model folder whose tokenizer (and chat template) to use")
+    pr.set_defaults(func=_prefix_report)
     return parser
 
 

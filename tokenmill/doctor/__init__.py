@@ -1,0 +1,1 @@
+"""The doctor: questions about a workload answered from measurements (prompt redundancy first)."""
