@@ -34,9 +34,10 @@ def test_counters_follow_totals_and_histograms_observe_a_request():
 def test_log_line_reports_rates_and_load():
     m = EngineMetrics("tiny")
     m.log_line()  # marks the start
-    m.observe_step(EngineGauges(4, 2, 0.125, 3, 1000, 200))
+    m.observe_step(EngineGauges(4, 2, 0.125, 3, 1000, 200, prefix_cache_queries_total=800, prefix_cache_hits_total=200))
     line = m.log_line()
     assert "Running: 4 reqs, Waiting: 2 reqs, KV cache usage: 12.5%, Preemptions: 3" in line
+    assert "Prefix cache hit rate: 25.0%" in line
     assert "Avg prompt throughput:" in line and "Avg generation throughput:" in line
     rate = float(line.split("Avg prompt throughput: ")[1].split(" ")[0])
     assert rate > 1000  # 1000 tokens over well under a second

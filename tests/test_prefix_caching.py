@@ -54,3 +54,19 @@ def test_cached_tokens_salts_and_short_prompts(tiny_model_dir):
     short_again = llm.generate([[9] * 10], params, use_tqdm=False)[0]
     assert short.num_cached_tokens == short_again.num_cached_tokens == 0  # shorter than one block
     assert_no_leaks(llm)
+
+
+def test_n_children_share_the_prompt_computed_once(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    prompt = (shared_prefix_prompts(1, seed=3)[0] + [11] * 40)[:40]
+    params = SamplingParams(n=3, seed=9, temperature=0.8, max_tokens=6, ignore_eos=True)
+    common = {"max_model_len": 128, "kv_cache_memory": 64 * BLOCK_BYTES}
+    on, off = LLM(model, **common), LLM(model, enable_prefix_caching=False, **common)
+    a = on.generate([prompt], params, use_tqdm=False)[0]
+    b = off.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    stats = on.stats()
+    assert stats["prefix_cache_hits"] == 2 * (39 // 16) * 16  # children 1 and 2 reuse child 0's blocks
+    assert stats["prompt_tokens"] == 40 + 2 * (40 - 32)
+    assert_no_leaks(on)
+    assert_no_leaks(off)

@@ -49,6 +49,7 @@ class Parent:
     arrival: float
     children: list[Child] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    held: list[Request] = field(default_factory=list)  # children waiting for child 0's prompt to be cached
 
 
 class LLMEngine:
@@ -150,8 +151,14 @@ class LLMEngine:
                 self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
             )
             parent.children.append(Child(request, detok, [] if params.logprobs is not None else None))
-        for request in requests:  # the first one validates (and may raise) before anything is registered
-            self.scheduler.add_request(request)
+        self.scheduler.add_request(requests[0])  # validates (and may raise) before anything is registered
+        if self.config.enable_prefix_caching:
+            # n > 1 with prefix caching: the other children start once child 0 has computed (and so
+            # cached) the prompt, and share its blocks instead of computing it n times.
+            parent.held = requests[1:]
+        else:
+            for request in requests[1:]:
+                self.scheduler.add_request(request)
         for i, request in enumerate(requests):
             self._children[request.request_id] = (parent, i)
         self._parents[request_id] = parent
@@ -176,6 +183,12 @@ class LLMEngine:
         result = self.runner.execute(scheduled)
         now = time.monotonic()
         changed = self.scheduler.update(scheduled, result, now)
+        for request in changed:
+            parent, index = self._children[request.request_id]
+            if index == 0 and parent.held:
+                for held in parent.held:
+                    self.scheduler.add_request(held)
+                parent.held = []
         touched: dict[str, Parent] = {}
         for request_id, rows in result.prompt_logprobs.items():
             parent, index = self._children[request_id]

@@ -138,5 +138,6 @@ class EngineMetrics:
             f"Avg prompt throughput: {(g.prompt_tokens_total - before.prompt_tokens_total) / dt:.1f} tokens/s, "
             f"Avg generation throughput: {(g.generation_tokens_total - before.generation_tokens_total) / dt:.1f} "
             f"tokens/s, Running: {g.running} reqs, Waiting: {g.waiting} reqs, "
-            f"KV cache usage: {g.kv_cache_usage * 100:.1f}%, Preemptions: {g.preemptions_total}"
+            f"KV cache usage: {g.kv_cache_usage * 100:.1f}%, Preemptions: {g.preemptions_total}, "
+            f"Prefix cache hit rate: {g.prefix_cache_hits_total / max(g.prefix_cache_queries_total, 1) * 100:.1f}%"
         )
