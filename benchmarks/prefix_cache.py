@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(ROOT / "results" / "prefix_cache.json"))
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     folder = str(ensure_model())
@@ -87,8 +87,9 @@ def main() -> None:
         "ttft_p50_ratio_off_over_on": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
         "cached_share_of_theoretical": statistics.median(x["cached_tokens"] for x in runs["on"]) / theoretical,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out or ROOT / "results" / f"prefix_cache_{args.dtype}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps({k: result[k] for k in ("ttft_p50_ms", "ttft_p50_ratio_off_over_on", "cached_share_of_theoretical")})
     )
