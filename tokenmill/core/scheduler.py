@@ -138,19 +138,23 @@ class Scheduler:
                     request.num_computed_tokens = 0
                 break
             self._count_prefix(request, hit)
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = now
-            if request.request_id not in self._scheduled_once:
-                self._scheduled_once.add(request.request_id)
-                new.append(
-                    NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.seed)
-                )
+            self._start(request, new, now)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return budget
+
+    def _start(self, request: Request, new: list[NewRequestData], now: float) -> None:
+        """Move the head of the queue into the running batch; the runner hears of it the first time."""
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = now
+        if request.request_id not in self._scheduled_once:
+            self._scheduled_once.add(request.request_id)
+            new.append(
+                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.seed)
+            )
 
     def _prefix_hit(self, request: Request) -> int:
         """Start a request holding nothing at its longest cached prefix: whole blocks only, at most

@@ -20,14 +20,7 @@ class StaticScheduler(Scheduler):
             full = request.num_prompt_tokens + request.max_tokens
             if not self.kv.allocate(request.request_id, full):
                 break
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = request.status.RUNNING
-            request.times.first_scheduled = now
-            new.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.seed)
-            )
-            self._scheduled_once.add(request.request_id)
+            self._start(request, new, now)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new > 0:
                 chunks.append(self._chunk(request, num_new))

@@ -80,7 +80,6 @@ class LLMEngine:
             budget / 2**20,
             dtype,
         )
-        self.num_kv_blocks = num_blocks
         caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype, device)
         self.runner = ModelRunner(self.model, caches, config.block_size)
         kv = KVManager(

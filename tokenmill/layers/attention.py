@@ -60,10 +60,6 @@ class AttentionMetadata:
     num_actual_tokens: int  # tokens [0, n) of the batch are real; the rest is padding
     slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
     query_start_loc: torch.Tensor  # [B + 1] int64: sequence b's tokens are [qsl[b], qsl[b+1])
-    seq_lens: torch.Tensor  # [B] int64: tokens in the cache for sequence b after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int64: block ids of sequence b, in order
-    max_query_len: int
-    max_seq_len: int
     # Sequences with one new token (decodes), sorted by context length and batched in groups, so that
     # a short context is not padded to the longest one in the step:
     decode_groups: list[DecodeGroup]
@@ -91,9 +87,6 @@ def build_attention_metadata(
             raise ValueError(f"block_tables[{b}] holds {len(table)} blocks, too few for {s} tokens")
     # Built in plain Python, then one tensor per field: a decode step has one token per sequence,
     # and a dozen small torch ops per step cost more than these loops.
-    max_s = max(seq_lens)
-    max_blocks = -(-max_s // block_size)
-    tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
     starts = [0]
     slots: list[int] = []
     for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
@@ -109,13 +102,9 @@ def build_attention_metadata(
         num_actual_tokens=starts[-1],
         slot_mapping=tensor(slots),
         query_start_loc=tensor(starts),
-        seq_lens=tensor(seq_lens),
-        block_tables=tensor(tables),
-        max_query_len=max(query_lens),
-        max_seq_len=max_s,
-        decode_groups=[_decode_group(g, starts, seq_lens, tables, block_size, tensor) for g in groups],
+        decode_groups=[_decode_group(g, starts, seq_lens, block_tables, block_size, tensor) for g in groups],
         prefills=[
-            PrefillSequence(starts[b], q, seq_lens[b], tensor(tables[b][: -(-seq_lens[b] // block_size)]))
+            PrefillSequence(starts[b], q, seq_lens[b], tensor(block_tables[b][: -(-seq_lens[b] // block_size)]))
             for b, q in enumerate(query_lens)
             if q > 1
         ],
@@ -135,7 +124,8 @@ def _decode_group(
     return DecodeGroup(
         rows=tensor([starts[b] for b in members]),
         seq_lens=tensor([seq_lens[b] for b in members]),
-        block_tables=tensor([tables[b][:blocks] for b in members]),
+        # shorter tables padded with block 0: the mask hides those positions
+        block_tables=tensor([(tables[b] + [0] * blocks)[:blocks] for b in members]),
         max_seq_len=longest,
     )
 
