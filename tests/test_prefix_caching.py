@@ -70,3 +70,22 @@ def test_n_children_share_the_prompt_computed_once(tiny_model_dir):
     assert stats["prompt_tokens"] == 40 + 2 * (40 - 32)
     assert_no_leaks(on)
     assert_no_leaks(off)
+
+
+def test_reset_prefix_cache_makes_the_cache_cold_and_waits_for_idle(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory=64 * BLOCK_BYTES)
+    prompt = shared_prefix_prompts(1, seed=3)[0] + [8] * 40
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([prompt], params, use_tqdm=False)
+    engine = llm.engine
+    engine.add_request("busy", prompt, params)
+    engine.step()
+    assert not llm.reset_prefix_cache()  # refused while a request holds blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache()
+    assert engine.scheduler.kv.pool.num_cached == 0
+    cold = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens > 0
+    assert_no_leaks(llm)

@@ -1,5 +1,5 @@
-"""The `tokenmill` command line: one subcommand per job (`make-model`, `generate`, `serve`; `bench` and
-`doctor` arrive with their issues)."""
+"""The `tokenmill` command line: one subcommand per job (`make-model`, `generate`, `serve`,
+`prefix-report`, `bench`; `doctor` arrives with its issue)."""
 
 from __future__ import annotations
 
@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--cache-blocks", type=int, default=None, help="also replay an LRU cache of this many blocks")
     pr.add_argument("--tokenizer", default=None, help="model folder whose tokenizer (and chat template) to use")
     pr.set_defaults(func=_prefix_report)
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ValueError as e:  # bad input: one clear line, no stack trace
-        print(f"tokenmill {args.command}: error: {e}", file=sys.stderr)
+        command = args.command + (f" {args.bench_command}" if args.command == "bench" else "")
+        print(f"tokenmill {command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -88,6 +88,10 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (the next request computes its whole prompt); False while busy."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict[str, int | float]:
         """Engine gauges: KV blocks total and free, running, waiting, preemptions, tokens processed."""
         return self.engine.stats()

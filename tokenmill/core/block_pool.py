@@ -73,3 +73,12 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def reset_cache(self) -> bool:
+        """Forget every cached hash (a cold cache, for benchmarks); refused (False) while any block is
+        in use, since a running request's blocks would lose their hashes mid-flight."""
+        if any(self.ref_counts):
+            return False
+        self._cached.clear()
+        self._hash_of.clear()
+        return True

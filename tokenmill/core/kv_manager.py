@@ -35,6 +35,10 @@ class KVManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block's hash; False (nothing done) while requests hold blocks."""
+        return self.pool.reset_cache()
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

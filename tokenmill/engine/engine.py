@@ -264,6 +264,10 @@ class LLMEngine:
             ),
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     def stats(self) -> dict[str, int | float]:
         s = self.scheduler.stats()
         return {

@@ -95,6 +95,10 @@ class Tokenizer:
             has_chat_template=bool(hf.chat_template),
         )
 
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, as the tokenizer's post-processor adds them (BOS)."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

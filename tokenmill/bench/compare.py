@@ -1,0 +1,108 @@
+"""Variants and repeats: `--compare KEY=VAL,KEY=VAL ...` parsed into engine-config overrides, and the
+aggregates a result file carries: each label's metrics over repeats (median, min, max), and each
+label's gain over a base label, computed repeat by repeat (runs of one repeat ran side by side).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill.bench.metrics import flatten, gain, spread
+from tokenmill.bench.records import BenchResult, Run
+from tokenmill.config import EngineConfig
+
+TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def parse_variant(text: str, base: EngineConfig) -> dict[str, Any]:
+    """ "scheduling=static,max_num_seqs=8" -> {"scheduling": "static", "max_num_seqs": 8}, each value
+    converted to the type of the base config's field; a ValueError names a bad key or value."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    overrides: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise ValueError(
+                f"--compare: {part!r} is not KEY=VALUE with KEY an engine setting ({', '.join(sorted(fields))})"
+            )
+        overrides[key] = _convert(key, raw.strip(), getattr(base, key))
+    return overrides
+
+
+def _convert(key: str, raw: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        if raw.lower() not in (*TRUE, *FALSE):
+            raise ValueError(f"--compare: {key}={raw!r} is not true or false")
+        return raw.lower() in TRUE
+    if raw.lower() == "none" and current is None:
+        return None
+    if isinstance(current, int) or current is None:
+        try:
+            return int(raw)
+        except ValueError:
+            if isinstance(current, int):
+                raise ValueError(f"--compare: {key}={raw!r} is not an integer") from None
+            return raw
+    if isinstance(current, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"--compare: {key}={raw!r} is not a number") from None
+    return raw
+
+
+def label_of(overrides: dict[str, Any]) -> str:
+    return ",".join(f"{k}={_show(v)}" for k, v in overrides.items()) or "tokenmill"
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def labels_in_order(runs: Sequence[Run]) -> list[str]:
+    seen: dict[str, None] = {}
+    for run in runs:
+        seen.setdefault(run.label, None)
+    return list(seen)
+
+
+def aggregate(result: BenchResult, bases: Sequence[str] = ()) -> None:
+    """Fill `result.aggregate` (every label, every numeric metric over repeats) and `result.gains`
+    (every other label over each base label in `bases`, repeat by repeat)."""
+    flat: dict[str, dict[int, dict[str, float]]] = {}
+    for run in result.runs:
+        flat.setdefault(run.label, {})[run.repeat] = flatten(run.summary, run.extras)
+    result.aggregate = {
+        label: {
+            metric: spread([r[metric] for r in repeats.values() if metric in r])
+            for metric in _metrics(repeats.values())
+        }
+        for label, repeats in flat.items()
+    }
+    result.gains = {}
+    for base in bases:
+        for label in labels_in_order(result.runs):
+            if label in bases or base not in flat:
+                continue
+            gains: dict[str, Any] = {}
+            for metric in _metrics(flat[label].values()):
+                samples = [
+                    g
+                    for rep, values in flat[label].items()
+                    if metric in values
+                    and metric in flat[base].get(rep, {})
+                    and (g := gain(metric, values[metric], flat[base][rep][metric])) is not None
+                ]
+                if samples:
+                    gains[metric] = spread(samples)
+            result.gains[f"{label} over {base}"] = gains
+
+
+def _metrics(repeats: Any) -> list[str]:
+    names: dict[str, None] = {}
+    for values in repeats:
+        names.update(dict.fromkeys(values))
+    return list(names)
