@@ -83,9 +83,9 @@ def aggregate(result: BenchResult, bases: Sequence[str] = ()) -> None:
         for label, repeats in flat.items()
     }
     result.gains = {}
-    for base in bases:
+    for b, base in enumerate(bases):
         for label in labels_in_order(result.runs):
-            if label in bases or base not in flat:
+            if label in bases[b:] or base not in flat:  # not a base over itself, nor over an earlier base
                 continue
             gains: dict[str, Any] = {}
             for metric in _metrics(flat[label].values()):
