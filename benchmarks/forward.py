@@ -9,7 +9,9 @@ two engines interleaved (median of repeats, spread shown):
   bandwidth (a streaming sum over 512 MiB); and against the same bytes at the bandwidth torch's
   fp32 GEMV reaches on a 512 MiB matrix, which separates kernel limits from tokenmill's overhead.
 
-Both sides run in one process with glibc's malloc thresholds raised (`keep_freed_memory`, as the
+Summaries (median, min, max of the interleaved repeats) and the per-repeat ratios come from
+`tokenmill.bench.metrics.spread`, as in every `tokenmill bench` result. Both sides run in one
+process with glibc's malloc thresholds raised (`keep_freed_memory`, as the
 engine sets them on CPU), so neither pays page faults for its per-step temporaries.
 
 Usage: python benchmarks/forward.py [--repeats 3] [--threads 2] [--out benchmarks/results/forward.json]
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 import transformers
 
+from tokenmill.bench.metrics import spread
 from tokenmill.layers.attention import build_attention_metadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
@@ -164,13 +167,10 @@ def time_once(setup: Callable[[], None] | None, fn: Callable[[], None], calls: i
     return (time.perf_counter() - t) / calls
 
 
-def summary(samples: list[float]) -> dict[str, float | list[float]]:
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "samples": samples}
-
-
-def print_row(label: str, key: str, ratio: float, *sides: dict[str, Any]) -> None:
+def print_row(label: str, key: str, ratio: dict[str, Any], *sides: dict[str, Any]) -> None:
     cells = [f"{d[key]['median']:9.1f} [{d[key]['min']:.1f}-{d[key]['max']:.1f}]" for d in sides]
-    print(f"{label:28}{cells[0]:>22}{cells[1]:>22}{ratio:7.2f}x")
+    spread_text = f"{ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}]"
+    print(f"{label:28}{cells[0]:>22}{cells[1]:>22}  {spread_text}")
 
 
 def main() -> None:
@@ -228,15 +228,19 @@ def main() -> None:
             for e in engines:
                 s = samples[e.name]
                 entry[e.name] = {
-                    "prefill_tokens_per_s": summary([PROMPT / t for t in s["prefill_s"]]),
-                    **{f"decode_step_ms_b{b}": summary([t * 1e3 for t in s[f"decode_b{b}_s"]]) for b in BATCHES},
+                    "prefill_tokens_per_s": spread([PROMPT / t for t in s["prefill_s"]]),
+                    **{f"decode_step_ms_b{b}": spread([t * 1e3 for t in s[f"decode_b{b}_s"]]) for b in BATCHES},
                 }
             tm, hf = entry["tokenmill"], entry["transformers"]
             assert isinstance(tm, dict) and isinstance(hf, dict)
-            ratios = {"prefill_speedup": tm["prefill_tokens_per_s"]["median"] / hf["prefill_tokens_per_s"]["median"]}
+            tms, hfs = samples["tokenmill"], samples["transformers"]
+            ratios: dict[str, Any] = {  # per repeat (the two sides ran side by side), then spread
+                "prefill_speedup": spread([h / t for t, h in zip(tms["prefill_s"], hfs["prefill_s"], strict=True)])
+            }
             for b in BATCHES:
                 key = f"decode_step_ms_b{b}"
-                ratios[f"decode_b{b}_speedup"] = hf[key]["median"] / tm[key]["median"]
+                pairs = zip(tms[f"decode_b{b}_s"], hfs[f"decode_b{b}_s"], strict=True)
+                ratios[f"decode_b{b}_speedup"] = spread([h / t for t, h in pairs])
                 ratios[f"decode_b{b}_vs_floor"] = tm[key]["median"] / (floor * 1e3)
                 ratios[f"decode_b{b}_vs_gemv_fp32_floor"] = tm[key]["median"] / (gemv_floor * 1e3)
             entry["ratios"] = ratios
@@ -245,7 +249,7 @@ def main() -> None:
                 f"\n{dtype_name}: weights read per decode step {weight_bytes / 1e6:.0f} MB, floor "
                 f"{floor * 1e3:.2f} ms (at fp32 GEMV bandwidth {gemv_floor * 1e3:.2f} ms)"
             )
-            print(f"{'':28}{'tokenmill':>22}{'transformers':>22}{'ratio':>8}")
+            print(f"{'':28}{'tokenmill':>22}{'transformers':>22}  ratio (transformers time / tokenmill's)")
 
             print_row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"], tm, hf)
             for b in BATCHES:

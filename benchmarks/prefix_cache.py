@@ -1,10 +1,12 @@
-"""Prefix-caching benchmark: TTFT with caching on and off for requests sharing a long system prompt.
+"""Prefix-caching benchmark: TTFT with caching off and on, requests sharing a long system prompt,
+through `tokenmill bench offline`.
 
-64 requests share a 1,024-token system prompt and each add a distinct 64-token question; they are
-sent one at a time after one warm-up request, through the offline engine, on the `small` model,
-same dtype on both sides. Both variants run in one process, interleaved in every repeat. Reports
-TTFT p50 (arrival -> first token) per variant, their ratio, and cached tokens against the
-theoretical maximum (every full block of the shared prompt, for every request after the warm-up).
+Workload `shared-prefix` (seed 0): 65 requests sharing one 1,024-token system prompt, each adding a
+distinct 64-token question and asking for 4 tokens, sent one at a time (`--max-concurrency 1`), the
+`small` model, same dtype on both sides, both variants interleaved in each of 3 repeats, each run
+starting from an empty cache (its first request fills it). Prints TTFT p50 per variant, the gain,
+and cached tokens against the theoretical maximum (every full 16-token block of the shared prompt,
+for every request after the first). Writes benchmarks/results/prefix_cache_<dtype>.json.
 
 Usage: python benchmarks/prefix_cache.py [--dtype float32] [--repeats 3]
 """
@@ -12,39 +14,11 @@ Usage: python benchmarks/prefix_cache.py [--dtype float32] [--repeats 3]
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import statistics
-from pathlib import Path
-from typing import Any
 
-import torch
+from common import RESULTS, cell, ensure_model
+from common import bench as run_bench
 
-from tokenmill import LLM, SamplingParams
-
-ROOT = Path(__file__).resolve().parent
-MODEL_DIR = ROOT / ".models" / "small-llama"
-SYSTEM, QUESTION, REQUESTS, BLOCK = 1024, 64, 64, 16
-
-
-def ensure_model() -> Path:
-    from tokenmill.models.make_model import make_model
-
-    if not (MODEL_DIR / "config.json").is_file():
-        make_model("llama", "small", MODEL_DIR, seed=0)
-    return MODEL_DIR
-
-
-def run(llm: LLM, system: list[int], questions: list[list[int]]) -> dict[str, Any]:
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate([system + questions[0]], params, use_tqdm=False)  # warm-up: fills the cache when on
-    ttfts, cached = [], 0
-    for q in questions[1:]:
-        out = llm.generate([system + q], params, use_tqdm=False)[0]
-        assert out.metrics.first_token_time is not None
-        ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
-        cached += out.num_cached_tokens
-    return {"ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.mean(ttfts), "cached_tokens": cached}
+PREFIX, QUESTION, REQUESTS, BLOCK = 1024, 64, 65, 16
 
 
 def main() -> None:
@@ -52,47 +26,24 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    folder = str(ensure_model())
-    rng = random.Random(0)
-    system = [rng.randrange(5, 32000) for _ in range(SYSTEM)]
-    common = {"dtype": args.dtype, "max_model_len": 2048, "kv_cache_memory": 512 * 1024**2}
-    variants = {"on": LLM(folder, **common), "off": LLM(folder, enable_prefix_caching=False, **common)}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-    for r in range(args.repeats):
-        questions = [[rng.randrange(5, 32000) for _ in range(QUESTION)] for _ in range(REQUESTS + 1)]
-        for name, llm in variants.items():
-            if name == "on":  # a fresh cache every repeat: the warm-up request is what fills it
-                variants[name] = llm = LLM(folder, **common)
-            runs[name].append(run(llm, system, questions))
-            print(f"repeat {r} {name}: {json.dumps(runs[name][-1])}", flush=True)
-    ratios = [off["ttft_p50_s"] / on["ttft_p50_s"] for on, off in zip(runs["on"], runs["off"], strict=True)]
-    theoretical = REQUESTS * (SYSTEM // BLOCK) * BLOCK
-    result = {
-        "model": "make-model --arch llama --size small --seed 0",
-        "dtype": args.dtype,
-        "workload": {"system_tokens": SYSTEM, "question_tokens": QUESTION, "requests": REQUESTS, "block_size": BLOCK},
-        "repeats": args.repeats,
-        "runs": runs,
-        "ttft_p50_ms": {
-            name: {
-                "median": statistics.median(x["ttft_p50_s"] for x in rs) * 1e3,
-                "min": min(x["ttft_p50_s"] for x in rs) * 1e3,
-                "max": max(x["ttft_p50_s"] for x in rs) * 1e3,
-            }
-            for name, rs in runs.items()
-        },
-        "ttft_p50_ratio_off_over_on": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-        "cached_share_of_theoretical": statistics.median(x["cached_tokens"] for x in runs["on"]) / theoretical,
-    }
-    out = Path(args.out or ROOT / "results" / f"prefix_cache_{args.dtype}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        json.dumps({k: result[k] for k in ("ttft_p50_ms", "ttft_p50_ratio_off_over_on", "cached_share_of_theoretical")})
-    )
+    result = run_bench(
+        "offline", str(ensure_model()), "--workload", "shared-prefix", "--num-groups", "1",
+        "--prefix-len", str(PREFIX), "--input-len", str(QUESTION), "--output-len", "4",
+        "--num-requests", str(REQUESTS), "--max-concurrency", "1", "--seed", "0",
+        "--compare", "enable_prefix_caching=false", "enable_prefix_caching=true",
+        "--repeats", str(args.repeats), "--dtype", args.dtype, "--threads", str(args.threads),
+        "--max-model-len", "2048", "--kv-cache-memory", str(512 * 1024**2),
+        "--out", str(RESULTS / f"prefix_cache_{args.dtype}.json"),
+    )  # fmt: skip
+    on, off = result.aggregate["enable_prefix_caching=true"], result.aggregate["enable_prefix_caching=false"]
+    gain = result.gains["enable_prefix_caching=true over enable_prefix_caching=false"]["ttft.median"]
+    theoretical = (REQUESTS - 1) * (PREFIX // BLOCK) * BLOCK
+    cached = [r.summary["cached_tokens"] for r in result.runs if r.label == "enable_prefix_caching=true"]
+    print(f"\nREADME figures ({args.dtype}):")
+    print(f"  TTFT p50 ms: on {cell(on['ttft.median'], '{:.1f}')}, off {cell(off['ttft.median'], '{:.0f}')}")
+    print(f"  off / on: {cell(gain)}x")
+    print(f"  cached tokens / theoretical maximum: {min(cached) / theoretical:.1%} (least of {len(cached)} runs)")
 
 
 if __name__ == "__main__":

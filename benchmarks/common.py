@@ -1,0 +1,41 @@
+"""Shared by the benchmark scripts: the `small` peer model (built once, offline) and a call into
+`tokenmill bench`, whose result file every README figure is read from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenmill.bench.records import BenchResult, read_result
+from tokenmill.cli import main as tokenmill
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+MODEL_DIR = ROOT / ".models" / "small-llama"
+MODEL = "make-model --arch llama --size small --seed 0 (54.9M parameters, random weights)"
+
+
+def ensure_model() -> Path:
+    from tokenmill.models.make_model import make_model
+
+    if not (MODEL_DIR / "config.json").is_file():
+        make_model("llama", "small", MODEL_DIR, seed=0)
+    return MODEL_DIR
+
+
+def bench(*argv: str) -> BenchResult:
+    """Run `tokenmill bench ...` (it must write --out) and read its result back."""
+    args = ["bench", *argv]
+    print("$ tokenmill " + " ".join(args), flush=True)
+    if tokenmill(args) != 0:
+        raise SystemExit(f"tokenmill bench failed: {' '.join(args)}")
+    return read_result(Path(args[args.index("--out") + 1]))
+
+
+def plot(result_file: Path, out_dir: Path) -> None:
+    if tokenmill(["bench", "plot", str(result_file), "--out", str(out_dir)]) != 0:
+        raise SystemExit(f"tokenmill bench plot failed on {result_file}")
+
+
+def cell(stats: dict[str, float], fmt: str = "{:.2f}") -> str:
+    """'median [min–max]' as the README quotes it."""
+    return f"{fmt.format(stats['median'])} [{fmt.format(stats['min'])}–{fmt.format(stats['max'])}]"
