@@ -55,8 +55,11 @@ def corpus(seed: int, max_bytes: int) -> list[str]:
     return texts
 
 
-def train_bpe(vocab_size: int, seed: int, max_bytes: int, specials: SpecialTokens) -> Tokenizer:
-    """A byte-level BPE with at most `vocab_size` tokens (specials first, ids 0..4)."""
+def train_bpe(
+    vocab_size: int, seed: int, max_bytes: int, specials: SpecialTokens, texts: list[str] | None = None
+) -> Tokenizer:
+    """A byte-level BPE with at most `vocab_size` tokens (specials first, ids 0..4), trained on
+    `texts`, or by default on `corpus(seed, max_bytes)`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -66,7 +69,7 @@ def train_bpe(vocab_size: int, seed: int, max_bytes: int, specials: SpecialToken
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed, max_bytes), trainer=trainer)
+    tok.train_from_iterator(texts if texts is not None else corpus(seed, max_bytes), trainer=trainer)
     bos_id = tok.token_to_id(specials.bos)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{specials.bos} $A",
