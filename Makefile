@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 
 MODEL_DIR ?= models/small-llama
 
-.PHONY: install test test-all lint format serve bench-forward bench-engine clean
+.PHONY: install test test-all lint format serve bench bench-forward bench-engine bench-prefix bench-serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,13 +18,13 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check tokenmill tests benchmarks
-	$(BIN)/ruff format --check tokenmill tests benchmarks
+	$(BIN)/ruff check tokenmill tests benchmarks scripts
+	$(BIN)/ruff format --check tokenmill tests benchmarks scripts
 	$(BIN)/mypy tokenmill/core
 
 format: $(STAMP)
-	$(BIN)/ruff format tokenmill tests benchmarks
-	$(BIN)/ruff check --fix tokenmill tests benchmarks
+	$(BIN)/ruff format tokenmill tests benchmarks scripts
+	$(BIN)/ruff check --fix tokenmill tests benchmarks scripts
 
 test: lint
 	$(BIN)/pytest
@@ -39,12 +39,22 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 serve: $(STAMP) $(MODEL_DIR)/config.json
 	$(BIN)/tokenmill serve $(MODEL_DIR)
 
+# Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
+bench: bench-forward bench-engine bench-prefix bench-serve
+
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --dtype float32
 	$(BIN)/python benchmarks/engine.py --dtype bfloat16
 
 bench-forward: $(STAMP)
-	$(BIN)/python benchmarks/forward.py
+	$(BIN)/python benchmarks/forward.py --repeats 5
+
+bench-prefix: $(STAMP)
+	$(BIN)/python benchmarks/prefix_cache.py --dtype float32
+	$(BIN)/python benchmarks/prefix_cache.py --dtype bfloat16
+
+bench-serve: $(STAMP)
+	$(BIN)/python benchmarks/serve.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

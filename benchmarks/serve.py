@@ -3,10 +3,10 @@
 Starts `tokenmill serve` on the `small` model (bfloat16, at most 32 sequences, loopback, a free port)
 in a subprocess, then runs the `mixed` workload (seed 0; 48 requests, prompts 32–512 and outputs
 8–256 tokens, log-normal, EOS ignored, streamed) at max-concurrency 1, 2, 4, 8, 16 and 32, the sweep
-points interleaved in each of 3 repeats. The server keeps its prefix cache between runs; these
-random prompts share no prefix. Writes benchmarks/results/serve_sweep.json and the plots in
-benchmarks/results/serve_sweep/ (throughput against TPOT and TTFT, latency CDFs), and prints the
-README's table.
+points interleaved in each of 3 repeats. Prefix caching is off on the server: every run sends the
+same prompts, and a server keeps its cache between runs, so later runs would find them cached.
+Writes benchmarks/results/serve_sweep.json and the plots in benchmarks/results/serve_sweep/
+(throughput against TPOT and TTFT, latency CDFs), and prints the README's table.
 
 Usage: python benchmarks/serve.py [--repeats 3] [--requests 48]
 """
@@ -37,6 +37,7 @@ def free_port() -> int:
 def start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), "--dtype", "bfloat16"]
     cmd += ["--max-num-seqs", "32", "--max-model-len", "1024", "--max-waiting", "256", "--log-interval", "600"]
+    cmd += ["--no-enable-prefix-caching"]  # every run sends the same prompts: no run may find them cached
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
