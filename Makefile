@@ -5,8 +5,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-MODEL_DIR ?= models/small-llama
-
 .PHONY: install test test-all lint format serve bench bench-forward bench-engine bench-prefix bench-serve clean
 
 $(STAMP): pyproject.toml
@@ -32,12 +30,9 @@ test: lint
 test-all: lint
 	$(BIN)/pytest -m "slow or not slow"
 
-# Until the bundled default model lands: a random-weight model of the peer size, built on first use.
-$(MODEL_DIR)/config.json: | $(STAMP)
-	$(BIN)/tokenmill make-model --arch llama --size small --out $(MODEL_DIR)
-
-serve: $(STAMP) $(MODEL_DIR)/config.json
-	$(BIN)/tokenmill serve $(MODEL_DIR)
+# The bundled demo model, models/tokenmill-demo (scripts/train_demo_models.py made it).
+serve: $(STAMP)
+	$(BIN)/tokenmill serve
 
 # Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
 bench: bench-forward bench-engine bench-prefix bench-serve

@@ -19,7 +19,7 @@ from tokenmill.bench.metrics import summarize
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.records import read_result
 from tokenmill.bench.serve import ServeTarget, run_serve
-from tokenmill.bench.workloads import WorkloadSpec, build_workload
+from tokenmill.bench.workloads import WorkloadSpec, build_workload, send_times
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
@@ -56,9 +56,13 @@ def test_offline_cli_compares_variants_and_the_transformers_baseline(llama, tmp_
     result = read_result(out)
     workload = build_workload(WorkloadSpec("mixed", 6, 0, (8, 48), (2, 12)), Tokenizer(llama))
     assert [(r.label, r.repeat) for r in result.runs] == [
-        ("scheduling=static", 0), ("scheduling=continuous", 0), ("hf", 0),
-        ("scheduling=static", 1), ("scheduling=continuous", 1), ("hf", 1),
-    ]  # fmt: skip
+        ("scheduling=static", 0),
+        ("scheduling=continuous", 0),
+        ("hf", 0),
+        ("scheduling=continuous", 1),
+        ("scheduling=static", 1),
+        ("hf", 1),
+    ]  # fmt: skip  (the variants' order rotates from one repeat to the next)
     for run in result.runs:  # every side served every request, exactly as asked
         assert [r.ok for r in run.records] == [True] * 6
         assert [r.output_tokens for r in run.records] == [q.max_tokens for q in workload.requests]
@@ -86,11 +90,11 @@ def test_offline_concurrency_cap_and_multi_turn_order(llama):
             assert spans[q.index][0] >= spans[q.after][1]
     assert run.records[2].cached_tokens is not None
     no_leaks(engine)
-    paced = run_offline(
-        engine, build_workload(WorkloadSpec("random", 5, 1, (4, 8), (2, 3)), Tokenizer(llama)), "p", request_rate=20.0
-    )
-    starts = [r.start_s for r in paced.records]
-    assert starts == sorted(starts) and starts[-1] > 0.02  # Poisson arrivals spread the sends
+    poisson = build_workload(WorkloadSpec("random", 5, 1, (4, 8), (2, 3)), Tokenizer(llama))
+    paced = run_offline(engine, poisson, "p", request_rate=20.0)
+    # each request starts when it was due (a server would have had it then), even if the engine was mid-step
+    assert [r.start_s for r in paced.records] == send_times(poisson.requests, 20.0, 1)
+    assert paced.records[-1].start_s > 0.02 and all(r.ok for r in paced.records)
     no_leaks(engine)
 
 
@@ -131,9 +135,11 @@ def test_serve_against_a_tokenmill_server(srv, tok, llama, tmp_path):
     argv = ["bench", "serve", "--base-url", srv.base_url + "/v1", "--model", "tiny", "--tokenizer", llama]
     argv += ["--workload", "random", "--num-requests", "4", "--input-len", "4:16", "--output-len", "2:6"]
     argv += ["--sweep", "max-concurrency=1,2", "--goodput", "ttft:60000", "--cost-per-hour", "1.0", "--no-progress"]
+    argv += ["--api-key", "sk-secret"]
     assert main([*argv, "--out", str(out)]) == 0
     result = read_result(out)
     assert [r.label for r in result.runs] == ["max-concurrency=1", "max-concurrency=2"]
+    assert result.command[:3] == ["tokenmill", "bench", "serve"] and "sk-secret" not in json.dumps(result.command)
     assert all(r.summary["completed"] == 4 and r.summary["goodput_share"] == 1.0 for r in result.runs)
     assert main(["bench", "plot", str(out), "--out", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / "throughput_latency.png").read_bytes()[:4] == b"\x89PNG"
@@ -155,6 +161,8 @@ def faulty_app() -> FastAPI:
         kind = (await request.json())["prompt"]
         if kind == "error":
             return JSONResponse({"error": {"message": "overloaded", "type": "server_error"}}, status_code=503)
+        if kind == "detail":
+            return JSONResponse({"detail": "unprocessable"}, status_code=422)
 
         async def stream():
             yield chunk("a")
@@ -164,6 +172,10 @@ def faulty_app() -> FastAPI:
                 raise RuntimeError("connection lost")  # uvicorn closes the connection mid-body
             if kind == "hang":
                 await asyncio.sleep(30)
+            if kind == "trickle":  # never silent for a whole read timeout, never done
+                for _ in range(100):
+                    await asyncio.sleep(0.3)
+                    yield chunk(" c")
             if kind != "nousage":
                 yield chunk("", {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
             if kind != "nodone":
@@ -182,24 +194,26 @@ def test_a_failing_server_is_counted_and_the_run_finishes(tok, tmp_path):
     while not server.started:
         time.sleep(0.02)
     try:
-        kinds = ["ok", "error", "drop", "nodone", "nousage", "hang", "ok"]
+        kinds = ["ok", "error", "drop", "nodone", "nousage", "hang", "detail", "trickle", "ok"]
         trace = tmp_path / "t.jsonl"
         trace.write_text("\n".join(json.dumps({"prompt": k, "max_tokens": 2}) for k in kinds) + "\n")
         workload = build_workload(WorkloadSpec(f"jsonl:{trace}"), None)
-        target = ServeTarget(f"http://127.0.0.1:{sock.getsockname()[1]}", "m", timeout_s=1.0)
+        target = ServeTarget(f"http://127.0.0.1:{sock.getsockname()[1]}", "m", timeout_s=1.5)
         start = time.monotonic()
         run = run_serve(target, workload, "faulty", max_concurrency=4, progress=False)
         assert time.monotonic() - start < 20
         errors = dict(zip(kinds, [r.error for r in run.records], strict=True))
-        assert [r.ok for r in run.records] == [True, False, False, False, False, False, True]
-        assert errors["error"] == "HTTP 503: overloaded"
+        assert [r.ok for r in run.records] == [True, False, False, False, False, False, False, False, True]
+        assert errors["error"] == "HTTP 503: overloaded" and errors["detail"] == "HTTP 422: unprocessable"
         assert "RemoteProtocolError" in errors["drop"] or "ReadError" in errors["drop"]
         assert errors["nodone"] == "the stream ended before [DONE]"
         assert errors["nousage"] == "the server sent no usage; pass --tokenizer to count tokens"
-        assert "Timeout" in errors["hang"]
-        assert run.records[0].output_tokens == 2  # from usage, not the 2 chunks... which agree here
+        assert "timeout" in errors["hang"].lower()
+        assert errors["trickle"] == "timeout: no complete response within 1.5 s"  # the whole request is bounded
+        assert run.records[0].output_tokens == 2  # from usage
+        assert run.records[0].e2e_s < 1.0 and len(run.records[0].itl_s) == 1
         s = summarize(run.records, run.duration_s)
-        assert (s["completed"], s["failed"]) == (2, 5)
+        assert (s["completed"], s["failed"]) == (2, 7)
         # with a tokenizer, a server without usage is counted by tokenizing the text it streamed
         counted = run_serve(
             target, build_workload(WorkloadSpec(f"jsonl:{trace}"), tok), "t", tokenizer=tok, progress=False
@@ -210,3 +224,33 @@ def test_a_failing_server_is_counted_and_the_run_finishes(tok, tmp_path):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--request-rate", "inf"], "--request-rate"),
+        (["--request-rate", "0"], "--request-rate"),
+        (["--sweep", "max-concurrency=2,2"], "given twice"),
+        (["--sweep", "request-rate=nan"], "--sweep"),
+        (["--sweep", "speed=1"], "--sweep"),
+        (["--goodput", "ttft:fast"], "--goodput"),
+        (["--cost-per-hour", "nan"], "--cost-per-hour"),
+        (["--timeout", "0"], "--timeout"),
+        (["--workload", "chatty"], "--workload"),
+        (["--input-len", "9:3"], "--input-len"),
+    ],
+)
+def test_bad_bench_flags_are_one_clear_line(llama, tmp_path, capsys, extra, message):
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", llama]
+    assert main([*argv, "--no-progress", "--out", str(tmp_path / "r.json"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill bench serve: error:") and message in err and "Traceback" not in err
+
+
+def test_offline_refuses_what_the_baseline_cannot_follow_before_loading(llama, tmp_path, capsys):
+    argv = ["bench", "offline", llama, "--workload", "multi-turn", "--num-requests", "4", "--baseline", "hf"]
+    assert main([*argv, "--out", str(tmp_path)]) == 2  # a folder as --out
+    assert "--out" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "r.json")]) == 2
+    assert "multi-turn dependencies" in capsys.readouterr().err

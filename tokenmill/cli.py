@@ -14,6 +14,15 @@ from tokenmill.models.make_model import ARCHS, SIZES
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
+# The bundled demo model (models/tokenmill-demo in the repository): the default of serve and generate.
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tokenmill-demo"
+
+
+def default_model() -> str:
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        raise ValueError(f"model: no model folder given, and the bundled default ({DEFAULT_MODEL}) is missing")
+    return str(DEFAULT_MODEL)
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from tokenmill.models.make_model import describe, make_model
@@ -34,7 +43,7 @@ def engine_config(args: argparse.Namespace, seed: int) -> EngineConfig:
     from tokenmill.config import EngineConfig
 
     return EngineConfig(
-        model=args.model,
+        model=args.model or default_model(),
         dtype=args.dtype,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -119,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(func=_make_model)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming the text to the terminal")
-    gen.add_argument("model", help="Hugging Face model folder")
+    gen.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: the bundled demo)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -136,10 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API (completions, chat, models, metrics)")
     srv.add_argument(
-        "model",
-        nargs="?",
-        default="models/small-llama",
-        help="Hugging Face model folder (default: the one `make serve` builds)",
+        "model", nargs="?", default=None, help="Hugging Face model folder (default: the bundled tokenmill-demo)"
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="port (0: any free port, logged at start)")
@@ -188,7 +194,9 @@ def add_engine_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what was asked, as given (bench records it in its result file)
     log = logging.getLogger("tokenmill")  # tokenmill's own log lines (KV cache size, ...) to stderr
     if not log.handlers:
         handler = logging.StreamHandler()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import platform
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.records import BenchResult, Run
 from tokenmill.bench.workloads import BUILT_IN, WorkloadSpec, parse_range
 
 SWEEPABLE = ("max-concurrency", "request-rate")
@@ -87,7 +89,7 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
     trace = args.workload.startswith("jsonl:")
     return WorkloadSpec(
         name=args.workload,
-        num_requests=args.num_requests if args.num_requests is not None else (10**9 if trace else 100),
+        num_requests=args.num_requests if args.num_requests is not None or trace else 100,
         seed=args.seed,
         input_len=parse_range(args.input_len, "--input-len"),
         output_len=parse_range(args.output_len, "--output-len"),
@@ -97,13 +99,38 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
-def _check_common(args: argparse.Namespace) -> None:
-    if args.request_rate is not None and not args.request_rate > 0:
-        raise ValueError(f"--request-rate: must be above 0, got {args.request_rate}")
+def _check_common(args: argparse.Namespace) -> Path:
+    """Flags every run needs checked before anything loads; returns the result path."""
+    if args.request_rate is not None and not (args.request_rate > 0 and math.isfinite(args.request_rate)):
+        raise ValueError(
+            f"--request-rate: must be a finite rate above 0 (omit it to send all at once), got {args.request_rate}"
+        )
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be at least 1, got {args.max_concurrency}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be at least 1, got {args.repeats}")
+    cost = getattr(args, "cost_per_hour", None)
+    if cost is not None and not (cost >= 0 and math.isfinite(cost)):
+        raise ValueError(f"--cost-per-hour: must be a finite price >= 0, got {cost}")
+    if getattr(args, "timeout", 1.0) <= 0 or not math.isfinite(getattr(args, "timeout", 1.0)):
+        raise ValueError(f"--timeout: must be a finite number of seconds above 0, got {args.timeout}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise ValueError(f"--threads: must be at least 1, got {args.threads}")
+    if getattr(args, "warmup", 0) < 0:
+        raise ValueError(f"--warmup: must be at least 0, got {args.warmup}")
+    out = Path(args.out or f"bench_{args.bench_command}_{_slug(args.workload)}_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a folder; give a file name")
+    return out
+
+
+def _recorded_command(args: argparse.Namespace) -> list[str]:
+    """The command as given, with an API key's value hidden."""
+    words, hide = [], False
+    for word in getattr(args, "argv", []):
+        words.append("***" if hide else ("--api-key=***" if word.startswith("--api-key=") else word))
+        hide = word == "--api-key"
+    return ["tokenmill", *words]
 
 
 def _sweep(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, Any], float | None, int | None]]:
@@ -118,23 +145,30 @@ def _sweep(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[s
         try:
             value: float = int(raw) if key == "max-concurrency" else float(raw)
         except ValueError:
-            raise ValueError(f"--sweep: {raw!r} is not a number") from None
-        if not value > 0:
-            raise ValueError(f"--sweep: {key} values must be above 0, got {raw}")
+            raise ValueError(
+                f"--sweep: {raw!r} is not {'an integer' if key == 'max-concurrency' else 'a number'}"
+            ) from None
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"--sweep: {key} values must be finite and above 0, got {raw}")
+        label = f"{key}={value:g}"
+        if any(label == p[0] for p in points):
+            raise ValueError(f"--sweep: {key}={raw} is given twice")
         rate = float(value) if key == "request-rate" else args.request_rate
         cap = int(value) if key == "max-concurrency" else args.max_concurrency
-        points.append((f"{key}={raw}", {key: value}, rate, cap))
+        points.append((label, {key: value}, rate, cap))
     return points
 
 
-def _finish(result: Any, args: argparse.Namespace, bases: list[str]) -> int:
+def _finish(result: BenchResult, out: Path, bases: list[str]) -> int:
     from tokenmill.bench.compare import aggregate
     from tokenmill.bench.report import render
 
     aggregate(result, bases)
+    try:
+        result.write(out)
+    except OSError as e:
+        raise ValueError(f"--out: cannot write {out} ({e.strerror or e})") from None
     print(render(result))
-    out = Path(args.out or f"bench_{result.tool}_{_slug(args.workload)}_{time.strftime('%Y%m%d-%H%M%S')}.json")
-    result.write(out)
     print(f"wrote {out}")
     return 0
 
@@ -149,11 +183,10 @@ def _environment() -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.bench.metrics import parse_slos, summarize
-    from tokenmill.bench.records import BenchResult
     from tokenmill.bench.serve import ServeTarget, run_serve
     from tokenmill.bench.workloads import build_workload
 
-    _check_common(args)
+    out = _check_common(args)
     slos = parse_slos(args.goodput)
     points = _sweep(args.sweep, args)
     tokenizer = _tokenizer(args.tokenizer)
@@ -186,23 +219,22 @@ def _serve(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "environment": _environment(),
     }
-    result = BenchResult("serve", ["tokenmill", *sys.argv[1:]], workload.describe(), config, runs)
-    return _finish(result, args, [])
+    result = BenchResult("serve", _recorded_command(args), workload.describe(), config, runs)
+    return _finish(result, out, [])
 
 
 def _offline(args: argparse.Namespace) -> int:
     import torch
 
     from tokenmill.bench.compare import label_of, parse_variant
-    from tokenmill.bench.hf_baseline import HFBaseline
+    from tokenmill.bench.hf_baseline import HFBaseline, check_baseline
     from tokenmill.bench.metrics import parse_slos, summarize
     from tokenmill.bench.offline import run_offline
-    from tokenmill.bench.records import BenchResult
     from tokenmill.bench.workloads import build_workload
     from tokenmill.cli import engine_config
     from tokenmill.engine.engine import LLMEngine
 
-    _check_common(args)
+    out = _check_common(args)
     slos = parse_slos(args.goodput)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -215,19 +247,20 @@ def _offline(args: argparse.Namespace) -> int:
     spec = _spec(args)
     workload = build_workload(spec, tokenizer)
     warm = build_workload(dataclasses.replace(spec, seed=spec.seed + 1, num_requests=max(1, args.warmup)), tokenizer)
+    if args.baseline == "hf":  # before anything loads
+        check_baseline(workload, args.request_rate, args.max_concurrency, args.ignore_eos)
     engines = [(label, v, LLMEngine(dataclasses.replace(base, **v))) for label, v in zip(labels, variants, strict=True)]
     hf = HFBaseline(args.model, base.dtype, base.max_num_seqs) if args.baseline == "hf" else None
-    if hf is not None:
-        hf.check(workload, args.request_rate, args.max_concurrency)
     arrivals = {"request_rate": args.request_rate, "max_concurrency": args.max_concurrency}
     if args.warmup:
         for _, _, engine in engines:
             run_offline(engine, warm, "warm-up", ignore_eos=args.ignore_eos, **arrivals)
         if hf is not None:
             hf.run(warm)
-    runs = []
+    runs: list[Run] = []
     for repeat in range(args.repeats):
-        for label, overrides, engine in engines:
+        for k in range(len(engines)):  # interleaved, and rotated so no variant always runs first
+            label, overrides, engine = engines[(k + repeat) % len(engines)]
             engine.reset_prefix_cache()  # every run starts cold: its own requests fill the cache
             run = run_offline(engine, workload, label, repeat, overrides, ignore_eos=args.ignore_eos, **arrivals)
             runs.append(run)
@@ -248,11 +281,11 @@ def _offline(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "environment": _environment(),
     }
-    result = BenchResult("offline", ["tokenmill", *sys.argv[1:]], workload.describe(), config, runs)
-    return _finish(result, args, [labels[0], *(["hf"] if hf is not None else [])])
+    result = BenchResult("offline", _recorded_command(args), workload.describe(), config, runs)
+    return _finish(result, out, [labels[0], *(["hf"] if hf is not None else [])])
 
 
-def _log(run: Any, progress: bool) -> None:
+def _log(run: Run, progress: bool) -> None:
     if progress:
         done = sum(r.ok for r in run.records)
         tokens = sum(r.output_tokens for r in run.records if r.ok)

@@ -4,7 +4,10 @@ Requests are taken in workload order in batches of `batch_size`, left-padded to 
 prompt, greedy, each batch generating until its longest request is done (`min_new_tokens` =
 `max_new_tokens`, EOS ignored as in the tokenmill runs); only the tokens a request asked for count.
 All requests are submitted at the start, so a request's TTFT includes the batches before its own. A
-logits processor stamps the time of every generation step: token k of a batch is ready at stamp k.
+logits processor stamps the time of every generation step: token k of a batch is ready at stamp k,
+and a request's TTFT, ITL and end-to-end latency are taken from its own tokens' stamps, as if
+`generate` streamed. That favours the baseline: `generate` returns a batch only when its longest
+request is done, so a shorter request's caller waits longer than its E2E here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class _StepClock:
         return scores
 
 
+def check_baseline(
+    workload: Workload, request_rate: float | None, max_concurrency: int | None, ignore_eos: bool
+) -> None:
+    """The baseline submits everything at once and generates exactly max_tokens; a ValueError for
+    settings it has no equivalent of."""
+    timed = any(r.after is not None or r.arrival_s is not None for r in workload.requests)
+    if request_rate is not None or max_concurrency is not None or timed:
+        raise ValueError(
+            "--baseline hf: transformers runs padded batches of requests submitted at once; it cannot "
+            "follow --request-rate, --max-concurrency, trace arrival times or multi-turn dependencies"
+        )
+    if not ignore_eos:
+        raise ValueError("--baseline hf: the baseline generates exactly max_tokens; drop --no-ignore-eos")
+
+
 class HFBaseline:
     def __init__(self, model_dir: str | Path, dtype: str, batch_size: int) -> None:
         import transformers
@@ -48,15 +66,6 @@ class HFBaseline:
         self.batch_size = batch_size
         pad = self.tokenizer.hf.pad_token_id
         self.pad_id = int(pad) if pad is not None else (self.tokenizer.info.eos_token_ids or (0,))[0]
-
-    def check(self, workload: Workload, request_rate: float | None, max_concurrency: int | None) -> None:
-        """The baseline submits everything at once; other arrival patterns have no equivalent here."""
-        timed = any(r.after is not None or r.arrival_s is not None for r in workload.requests)
-        if request_rate is not None or max_concurrency is not None or timed:
-            raise ValueError(
-                "--baseline hf: transformers runs padded batches of requests submitted at once; it cannot "
-                "follow --request-rate, --max-concurrency, trace arrival times or multi-turn dependencies"
-            )
 
     def _ids(self, workload: Workload) -> list[list[int]]:
         out = []

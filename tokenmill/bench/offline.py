@@ -44,7 +44,7 @@ def run_offline(
     for r in reqs:
         if r.after is not None:
             dependents.setdefault(r.after, []).append(r.index)
-    ready: deque[int] = deque()  # dependents whose previous turn finished
+    ready: deque[tuple[int, float]] = deque()  # (dependent, when its previous turn finished)
     records: dict[int, RequestRecord] = {}
     in_flight: dict[str, RequestRecord] = {}
     last_token: dict[str, float] = {}
@@ -52,18 +52,21 @@ def run_offline(
     live = allocated = 0
     full_steps: list[tuple[float, float]] = []  # (total, outside the forward) with a full batch decoding
     full = engine.config.max_num_seqs
+    slot_free_at = 0.0  # with a concurrency cap: when a slot last opened
     t0 = time.perf_counter()
 
-    def add(index: int, now: float) -> None:
-        record = RequestRecord(index=index, ok=False, start_s=now)
+    def add(index: int, arrived: float) -> None:
+        # A request starts when it arrived (and, under a cap, a slot was free), as a server would have
+        # received it, even if the engine was mid-step then: that wait is part of its latency.
+        start = arrived if max_concurrency is None else max(arrived, slot_free_at)
+        record = RequestRecord(index=index, ok=False, start_s=start)
         records[index] = record
         request_id = f"bench-{repeat}-{index}"
         try:
             engine.add_request(request_id, _prompt(engine, reqs[index]), _params(reqs[index], ignore_eos))
         except ValueError as e:
             record.error = f"refused: {e}"
-            for d in dependents.get(index, []):
-                ready.append(d)
+            ready.extend((d, start) for d in dependents.get(index, []))
             return
         in_flight[request_id] = record
 
@@ -72,7 +75,11 @@ def run_offline(
         while (ready or (pending and due[pending[0]] <= now)) and (  # type: ignore[operator]
             max_concurrency is None or len(in_flight) < max_concurrency
         ):
-            add(ready.popleft() if ready else pending.popleft(), now)
+            if ready:
+                add(*ready.popleft())
+            else:
+                index = pending.popleft()
+                add(index, due[index])  # type: ignore[arg-type]
         if not in_flight:
             if pending:
                 time.sleep(max(0.0, due[pending[0]] - (time.perf_counter() - t0)))  # type: ignore[operator]
@@ -102,7 +109,8 @@ def run_offline(
                 record.e2e_s = now - record.start_s
                 record.prompt_tokens = len(out.prompt_token_ids)
                 record.cached_tokens = out.num_cached_tokens
-                ready.extend(dependents.get(record.index, []))
+                ready.extend((d, now) for d in dependents.get(record.index, []))
+                slot_free_at = now
     duration = time.perf_counter() - t0
     after = engine.stats()
     extras: dict[str, Any] = {

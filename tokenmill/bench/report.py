@@ -26,6 +26,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ),
     ("KV slots holding live tokens", "kv_live_share", "{:.1%}"),
     ("preemptions", "preemptions", "{:.0f}"),
+    ("prompt tokens from the prefix cache", "prefix_cache_hit_tokens", "{:.0f}"),
     ("full decode step, ms", "full_decode_step_ms", "{:.2f}"),
     ("  of which outside the forward, ms", "full_decode_overhead_ms", "{:.2f}"),
 )

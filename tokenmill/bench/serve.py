@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +69,19 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 def _error_message(status: int, body: bytes) -> str:
+    """OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or the start of the body."""
+    message: Any = None
     try:
-        error = json.loads(body).get("error")
-        message = error.get("message") if isinstance(error, dict) else error
-    except (ValueError, AttributeError):
-        message = body[:200].decode("utf-8", "replace")
-    return f"HTTP {status}: {message}"
+        data = json.loads(body)
+        if isinstance(data, dict):
+            error = data.get("error")
+            message = error.get("message") if isinstance(error, dict) else error
+            message = message or data.get("detail") or data.get("message")
+    except ValueError:
+        pass
+    if not message:
+        message = body[:200].decode("utf-8", "replace") or "(empty body)"
+    return f"HTTP {status}: {str(message)[:200]}"
 
 
 async def send_one(
@@ -120,12 +128,15 @@ async def send_one(
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        record.error = f"{type(e).__name__}: {e}"[:200] or type(e).__name__
+        detail = str(e) or "no detail"
+        record.error = f"{type(e).__name__}: {detail}"[:200]
         return
     if not done:
         record.error = "the stream ended before [DONE]"
         return
-    record.e2e_s = time.perf_counter() - start
+    record.e2e_s = (
+        last if record.ttft_s is not None else time.perf_counter()
+    ) - start  # the last token's arrival, as vLLM measures (not the usage chunk or [DONE])
     _count_tokens(record, usage, text, request, tokenizer)
 
 
@@ -151,6 +162,14 @@ def _count_tokens(
     if record.prompt_tokens is None:
         record.prompt_tokens = request.prompt_len
     record.ok = True
+
+
+async def _bounded(sending: Coroutine[Any, Any, None], target: ServeTarget, record: RequestRecord) -> None:
+    """The whole request within the timeout (httpx's own timeout bounds each read, not the total)."""
+    try:
+        await asyncio.wait_for(sending, target.timeout_s)
+    except TimeoutError:
+        record.ok, record.error = False, f"timeout: no complete response within {target.timeout_s:g} s"
 
 
 async def run_serve_async(
@@ -184,10 +203,10 @@ async def run_serve_async(
                 await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
             try:
                 if gate is None:
-                    await send_one(client, target, reqs[i], records[i], t0, tokenizer)
+                    await _bounded(send_one(client, target, reqs[i], records[i], t0, tokenizer), target, records[i])
                 else:
                     async with gate:
-                        await send_one(client, target, reqs[i], records[i], t0, tokenizer)
+                        await _bounded(send_one(client, target, reqs[i], records[i], t0, tokenizer), target, records[i])
             except Exception as e:  # anything unforeseen is this request's failure, never the run's
                 records[i].ok, records[i].error = False, f"client error: {type(e).__name__}: {e}"[:200]
             finally:

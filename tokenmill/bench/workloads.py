@@ -30,13 +30,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 BUILT_IN = ("random", "mixed", "shared-prefix", "multi-turn", "code-edit")
-WORD = re.compile(r"[ \u2581][a-z]{2,12}")
+# A vocabulary piece that is a space marker (byte-level "Ġ" or SentencePiece "▁") and a lowercase word.
+WORD = re.compile(r"[\u0120\u2581][a-z]{2,12}")
 CODE_INSTRUCTION = "Rewrite the following Python code with the same behaviour and clearer names:\n\n"
 
 
 class BenchTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
@@ -62,7 +64,7 @@ class WorkloadSpec:
     """What to build; the CLI's workload flags."""
 
     name: str  # one of BUILT_IN, or "jsonl:PATH"
-    num_requests: int = 100
+    num_requests: int | None = 100  # None: every line of a trace
     seed: int = 0
     input_len: tuple[int, int] = (32, 512)
     output_len: tuple[int, int] = (8, 512)
@@ -73,7 +75,10 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.name not in BUILT_IN and not self.name.startswith("jsonl:"):
             raise ValueError(f"--workload: {self.name!r} is not one of {', '.join(BUILT_IN)} or jsonl:PATH")
-        for flag, value in (("--num-requests", self.num_requests), ("--prefix-len", self.prefix_len)):
+        if self.num_requests is None and not self.name.startswith("jsonl:"):
+            raise ValueError(f"--num-requests: the {self.name} workload needs a count")
+        count = self.num_requests if self.num_requests is not None else 1
+        for flag, value in (("--num-requests", count), ("--prefix-len", self.prefix_len)):
             if value < 1:
                 raise ValueError(f"{flag}: must be at least 1, got {value}")
         if self.num_groups < 1 or self.turns < 1:
@@ -134,16 +139,17 @@ class WordSource:
         self.tokenizer = tokenizer
         self.specials = len(tokenizer.encode("x")) - len(tokenizer.encode("x", add_special_tokens=False))
         ids = []
-        for i in range(tokenizer.vocab_size):
-            text = tokenizer.decode([i])
-            if WORD.fullmatch(text) and tokenizer.encode(text, add_special_tokens=False) == [i]:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(tokenizer.vocab_size)))
+        for i, piece in enumerate(pieces):  # " word" must encode to this one token
+            if WORD.fullmatch(piece) and tokenizer.encode(" " + piece[1:], add_special_tokens=False) == [i]:
                 ids.append(i)
         if len(ids) < 50:
             raise ValueError("--tokenizer: too few single-token words in its vocabulary to build prompts")
         self.word_ids = ids
 
     def words(self, rng: random.Random, count: int) -> str:
-        return self.tokenizer.decode([rng.choice(self.word_ids) for _ in range(count)])
+        pieces = self.tokenizer.convert_ids_to_tokens([rng.choice(self.word_ids) for _ in range(count)])
+        return "".join(" " + p[1:] for p in pieces)
 
     def prompt(self, rng: random.Random, length: int, head: str = "") -> tuple[str, list[int]]:
         """Text of exactly `length` tokens (specials included) that starts with `head`."""
@@ -216,8 +222,11 @@ def _multi_turn(spec: WorkloadSpec, rng: random.Random, words: WordSource) -> li
 def _code_edit(spec: WorkloadSpec, rng: random.Random, words: WordSource) -> list[BenchRequest]:
     from tokenmill.models.train_tokenizer import corpus
 
-    files = [t.splitlines(keepends=True) for t in corpus(spec.seed, max_bytes=2_000_000)]
-    files = [lines for lines in files if len(lines) > 40]
+    try:
+        texts = corpus(spec.seed, max_bytes=2_000_000)
+    except RuntimeError as e:
+        raise ValueError(f"--workload code-edit: {e}") from None
+    files = [lines for t in texts if len(lines := t.splitlines(keepends=True)) > 40]
     tok = words.tokenizer
     out = []
     for i in range(spec.num_requests):
@@ -267,8 +276,9 @@ def _trace_request(row: dict[str, Any], index: int, where: str, tokenizer: Bench
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
     arrival = row.get("arrival_time")
-    if arrival is not None and (not isinstance(arrival, int | float) or isinstance(arrival, bool) or arrival < 0):
-        raise ValueError(f"{where}: arrival_time must be a number of seconds >= 0, got {arrival!r}")
+    number = isinstance(arrival, int | float) and not isinstance(arrival, bool)
+    if arrival is not None and not (number and math.isfinite(arrival) and arrival >= 0):
+        raise ValueError(f"{where}: arrival_time must be a finite number of seconds >= 0, got {arrival!r}")
     request = BenchRequest(index, max_tokens, arrival_s=None if arrival is None else float(arrival))
     prompt, messages = row.get("prompt"), row.get("messages")
     if (prompt is None) == (messages is None):
@@ -279,6 +289,8 @@ def _trace_request(row: dict[str, Any], index: int, where: str, tokenizer: Bench
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if tokenizer is None:
             raise ValueError(f"{where}: a prompt of token ids needs --tokenizer to be sent as text")
+        if not all(0 <= t < tokenizer.vocab_size for t in prompt):
+            raise ValueError(f"{where}: prompt token ids must be in [0, {tokenizer.vocab_size})")
         request.prompt_token_ids = list(prompt)
         request.prompt = tokenizer.decode(list(prompt))
     elif messages is not None:
@@ -301,8 +313,8 @@ def _trace_request(row: dict[str, Any], index: int, where: str, tokenizer: Bench
 
 def send_times(requests: list[BenchRequest], request_rate: float | None, seed: int) -> list[float | None]:
     """When each request is due, in seconds from the start: a trace's own arrival times, else Poisson
-    arrivals at `request_rate` per second (seeded), else all at once. Requests that wait for another
-    (multi-turn) get None: they are sent when that one finishes."""
+    arrivals at `request_rate` per second (seeded; the first at 0), else all at once. Requests that
+    wait for another (multi-turn) get None: they are sent when that one finishes."""
     rng = random.Random(f"arrivals/{seed}")
     times: list[float | None] = []
     clock = 0.0
@@ -314,6 +326,6 @@ def send_times(requests: list[BenchRequest], request_rate: float | None, seed: i
         elif request_rate is None:
             times.append(0.0)
         else:
-            clock += rng.expovariate(request_rate)
             times.append(clock)
+            clock += rng.expovariate(request_rate)
     return times
