@@ -30,28 +30,20 @@ from typing import Any
 
 import torch
 import transformers
+from common import RESULTS, ensure_model
 
 from tokenmill.bench.metrics import spread
 from tokenmill.layers.attention import build_attention_metadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
-from tokenmill.models.make_model import make_model
 from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.kv_cache import allocate_kv_cache
 
-ROOT = Path(__file__).resolve().parent
-MODEL_DIR = ROOT / ".models" / "small-llama"
 BLOCK = 16
 PROMPT = 512
 CONTEXT = 128
 BATCHES = (1, 8, 32)
 DECODE_STEPS = 16
-
-
-def ensure_model() -> Path:
-    if not (MODEL_DIR / "config.json").is_file():
-        make_model("llama", "small", MODEL_DIR, seed=0)
-    return MODEL_DIR
 
 
 def _bytes_per_s(fn: Callable[[], object], nbytes: int, repeats: int = 7) -> float:
@@ -178,7 +170,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--out", default=str(ROOT / "results" / "forward.json"))
+    parser.add_argument("--out", default=str(RESULTS / "forward.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

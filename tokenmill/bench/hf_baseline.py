@@ -67,22 +67,10 @@ class HFBaseline:
         pad = self.tokenizer.hf.pad_token_id
         self.pad_id = int(pad) if pad is not None else (self.tokenizer.info.eos_token_ids or (0,))[0]
 
-    def _ids(self, workload: Workload) -> list[list[int]]:
-        out = []
-        for r in workload.requests:
-            if r.prompt_token_ids is not None:
-                out.append(list(r.prompt_token_ids))
-            elif r.messages is not None:
-                out.append(self.tokenizer.apply_chat_template(r.messages))
-            else:
-                assert r.prompt is not None
-                out.append(self.tokenizer.encode(r.prompt))
-        return out
-
     def run(self, workload: Workload, label: str = "hf", repeat: int = 0) -> Run:
         from transformers import LogitsProcessorList
 
-        prompts = self._ids(workload)
+        prompts = [r.token_ids(self.tokenizer) for r in workload.requests]
         reqs = workload.requests
         records: list[RequestRecord] = []
         t0 = time.perf_counter()

@@ -63,7 +63,7 @@ def run_offline(
         records[index] = record
         request_id = f"bench-{repeat}-{index}"
         try:
-            engine.add_request(request_id, _prompt(engine, reqs[index]), _params(reqs[index], ignore_eos))
+            engine.add_request(request_id, reqs[index].token_ids(engine.tokenizer), _params(reqs[index], ignore_eos))
         except ValueError as e:
             record.error = f"refused: {e}"
             ready.extend((d, start) for d in dependents.get(index, []))
@@ -125,15 +125,6 @@ def run_offline(
         extras["full_decode_overhead_share"] = extras["full_decode_overhead_ms"] / extras["full_decode_step_ms"]
     ordered = [records[i] for i in sorted(records)]
     return Run(label, repeat, dict(settings or {}), duration, ordered, extras={k: v for k, v in extras.items()})
-
-
-def _prompt(engine: LLMEngine, request: BenchRequest) -> str | list[int]:
-    if request.prompt_token_ids is not None:
-        return request.prompt_token_ids
-    if request.messages is not None:
-        return engine.tokenizer.apply_chat_template(request.messages)
-    assert request.prompt is not None
-    return request.prompt
 
 
 def _params(request: BenchRequest, ignore_eos: bool) -> SamplingParams:

@@ -58,6 +58,15 @@ class BenchRequest:
     def prompt_len(self) -> int | None:
         return None if self.prompt_token_ids is None else len(self.prompt_token_ids)
 
+    def token_ids(self, tokenizer: BenchTokenizer) -> list[int]:
+        """The prompt in tokens: as planned, else the chat template's or the text's encoding."""
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        if self.messages is not None:
+            return tokenizer.apply_chat_template(self.messages)
+        assert self.prompt is not None
+        return tokenizer.encode(self.prompt)
+
 
 @dataclass
 class WorkloadSpec:
