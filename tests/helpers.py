@@ -1,11 +1,15 @@
-"""Test helpers: the logit comparison rule and a step-by-step driver over a paged KV cache."""
+"""Test helpers: the logit comparison rule, the near-tie rule for comparing two runs' greedy tokens,
+and a step-by-step driver over a paged KV cache."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from tokenmill.layers.attention import KVCache, build_attention_metadata
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.outputs import TokenLogprob
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
@@ -14,6 +18,38 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4
     scale = ref.abs().max().item()
     diff = (ours - ref).abs().max().item()
     assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel} x logit scale {scale:.3g}"
+
+
+# Two float32 runs of the same model (other batch sizes, chunkings, or transformers) may break a
+# near-tie either way: their logits differ by ~1e-5. A divergence is allowed only where the two
+# tokens' log-probabilities are this close on both sides; a wrong pick (a runner-up one nat behind)
+# is not a near tie.
+NEAR_TIE_NATS = 1e-3
+
+
+def assert_same_up_to_near_tie(
+    a: Sequence[int], a_logprobs: Sequence[dict[int, float]], b: Sequence[int], b_logprobs: Sequence[dict[int, float]]
+) -> bool:
+    """Greedy tokens `a` and `b` are equal, or equal up to a first divergence at a near tie: there
+    both tokens are within NEAR_TIE_NATS of each other in each side's distribution (`*_logprobs[j]`:
+    token -> logprob at output position j, covering at least the top few tokens); the comparison
+    stops there, since each side then continues from another context. Returns True when equal."""
+    assert len(a) == len(b), f"lengths differ: {len(a)} vs {len(b)}"
+    for j, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x == y:
+            continue
+        for side, lp in (("first", a_logprobs[j]), ("second", b_logprobs[j])):
+            assert x in lp and y in lp, f"diverged at {j}: {x} vs {y}, not both among the {side} run's top tokens"
+            gap = abs(lp[x] - lp[y])
+            assert gap <= NEAR_TIE_NATS, f"diverged at {j}: {x} vs {y}, {gap:.3g} nats apart in the {side} run"
+        return False
+    return True
+
+
+def top_logprobs(logprobs: Sequence[TokenLogprob] | None) -> list[dict[int, float]]:
+    """An output's per-token logprob entries -> token -> logprob at each position (top + chosen)."""
+    assert logprobs is not None, "the comparison needs the outputs' logprobs"
+    return [dict(entry.top) | {entry.token_id: entry.logprob} for entry in logprobs]
 
 
 class PagedRunner:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenmill.core.block_hash import block_hash, chain_hashes
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_manager import KVManager
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
@@ -236,3 +237,23 @@ def test_prefix_cache_salt_and_prompt_logprobs_never_share():
     chunks, _ = run_step(s)
     assert chunks["b"] == (0, 12) and chunks["c"] == (0, 12) and chunks["d"] == (8, 4)
     assert kv.num_free_blocks == 16
+
+
+def test_block_hashes_chain_on_the_parent():
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    abc = chain_hashes(a + b + c, 4, None)
+    ac = chain_hashes(a + c, 4, None)
+    assert abc[0] == ac[0] == block_hash(None, a, None)
+    assert abc[1] == block_hash(abc[0], b, None) and abc[2] == block_hash(abc[1], c, None)
+    assert ac[1] == block_hash(ac[0], c, None) != abc[2]  # the same tokens after another parent
+    assert chain_hashes(a + b + c, 4, None, parent=abc[0])[0] != abc[0]  # a chain continued from a parent
+    assert chain_hashes(a + b + [13], 4, None) == abc[:2]  # a trailing partial block gets no hash
+    assert chain_hashes(a, 4, "salt") != chain_hashes(a, 4, None)
+    # the KV manager finds only the longest chain of leading blocks: C after A is not C after A + B
+    kv = KVManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    assert kv.allocate("abc", 12)
+    kv.cache_full_blocks("abc", a + b + c, None)
+    blocks, hashes = kv.find_prefix(a + c, None)
+    assert blocks == kv.block_table("abc")[:1] and hashes == abc[:1]
+    blocks, _ = kv.find_prefix(c, None)
+    assert blocks == []

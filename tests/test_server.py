@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -161,9 +163,10 @@ def test_other_errors(srv):
     assert r.status_code == 400
 
 
-def test_client_disconnect_mid_stream_frees_blocks(srv):
+def test_client_disconnect_mid_stream_stops_generation_and_frees_blocks(srv):
     body = {"model": "tiny", "prompt": "for i in range(10):", "max_tokens": 200, "stream": True, "ignore_eos": True}
     headers = {"authorization": f"Bearer {API_KEY}"}
+    before = srv.stats()
     with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, headers=headers, timeout=TIMEOUT) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -171,6 +174,11 @@ def test_client_disconnect_mid_stream_frees_blocks(srv):
         assert srv.stats()["running"] == 1
     stats = srv.wait_all_free(timeout=5)  # within a few engine steps of the close
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == 0
+    assert stats["aborted"] == before["aborted"] + 1
+    generated = stats["generated_tokens"] - before["generated_tokens"]
+    assert 1 <= generated < 100, f"{generated} of 200 tokens generated: the abort came late or never"
+    text = httpx.get(f"{srv.base_url}/metrics", timeout=TIMEOUT).text
+    assert 'tokenmill:request_success_total{finished_reason="abort",model_name="tiny"}' in text
 
 
 def test_burst_beyond_max_waiting_is_refused_politely(srv):
@@ -258,3 +266,154 @@ def test_cache_salt_isolates_tenants(client):
     other = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "b"})
     assert same.usage.prompt_tokens_details.cached_tokens >= 16
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def stream_events(srv: RunningServer, path: str, body: dict) -> list[dict]:
+    """Every JSON event of a streamed response (the stream must end with [DONE])."""
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{srv.base_url}{path}", json=body, headers=headers, timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_streaming_n_and_several_prompts_index_choices_as_prompt_times_n_plus_child(srv):
+    body = {"model": "tiny", "prompt": ["a = 1", "def f(x):"], "n": 3, "max_tokens": 6, "seed": 11}
+    body |= {"temperature": 1.0, "echo": True, "ignore_eos": True}
+    whole = post(srv, "/v1/completions", body).json()
+    events = stream_events(srv, "/v1/completions", {**body, "stream": True})
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"]:
+                reasons[c["index"]] = c["finish_reason"]
+    assert sorted(texts) == list(range(6)) and reasons == dict.fromkeys(range(6), "length")
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # same seeds, same text per choice
+    for index, text in texts.items():
+        assert text.startswith(body["prompt"][index // 3])  # the echo names choice i * n + j's prompt i
+    assert len({texts[i] for i in range(3)}) > 1  # the children of one prompt differ
+
+
+def test_streamed_logprobs_equal_the_whole_response(srv):
+    body = {"model": "tiny", "prompt": "import sys", "max_tokens": 7, "temperature": 0, "logprobs": 2}
+    whole = post(srv, "/v1/completions", {**body, "ignore_eos": True}).json()["choices"][0]["logprobs"]
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for e in stream_events(srv, "/v1/completions", {**body, "ignore_eos": True, "stream": True}):
+        for c in e["choices"]:
+            if c["logprobs"] is not None:
+                tokens += c["logprobs"]["tokens"]
+                token_logprobs += c["logprobs"]["token_logprobs"]
+                tops += c["logprobs"]["top_logprobs"]
+                offsets += c["logprobs"]["text_offset"]
+    assert tokens == whole["tokens"] and len(tokens) == 7
+    assert token_logprobs == pytest.approx(whole["token_logprobs"], abs=1e-6)
+    assert [sorted(t) for t in tops] == [sorted(t) for t in whole["top_logprobs"]]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    chat |= {"logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    content = post(srv, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    streamed = [
+        entry
+        for e in stream_events(srv, "/v1/chat/completions", {**chat, "stream": True})
+        for c in e["choices"]
+        if c.get("logprobs")
+        for entry in c["logprobs"]["content"]
+    ]
+    assert [x["token"] for x in streamed] == [x["token"] for x in content] and len(content) == 4
+    assert [x["logprob"] for x in streamed] == pytest.approx([x["logprob"] for x in content], abs=1e-6)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(srv, tiny_model_dir, hf_logits):
+    import torch
+
+    prompt = "def add(a, b):\n    return"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    choice = post(srv, "/v1/completions", body).json()["choices"][0]
+    plain = post(srv, "/v1/completions", {**body, "echo": False}).json()["choices"][0]
+    ids = srv.server.tokenizer.encode(prompt)
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt + plain["text"]
+    assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None
+    ref = torch.log_softmax(hf_logits(tiny_model_dir("llama"), torch.tensor(ids)), dim=-1)
+    expected = [ref[j - 1, ids[j]].item() for j in range(1, len(ids))]
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert lp["token_logprobs"][len(ids) :] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-6)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_chat_streaming_with_include_usage_ends_with_the_usage_chunk(srv):
+    messages = [{"role": "user", "content": "count to three"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    events = stream_events(
+        srv, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    *chunks, last = events
+    assert last["choices"] == [] and last["object"] == "chat.completion.chunk"
+    assert last["usage"]["completion_tokens"] == 5
+    assert last["usage"]["prompt_tokens"] == len(srv.server.tokenizer.apply_chat_template(messages))
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 5
+    assert all(e.get("usage") is None for e in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_unexpected_error_is_a_500_in_openai_shape(srv, monkeypatch):
+    def broken(req: object) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(srv.server, "prepare_completion", broken)
+    r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert r.status_code == 500
+    assert r.json() == {
+        "error": {"message": "Internal error (KeyError).", "type": "internal_error", "param": None, "code": None}
+    }
+
+
+def test_a_draining_server_refuses_with_503_and_its_health_says_so(tiny_model_dir):
+    running = start_server(str(tiny_model_dir("llama")))
+    try:
+        running.server.engine.begin_drain()
+        r = post(running, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, key=None)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{running.base_url}/health", timeout=TIMEOUT).status_code == 503
+    finally:
+        running.stop()
+
+
+def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
+    running = start_server(str(tiny_model_dir("llama")))
+    try:
+        engine = running.server.engine.engine
+        long = {"model": "tiny", "prompt": "while True:", "max_tokens": 240, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: whole.append(post(running, "/v1/completions", long, key=None)))
+        with httpx.stream("POST", f"{running.base_url}/v1/completions", json={**long, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while running.stats()["running"] < 2:
+                assert time.monotonic() < deadline, "the second request never started"
+                time.sleep(0.005)
+
+            def crash() -> None:
+                raise RuntimeError("a bug in the step")
+
+            engine.step = crash  # the engine thread's next step raises
+            rest = [line for line in lines if line.startswith("data: ")]
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "internal_error" and "the engine failed" in error["message"]
+        assert whole[0].status_code == 500 and whole[0].json()["error"]["type"] == "internal_error"
+        assert "Traceback" not in whole[0].text
+        assert httpx.get(f"{running.base_url}/health", timeout=TIMEOUT).status_code == 503
+        r = post(running, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, key=None)
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+        stats = engine.stats()  # the requests were aborted and their blocks freed
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["aborted"] == 2
+    finally:
+        running.stop()

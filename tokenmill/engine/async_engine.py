@@ -65,9 +65,10 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], asyncio.AbstractEventLoop]] = {}
         self._token_clock: dict[str, tuple[float, int]] = {}  # request id -> (last token time, tokens)
         self._pending = 0  # add commands sent, not yet taken by the engine thread
-        self._pending_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending, _stopping and _closed against the engine thread
         self._waiting = 0  # the engine's waiting count after its last step
-        self._stopping = False
+        self._stopping = False  # draining or stopping: no new requests
+        self._closed = False  # the engine thread has ended (or is ending)
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._failure: BaseException | None = None
 
@@ -76,15 +77,35 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    def begin_drain(self) -> None:
+        """Take no new requests (they get EngineStopped); the open ones run on."""
+        with self._lock:
+            self._stopping = True
+
+    def request_stop(self) -> None:
+        """Tell the engine thread to abort what is left and end; returns at once."""
+        with self._lock:
+            self._stopping = True
+            self._commands.put(None)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, stop the engine thread and wait for it."""
-        self._stopping = True
-        self._commands.put(None)
+        self.request_stop()
         self._thread.join(timeout)
 
     @property
     def healthy(self) -> bool:
         return self._thread.is_alive() and self._failure is None
+
+    @property
+    def accepting(self) -> bool:
+        """Healthy and not draining: new requests are taken."""
+        return self.healthy and not self._stopping and not self._closed
+
+    @property
+    def num_open(self) -> int:
+        """Requests accepted (or on their way in) that have not finished."""
+        return len(self._sinks) + self._pending
 
     @property
     def num_waiting(self) -> int:
@@ -96,19 +117,20 @@ class AsyncEngine:
         """Outputs of one request as the engine produces them, until it finishes. Raises
         EngineOverloaded or EngineStopped before anything is accepted, ValueError for a request the
         engine refuses. Closing the iterator early (a client gone) aborts the request."""
-        if self._stopping or not self.healthy:
-            raise EngineStopped("the server is shutting down")
-        with self._pending_lock:
-            if self._waiting + self._pending >= self.max_waiting:
-                raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
-            self._pending += 1
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         accepted: Future[None] = Future()
-        self._commands.put(AddCommand(request_id, prompt, params, cache_salt, time.monotonic(), sink, loop, accepted))
-        await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a refused request
+        with self._lock:  # checked and queued at once: the engine thread never ends with it unseen
+            if not self.accepting:
+                raise EngineStopped("the server is shutting down" if self.healthy else "the engine is not running")
+            if self._waiting + self._pending >= self.max_waiting:
+                raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
+            self._pending += 1
+            command = AddCommand(request_id, prompt, params, cache_salt, time.monotonic(), sink, loop, accepted)
+            self._commands.put(command)
         finished = False
         try:
+            await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a refused request
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -143,8 +165,15 @@ class AsyncEngine:
             for sink, loop in self._sinks.values():
                 loop.call_soon_threadsafe(sink.put_nowait, RuntimeError("the engine failed"))
         finally:
+            with self._lock:  # no request is queued after this: refuse those queued but not taken
+                self._closed = True
+                while not self._commands.empty():
+                    left = self._commands.get_nowait()
+                    if isinstance(left, AddCommand):
+                        left.accepted.set_exception(EngineStopped("the server shut down"))
             for request_id in list(self._sinks):
-                self.engine.abort_request(request_id)
+                if self.engine.abort_request(request_id):
+                    self.metrics.observe_aborted()
             for sink, loop in self._sinks.values():
                 loop.call_soon_threadsafe(sink.put_nowait, EngineStopped("the server shut down"))
             self._sinks.clear()
@@ -161,10 +190,11 @@ class AsyncEngine:
                 return False
             if isinstance(command, AbortCommand):
                 if self._sinks.pop(command.request_id, None) is not None:
-                    self.engine.abort_request(command.request_id)
+                    if self.engine.abort_request(command.request_id):
+                        self.metrics.observe_aborted()
                     self._token_clock.pop(command.request_id, None)
                 continue
-            with self._pending_lock:
+            with self._lock:
                 self._pending -= 1
             try:
                 self.engine.add_request(
@@ -173,6 +203,9 @@ class AsyncEngine:
             except ValueError as e:
                 command.accepted.set_exception(e)
                 continue
+            except BaseException:
+                command.accepted.set_exception(RuntimeError("the engine failed"))
+                raise
             self._sinks[command.request_id] = (command.sink, command.loop)
             self._token_clock[command.request_id] = (command.arrival, 0)
             self._waiting += 1

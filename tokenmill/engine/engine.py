@@ -96,6 +96,7 @@ class LLMEngine:
         self._parents: dict[str, Parent] = {}
         self._children: dict[str, tuple[Parent, int]] = {}  # internal child id -> (parent, index)
         self._next_id = 0
+        self.num_aborted = 0  # requests aborted (by a client gone, a shutdown, or a caller)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
 
     # -- requests --------------------------------------------------------------------------------
@@ -162,13 +163,17 @@ class LLMEngine:
             self._children[request.request_id] = (parent, i)
         self._parents[request_id] = parent
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is (children still held included) and free its blocks now;
+        False when no such request is open."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
-            return
+            return False
+        self.num_aborted += 1
         for child in parent.children:
             self.scheduler.finish_request(child.request.request_id, RequestStatus.FINISHED_ABORTED)
             self._children.pop(child.request.request_id, None)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -277,6 +282,7 @@ class LLMEngine:
             "running": s.running,
             "waiting": s.waiting,
             "preemptions": s.preemptions,
+            "aborted": self.num_aborted,
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
             "prefix_cache_queries": s.prefix_cache_queries,

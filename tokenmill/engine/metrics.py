@@ -9,6 +9,7 @@ finish reason), and a vLLM-like summary line of throughput and load.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -57,7 +58,9 @@ class EngineGauges:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times the log line's rates (seconds; injectable so a test controls the interval)."""
+        self._clock = clock
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -91,7 +94,7 @@ class EngineMetrics:
         )
         self.model_name = model_name
         self._last = EngineGauges(0, 0, 0.0, 0, 0, 0)
-        self._log_mark = (time.monotonic(), self._last)
+        self._log_mark = (self._clock(), self._last)
 
     def observe_step(self, g: EngineGauges) -> None:
         m = self.model_name
@@ -125,12 +128,16 @@ class EngineMetrics:
         if num_output_tokens > 1:
             self.tpot.labels(m).observe((t.finished_time - t.first_token_time) / (num_output_tokens - 1))
 
+    def observe_aborted(self) -> None:
+        """A request aborted before it finished (its client went away, or the server shut down)."""
+        self.success.labels(self.model_name, "abort").inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def log_line(self) -> str:
         """Throughput since the previous call and the current load, like vLLM's periodic line."""
-        now, g = time.monotonic(), self._last
+        now, g = self._clock(), self._last
         then, before = self._log_mark
         dt = max(now - then, 1e-9)
         self._log_mark = (now, g)

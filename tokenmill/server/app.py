@@ -171,9 +171,10 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.healthy:
+        if engine.accepting:
             return Response(status_code=200)
-        return error_response(503, "The engine is not running.", "service_unavailable")
+        why = "The server is shutting down." if engine.healthy else "The engine is not running."
+        return error_response(503, why, "service_unavailable", None, None, {"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,8 +1,10 @@
 """Building and running the server: engine + AsyncEngine + app, served by uvicorn on a socket we bind.
 
 Binding the socket here (port 0 allowed) lets the log say the real address, which tests read.
-SIGTERM (or Ctrl-C) drains: uvicorn stops accepting, lets in-flight requests finish for up to
-`drain_timeout` seconds, then the engine aborts what is left and the process exits 0.
+SIGTERM (or Ctrl-C) drains: the server keeps answering, but new requests and /health get a 503
+(so a load balancer moves away and a client is told, not refused a connection) while the requests
+in flight run to their end, for up to `drain_timeout` seconds; then the engine aborts what is left
+(a stream gets an error event) and the process exits 0. A second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -48,11 +51,46 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain between the signal and the exit (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.drain_started: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started is not None:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
+        self.drain_started = time.monotonic()
+        self.engine.begin_drain()
+        logger.info(
+            "%s: draining %d open requests (up to %.0f s); new requests get 503",
+            signal.Signals(sig).name,
+            self.engine.num_open,
+            self.drain_timeout,
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_started is not None and not self.should_exit:
+            left = self.engine.num_open
+            if left and time.monotonic() - self.drain_started >= self.drain_timeout:
+                logger.warning("drain timeout: aborting %d requests still open", left)
+                left = 0
+            if not left:
+                self.engine.request_stop()  # aborts what is left; streams get an error event
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def serve(server: Server, host: str, port: int, api_key: str | None, drain_timeout: float) -> None:
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(server, api_key=api_key)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(drain_timeout), access_log=False)
+    # the drain happens before uvicorn's own shutdown; it then only waits for the last bytes to go
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False)
     logger.info(
         "serving %s on http://%s:%d (API key %s)",
         server.model_name,
@@ -60,12 +98,12 @@ def serve(server: Server, host: str, port: int, api_key: str | None, drain_timeo
         bound_port,
         "required" if api_key else "not required",
     )
-    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler that was in place
-    # before it started. Make that handler a no-op, so a drained server exits 0 instead of dying of it.
+    # uvicorn re-raises a signal that made it exit (a second Ctrl-C) under the handler in place
+    # before it started. Make that handler a no-op, so the server exits 0 instead of dying of it.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, server.engine, drain_timeout).run(sockets=[sock])
 
 
 def _drained(signum: int, frame: FrameType | None) -> None:
-    logger.info("drained after %s; exiting", signal.Signals(signum).name)
+    logger.info("stopped after %s; exiting", signal.Signals(signum).name)

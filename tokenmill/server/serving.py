@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine, EngineStopped
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -228,13 +228,16 @@ class Server:
     async def _events(
         self, job: Job, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]
     ) -> AsyncIterator[str]:
-        merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, s: AsyncIterator[RequestOutput], first: RequestOutput | None) -> None:
-            if first is not None:
-                await merged.put((i, first))
-                async for out in s:
-                    await merged.put((i, out))
+            try:
+                if first is not None:
+                    await merged.put((i, first))
+                    async for out in s:
+                        await merged.put((i, out))
+            except Exception as e:  # the engine failed or shut down mid-stream: tell the client
+                await merged.put((i, e))
             await merged.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
@@ -251,6 +254,10 @@ class Server:
                 if out is None:
                     open_streams -= 1
                     continue
+                if isinstance(out, BaseException):  # OpenAI-shaped error event, then the end of the stream
+                    yield _sse(stream_error(out))
+                    yield "data: [DONE]\n\n"
+                    return
                 finals[i] = out
                 for c in out.outputs:
                     event = self._chunk_for(job, i, out, c, first=(i, c.index) not in started)
@@ -266,6 +273,9 @@ class Server:
         finally:
             for t in tasks:
                 t.cancel()
+            # wait for the pumps to stop before closing their generators (aclose on a generator a
+            # pump is still running raises)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
 
     def _chunk_for(self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool) -> str | None:
@@ -300,6 +310,15 @@ class Server:
     def _chat_chunk_choice(job: Job, choice: ChatChunkChoice) -> str:
         chunk = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=[choice])
         return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+
+
+def stream_error(e: BaseException) -> dict[str, Any]:
+    """The body of an error event in a stream already under way (OpenAI's error shape)."""
+    if isinstance(e, EngineStopped):
+        kind, code = "service_unavailable", "shutting_down"
+    else:
+        kind, code = "internal_error", None
+    return {"error": {"message": f"The request did not finish: {e}.", "type": kind, "param": None, "code": code}}
 
 
 def _sse(payload: dict[str, Any]) -> str:
