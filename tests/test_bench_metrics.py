@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.compare import aggregate, label_of, parse_variant
-from tokenmill.bench.metrics import distribution, gain, parse_slos, summarize
+from tokenmill.bench.metrics import distribution, gain, meets_slos, parse_slos, summarize
 from tokenmill.bench.records import BenchResult, RequestRecord, Run
 from tokenmill.bench.workloads import BUILT_IN, WorkloadSpec, build_workload, parse_range, send_times
 from tokenmill.config import EngineConfig
@@ -19,12 +19,18 @@ from tokenmill.engine.tokenizer import Tokenizer
 
 
 def rec(
-    index: int, ttft: float, arrivals: list[float], tokens: int, ok: bool = True, prompt: int = 10
+    index: int,
+    ttft: float,
+    arrivals: list[float],
+    tokens: int,
+    ok: bool = True,
+    prompt: int = 10,
+    cached: int | None = None,
 ) -> RequestRecord:
-    """A request sent at 0 whose token chunks arrived at `arrivals` (seconds)."""
+    """A request sent at 0 whose `tokens` output tokens arrived in chunks at `arrivals` (seconds)."""
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return RequestRecord(
-        index, ok, None if ok else "HTTP 500: boom", 0.0, prompt, tokens, None, ttft, arrivals[-1], gaps
+        index, ok, None if ok else "HTTP 500: boom", 0.0, prompt, tokens, cached, ttft, arrivals[-1], gaps
     )
 
 
@@ -51,6 +57,79 @@ def test_ttft_tpot_itl_e2e_and_throughput_by_hand():
     assert s["itl"]["median"] == pytest.approx(150.0)  # between 100 and 200
     assert s["e2e"]["max"] == pytest.approx(700.0) and s["e2e"]["min"] == pytest.approx(50.0)
     assert s["errors"] == {"HTTP 500: boom": 1}
+
+
+def test_tpot_and_output_tokens_count_tokens_not_chunks():
+    # Servers may put several tokens in one chunk; a chunk is one arrival (one ITL gap), TPOT divides by tokens.
+    # A: 7 tokens in 3 chunks at 0.1, 0.4, 0.7 -> TPOT (0.7 - 0.1) / 6 = 0.1 (per chunk it would be 0.3); ITL 0.3, 0.3
+    # B: 3 tokens in 2 chunks at 0.2, 0.6 -> TPOT 0.4 / 2 = 0.2 (per chunk 0.4); ITL 0.4
+    # C: 4 tokens in 1 chunk at 0.05 -> TPOT 0 (no time after the first token); no ITL
+    records = [rec(0, 0.1, [0.1, 0.4, 0.7], 7), rec(1, 0.2, [0.2, 0.6], 3), rec(2, 0.05, [0.05], 4)]
+    assert [r.tpot_s for r in records] == pytest.approx([0.1, 0.2, 0.0])
+    s = summarize(records, duration_s=2.0)
+    assert s["output_tokens"] == 14 and s["output_throughput"] == pytest.approx(7.0)  # 14 tokens, 6 chunks
+    assert s["total_token_throughput"] == pytest.approx(22.0)  # (30 + 14) / 2
+    assert s["tpot"]["mean"] == pytest.approx(100.0)  # (100 + 200 + 0) / 3 ms
+    assert s["tpot"]["max"] == pytest.approx(200.0) and s["tpot"]["min"] == 0.0
+    assert s["itl"]["mean"] == pytest.approx(1000 / 3)  # (300 + 300 + 400) / 3: one sample per chunk gap
+    assert s["itl"]["median"] == pytest.approx(300.0) and s["itl"]["max"] == pytest.approx(400.0)
+    assert s["e2e"]["max"] == pytest.approx(700.0) and s["ttft"]["min"] == pytest.approx(50.0)
+
+
+def test_cached_share_is_over_the_prompts_that_report_cached_tokens():
+    records = [
+        rec(0, 0.1, [0.1], 1, prompt=10, cached=5),
+        rec(1, 0.1, [0.1], 1, prompt=20),  # reports nothing: in neither sum
+        rec(2, 0.1, [0.1], 1, prompt=30, cached=15),
+        rec(3, 0.1, [0.1], 1, prompt=40, cached=0),  # reports no hit: counts
+        RequestRecord(4, False, "dropped", prompt_tokens=100, cached_tokens=100),  # failed: not counted
+    ]
+    s = summarize(records, 1.0)
+    assert s["cached_tokens"] == 20 and s["prompt_tokens"] == 100
+    assert s["cached_share"] == pytest.approx(20 / 80)  # not 20 / 100 (all prompts) nor 120 / 180 (failed too)
+    none = summarize([rec(0, 0.1, [0.1], 1), rec(1, 0.1, [0.1], 1)], 1.0)
+    assert none["cached_tokens"] is None and none["cached_share"] is None  # nobody reports: unknown, not 0
+    zero = summarize([rec(0, 0.1, [0.1], 1, cached=0)], 1.0)
+    assert zero["cached_tokens"] == 0 and zero["cached_share"] == 0.0  # reported, no hit
+
+
+def test_meets_slos_checks_each_measure_in_ms_and_never_a_failure():
+    r = rec(0, 0.125, [0.125, 0.25, 0.375], 3)  # ttft 125 ms, tpot 125 ms, e2e 375 ms
+    assert meets_slos(r, {"ttft": 125, "tpot": 125, "e2e": 375})  # at the limit passes
+    assert not meets_slos(r, {"ttft": 124})
+    assert not meets_slos(r, {"tpot": 124})
+    assert not meets_slos(r, {"e2e": 374})
+    assert not meets_slos(r, {"ttft": 500, "tpot": 500, "e2e": 374})  # one miss is enough
+    assert meets_slos(r, {}) and meets_slos(r, {"e2e": 400})
+    one = rec(1, 0.125, [0.125], 1)  # a 1-token reply has no TPOT: a TPOT SLO does not fail it
+    assert one.tpot_s is None and meets_slos(one, {"tpot": 1, "ttft": 200})
+    assert not meets_slos(one, {"tpot": 1, "e2e": 100})
+    fast_but_failed = rec(2, 0.001, [0.001, 0.002], 2, ok=False)
+    assert not meets_slos(fast_but_failed, {"ttft": 1000, "tpot": 1000, "e2e": 1000})
+    assert not meets_slos(fast_but_failed, {})
+    assert not meets_slos(RequestRecord(3, False, "dropped"), {"ttft": 1000})
+
+
+def test_goodput_with_an_e2e_slo_and_failures_in_the_share():
+    records = [
+        rec(0, 0.1, [0.1, 0.2, 0.3], 3),  # ttft 100, tpot 100, e2e 300: good
+        rec(1, 0.1, [0.1, 0.3, 0.5], 3),  # ttft 100, tpot 200, e2e 500: fails only the e2e SLO
+        rec(2, 0.05, [0.05], 1),  # ttft 50, no tpot, e2e 50: good
+        rec(3, 0.3, [0.3, 0.35], 2),  # ttft 300: fails ttft
+        RequestRecord(4, False, "dropped"),
+        RequestRecord(5, False, "HTTP 503: overloaded"),
+    ]
+    slos = parse_slos("ttft:200,tpot:250,e2e:400")
+    assert slos == {"ttft": 200.0, "tpot": 250.0, "e2e": 400.0}
+    assert [meets_slos(r, slos) for r in records] == [True, False, True, False, False, False]
+    s = summarize(records, 2.0, slos)
+    assert s["slos_ms"] == slos
+    assert s["goodput"] == pytest.approx(1.0)  # 2 good requests in 2 s
+    assert s["goodput_share"] == pytest.approx(2 / 6)  # of every request sent, failed ones included
+    without_e2e = summarize(records, 2.0, parse_slos("ttft:200,tpot:250"))
+    assert without_e2e["goodput"] == pytest.approx(1.5) and without_e2e["goodput_share"] == pytest.approx(3 / 6)
+    assert "goodput" not in summarize(records, 2.0)  # no SLOs, no goodput
+    assert summarize([RequestRecord(0, False, "x")], 1.0, slos)["goodput_share"] == 0.0
 
 
 def test_percentiles_interpolate_linearly():

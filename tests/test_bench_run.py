@@ -8,6 +8,8 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import uvicorn
@@ -27,6 +29,49 @@ from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.server.launch import bind
 
 KV = 128 * 24576  # 128 blocks of the tiny llama, float32
+STEP_S = 2**-6  # fake seconds per engine step: a binary fraction, so sums of steps are exact
+TICK_S = 0.25  # fake seconds per reading of the HTTP client's clock
+
+
+class EngineTime:
+    """Fake time for the offline driver: STEP_S passes per engine step and a sleep passes exactly its
+    length, so every time a run records counts steps, whatever the machine's load. Notes when each
+    request reached the engine."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        self.added: list[float] = []
+        step, add = engine.step, engine.add_request
+
+        def stepped() -> Any:
+            outputs = step()
+            self.now += STEP_S
+            return outputs
+
+        def adding(*args: Any, **kwargs: Any) -> Any:
+            self.added.append(self.now)
+            return add(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "step", stepped)
+        monkeypatch.setattr(engine, "add_request", adding)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Ticks:
+    """A clock that moves TICK_S each time it is read: with one request in flight, its times count the
+    chunks read since it was sent, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.reads * TICK_S
 
 
 def no_leaks(engine: LLMEngine) -> None:
@@ -76,25 +121,35 @@ def test_offline_cli_compares_variants_and_the_transformers_baseline(llama, tmp_
     assert len(result.gains["scheduling=continuous over hf"]["output_throughput"]["samples"]) == 2
 
 
-def test_offline_concurrency_cap_and_multi_turn_order(llama):
+def test_offline_concurrency_cap_and_multi_turn_order(llama, monkeypatch):
     engine = LLMEngine(EngineConfig(model=llama, max_model_len=256, kv_cache_memory=KV))
-    spec = WorkloadSpec("multi-turn", num_requests=8, turns=4, input_len=(4, 12), output_len=(2, 6))
+    # 4 conversations of 2 turns: 4 first turns due at once, so the cap of 2 is what holds them back
+    spec = WorkloadSpec("multi-turn", num_requests=8, turns=2, input_len=(4, 12), output_len=(2, 6))
     workload = build_workload(spec, Tokenizer(llama))
-    run = run_offline(engine, workload, "capped", max_concurrency=2)
+    clock = EngineTime(engine, monkeypatch)  # times are whole steps: exact, so the span checks are too
+    run = run_offline(engine, workload, "capped", max_concurrency=2, clock=clock, sleep=clock.sleep)
     assert all(r.ok for r in run.records)
     spans = [(r.start_s, r.start_s + r.e2e_s) for r in run.records]  # type: ignore[operator]
-    for t, _ in spans:  # never more than 2 in flight when one starts
-        assert sum(1 for s, e in spans if s <= t < e) <= 2
+    in_flight = [sum(1 for s, e in spans if s <= t < e) for t, _ in spans]  # as each request starts
+    assert max(in_flight) == 2  # never more than 2, and the cap was reached
     for q in workload.requests:  # a turn starts after its previous turn has finished
         if q.after is not None:
             assert spans[q.index][0] >= spans[q.after][1]
     assert run.records[2].cached_tokens is not None
     no_leaks(engine)
     poisson = build_workload(WorkloadSpec("random", 5, 1, (4, 8), (2, 3)), Tokenizer(llama))
-    paced = run_offline(engine, poisson, "p", request_rate=20.0)
+    clock = EngineTime(engine, monkeypatch)
+    paced = run_offline(engine, poisson, "p", request_rate=20.0, clock=clock, sleep=clock.sleep)
+    due = send_times(poisson.requests, 20.0, 1)
+    assert all(r.ok for r in paced.records)
     # each request starts when it was due (a server would have had it then), even if the engine was mid-step
-    assert [r.start_s for r in paced.records] == send_times(poisson.requests, 20.0, 1)
-    assert paced.records[-1].start_s > 0.02 and all(r.ok for r in paced.records)
+    assert [r.start_s for r in paced.records] == due
+    assert due[-1] > 8 * STEP_S  # type: ignore[operator]  # the arrivals spread over many steps
+    # it reached the engine when due: not before, and no later than the end of the step under way then
+    assert len(clock.added) == 5
+    assert all(d <= a <= d + STEP_S for a, d in zip(clock.added, due, strict=True))  # type: ignore[operator]
+    assert all(r.ttft_s >= STEP_S - 1e-9 for r in paced.records)  # type: ignore[operator]  # a step after it came
+    assert paced.duration_s >= paced.records[-1].start_s + paced.records[-1].e2e_s  # type: ignore[operator]
     no_leaks(engine)
 
 
@@ -147,7 +202,8 @@ def test_serve_against_a_tokenmill_server(srv, tok, llama, tmp_path):
 
 
 def faulty_app() -> FastAPI:
-    """Behaves as the prompt says: error, drop (mid-stream), nodone, nousage, hang, ok."""
+    """Behaves as the prompt says: error, drop (mid-stream), nodone, nousage, hang, trickle, multi
+    (7 tokens in 3 chunks), ok."""
     app = FastAPI()
 
     def chunk(text: str, usage: dict | None = None) -> str:
@@ -165,6 +221,13 @@ def faulty_app() -> FastAPI:
             return JSONResponse({"detail": "unprocessable"}, status_code=422)
 
         async def stream():
+            if kind == "multi":  # several tokens per chunk, as some servers send them
+                for text in ("a b c", " d e", " f g"):
+                    yield chunk(text)
+                    await asyncio.sleep(0.01)
+                yield chunk("", {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})
+                yield "data: [DONE]\n\n"
+                return
             yield chunk("a")
             await asyncio.sleep(0.01)
             yield chunk(" b")
@@ -186,44 +249,72 @@ def faulty_app() -> FastAPI:
     return app
 
 
-def test_a_failing_server_is_counted_and_the_run_finishes(tok, tmp_path):
+@pytest.fixture(scope="module")
+def faulty() -> Iterator[str]:
+    """The base URL of `faulty_app`, served from a thread here."""
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(faulty_app(), log_level="critical", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    try:
-        kinds = ["ok", "error", "drop", "nodone", "nousage", "hang", "detail", "trickle", "ok"]
-        trace = tmp_path / "t.jsonl"
-        trace.write_text("\n".join(json.dumps({"prompt": k, "max_tokens": 2}) for k in kinds) + "\n")
-        workload = build_workload(WorkloadSpec(f"jsonl:{trace}"), None)
-        target = ServeTarget(f"http://127.0.0.1:{sock.getsockname()[1]}", "m", timeout_s=1.5)
-        start = time.monotonic()
-        run = run_serve(target, workload, "faulty", max_concurrency=4, progress=False)
-        assert time.monotonic() - start < 20
-        errors = dict(zip(kinds, [r.error for r in run.records], strict=True))
-        assert [r.ok for r in run.records] == [True, False, False, False, False, False, False, False, True]
-        assert errors["error"] == "HTTP 503: overloaded" and errors["detail"] == "HTTP 422: unprocessable"
-        assert "RemoteProtocolError" in errors["drop"] or "ReadError" in errors["drop"]
-        assert errors["nodone"] == "the stream ended before [DONE]"
-        assert errors["nousage"] == "the server sent no usage; pass --tokenizer to count tokens"
-        assert "timeout" in errors["hang"].lower()
-        assert errors["trickle"] == "timeout: no complete response within 1.5 s"  # the whole request is bounded
-        assert run.records[0].output_tokens == 2  # from usage
-        assert run.records[0].e2e_s < 1.0 and len(run.records[0].itl_s) == 1
-        s = summarize(run.records, run.duration_s)
-        assert (s["completed"], s["failed"]) == (2, 7)
-        # with a tokenizer, a server without usage is counted by tokenizing the text it streamed
-        counted = run_serve(
-            target, build_workload(WorkloadSpec(f"jsonl:{trace}"), tok), "t", tokenizer=tok, progress=False
-        )
-        assert counted.records[4].ok and counted.records[4].output_tokens == len(
-            tok.encode("a b", add_special_tokens=False)
-        )
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_failing_server_is_counted_and_the_run_finishes(faulty, tok, tmp_path):
+    kinds = ["ok", "error", "drop", "nodone", "nousage", "hang", "detail", "trickle", "multi", "ok"]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt": k, "max_tokens": 2}) for k in kinds) + "\n")
+    workload = build_workload(WorkloadSpec(f"jsonl:{trace}"), None)
+    target = ServeTarget(faulty, "m", timeout_s=1.5)
+    start = time.monotonic()
+    run = run_serve(target, workload, "faulty", max_concurrency=4, progress=False)
+    assert time.monotonic() - start < 20  # not hung: "hang" and "trickle" would hold it 30 s without the timeout
+    errors = dict(zip(kinds, [r.error for r in run.records], strict=True))
+    assert [r.ok for r in run.records] == [True, False, False, False, False, False, False, False, True, True]
+    assert errors["error"] == "HTTP 503: overloaded" and errors["detail"] == "HTTP 422: unprocessable"
+    assert "RemoteProtocolError" in errors["drop"] or "ReadError" in errors["drop"]
+    assert errors["nodone"] == "the stream ended before [DONE]"
+    assert errors["nousage"] == "the server sent no usage; pass --tokenizer to count tokens"
+    assert "timeout" in errors["hang"].lower()
+    assert errors["trickle"] == "timeout: no complete response within 1.5 s"  # the whole request is bounded
+    ok, multi = run.records[0], run.records[8]
+    assert ok.output_tokens == 2 and len(ok.itl_s) == 1  # tokens from usage; one gap between the two chunks
+    assert 0 < ok.ttft_s <= ok.e2e_s  # type: ignore[operator]
+    assert ok.e2e_s == pytest.approx(ok.ttft_s + sum(ok.itl_s))  # type: ignore[operator]  # ends at the last token
+    # 7 tokens in 3 chunks: the count from usage, two gaps, TPOT over the 6 tokens after the first
+    assert (multi.output_tokens, multi.prompt_tokens, len(multi.itl_s)) == (7, 3, 2)
+    assert multi.tpot_s == pytest.approx((multi.e2e_s - multi.ttft_s) / 6)  # type: ignore[operator]
+    s = summarize(run.records, run.duration_s)
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (3, 7, 11)
+    # with a tokenizer, a server without usage is counted by tokenizing the text it streamed
+    counted = run_serve(target, build_workload(WorkloadSpec(f"jsonl:{trace}"), tok), "t", tokenizer=tok, progress=False)
+    assert counted.records[4].ok and counted.records[4].output_tokens == len(
+        tok.encode("a b", add_special_tokens=False)
+    )
+
+
+def test_serve_times_chunks_and_counts_tokens_from_usage(faulty, tmp_path):
+    # One request at a time and a clock that ticks once per reading: each time counts the chunks read
+    # since the request was sent (the usage chunk is read too; [DONE] is not).
+    kinds = ["multi", "ok"]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt": k, "max_tokens": 7}) for k in kinds) + "\n")
+    workload = build_workload(WorkloadSpec(f"jsonl:{trace}"), None)
+    run = run_serve(ServeTarget(faulty, "m", timeout_s=10), workload, "t", max_concurrency=1, clock=Ticks())
+    multi, ok = run.records
+    assert multi.ok and ok.ok
+    # 7 tokens in 3 chunks: TTFT at the first, a gap per chunk after it, E2E at the last (not the usage chunk)
+    assert (multi.ttft_s, multi.itl_s, multi.e2e_s) == (TICK_S, [TICK_S, TICK_S], 3 * TICK_S)
+    assert (multi.output_tokens, multi.prompt_tokens) == (7, 3)  # from usage, not the 3 chunks
+    assert multi.tpot_s == 2 * TICK_S / 6  # over the 6 tokens after the first, not the 2 chunks after it
+    assert (ok.ttft_s, ok.itl_s, ok.e2e_s, ok.output_tokens, ok.tpot_s) == (TICK_S, [TICK_S], 2 * TICK_S, 2, TICK_S)
+    assert ok.start_s > multi.start_s + multi.e2e_s  # type: ignore[operator]  # sent after the first finished
+    s = summarize(run.records, run.duration_s)
+    assert s["output_tokens"] == 9 and s["tpot"]["mean"] == pytest.approx((2 * TICK_S / 6 + TICK_S) / 2 * 1e3)
+    assert s["itl"]["mean"] == pytest.approx(TICK_S * 1e3)  # three gaps of one tick each
 
 
 @pytest.mark.parametrize(

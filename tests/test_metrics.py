@@ -31,13 +31,36 @@ def test_counters_follow_totals_and_histograms_observe_a_request():
     assert 'tokenmill:request_success_total{finished_reason="stop",model_name="tiny"} 1.0' in text
 
 
+class FakeClock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_log_line_reports_rates_and_load():
-    m = EngineMetrics("tiny")
+    clock = FakeClock(10.0)
+    m = EngineMetrics("tiny", clock=clock)
     m.log_line()  # marks the start
     m.observe_step(EngineGauges(4, 2, 0.125, 3, 1000, 200, prefix_cache_queries_total=800, prefix_cache_hits_total=200))
+    clock.now = 12.0
     line = m.log_line()
     assert "Running: 4 reqs, Waiting: 2 reqs, KV cache usage: 12.5%, Preemptions: 3" in line
     assert "Prefix cache hit rate: 25.0%" in line
-    assert "Avg prompt throughput:" in line and "Avg generation throughput:" in line
-    rate = float(line.split("Avg prompt throughput: ")[1].split(" ")[0])
-    assert rate > 1000  # 1000 tokens over well under a second
+    # 1000 prompt and 200 generated tokens over 2.0 s
+    assert "Avg prompt throughput: 500.0 tokens/s, Avg generation throughput: 100.0 tokens/s" in line
+    m.observe_step(EngineGauges(1, 0, 0.0, 3, 1600, 250, prefix_cache_queries_total=800, prefix_cache_hits_total=200))
+    clock.now = 14.5
+    # only what came since the previous line: 600 and 50 tokens over 2.5 s
+    assert "Avg prompt throughput: 240.0 tokens/s, Avg generation throughput: 20.0 tokens/s" in m.log_line()
+
+
+def test_log_line_first_rates_run_from_construction():
+    clock = FakeClock(100.0)
+    m = EngineMetrics("tiny", clock=clock)
+    m.observe_step(EngineGauges(1, 0, 0.5, 0, 300, 40))
+    clock.now = 104.0
+    assert "Avg prompt throughput: 75.0 tokens/s, Avg generation throughput: 10.0 tokens/s" in m.log_line()

@@ -106,7 +106,7 @@ def _prefix_report(args: argparse.Namespace) -> int:
 
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     prompts = read_trace(Path(args.trace), tokenizer)
-    print(analyse(prompts, args.block_size, args.cache_blocks, tokenizer).render())
+    print(analyse(prompts, args.block_size, args.cache_blocks, tokenizer, max_tokens=args.max_tokens).render())
     return 0
 
 
@@ -163,9 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser(
         "prefix-report", help="replay a trace of prompts through the prefix cache's hasher: why it hits"
     )
-    pr.add_argument("trace", help="JSONL, one request per line: prompt (text or ids), prompt_token_ids or messages")
+    pr.add_argument(
+        "trace",
+        help="JSONL, one request per line: prompt (text or ids), prompt_token_ids or messages; "
+        "optional cache_salt and max_tokens",
+    )
     pr.add_argument("--block-size", type=int, default=16)
-    pr.add_argument("--cache-blocks", type=int, default=None, help="also replay an LRU cache of this many blocks")
+    pr.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=None,
+        help="also replay a KV cache of this many blocks (the engine's block count), one request at a time",
+    )
+    pr.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1,
+        help="tokens each request generates in that replay when its line has no max_tokens (default 1)",
+    )
     pr.add_argument("--tokenizer", default=None, help="model folder whose tokenizer (and chat template) to use")
     pr.set_defaults(func=_prefix_report)
 

@@ -6,7 +6,8 @@ engine is stepped until all are done. A token's arrival is the end of the engine
 it, so TTFT, ITL and end-to-end latency are what an in-process caller sees. Besides the request
 records, a run reports what only the engine knows: the share of allocated KV slots holding live
 tokens, the time per step outside the model forward with a full batch decoding, preemptions and
-prefix-cache hits.
+prefix-cache hits. The clock and the sleep between arrivals can be injected (a test's fake time);
+they default to `time.perf_counter` and `time.sleep`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.records import RequestRecord, Run
@@ -33,6 +35,8 @@ def run_offline(
     request_rate: float | None = None,
     max_concurrency: int | None = None,
     ignore_eos: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Run:
     """One pass of `workload` through `engine` (which must be idle); every request ends finished or failed."""
     if engine.has_unfinished_requests():
@@ -53,7 +57,7 @@ def run_offline(
     full_steps: list[tuple[float, float]] = []  # (total, outside the forward) with a full batch decoding
     full = engine.config.max_num_seqs
     slot_free_at = 0.0  # with a concurrency cap: when a slot last opened
-    t0 = time.perf_counter()
+    t0 = clock()
 
     def add(index: int, arrived: float) -> None:
         # A request starts when it arrived (and, under a cap, a slot was free), as a server would have
@@ -71,7 +75,7 @@ def run_offline(
         in_flight[request_id] = record
 
     while pending or ready or in_flight:
-        now = time.perf_counter() - t0
+        now = clock() - t0
         while (ready or (pending and due[pending[0]] <= now)) and (  # type: ignore[operator]
             max_concurrency is None or len(in_flight) < max_concurrency
         ):
@@ -82,10 +86,10 @@ def run_offline(
                 add(index, due[index])  # type: ignore[arg-type]
         if not in_flight:
             if pending:
-                time.sleep(max(0.0, due[pending[0]] - (time.perf_counter() - t0)))  # type: ignore[operator]
+                sleep(max(0.0, due[pending[0]] - (clock() - t0)))  # type: ignore[operator]
             continue
         outputs = engine.step()
-        now = time.perf_counter() - t0
+        now = clock() - t0
         step = engine.last_step
         live += step.kv_live_tokens
         allocated += step.kv_allocated_slots
@@ -111,7 +115,7 @@ def run_offline(
                 record.cached_tokens = out.num_cached_tokens
                 ready.extend((d, now) for d in dependents.get(record.index, []))
                 slot_free_at = now
-    duration = time.perf_counter() - t0
+    duration = clock() - t0
     after = engine.stats()
     extras: dict[str, Any] = {
         "kv_live_share": live / allocated if allocated else None,

@@ -7,7 +7,8 @@ first chunk carrying text, ITL the gaps between such chunks, E2E the end of the 
 tokens come from the server's `usage`, or from `--tokenizer` where a server sends none, never from
 the number of chunks (some servers put several tokens in one). A request that gets an HTTP error,
 an error event, a dropped connection, a timeout or a stream without `[DONE]` is a failure with its
-reason; the run always finishes and reports.
+reason; the run always finishes and reports. The clock that times requests can be injected (a test's
+fake time) and defaults to `time.perf_counter`; timeouts are the event loop's own, always real.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,11 +92,12 @@ async def send_one(
     record: RequestRecord,
     t0: float,
     tokenizer: BenchTokenizer | None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> None:
     """Stream one request, filling `record`; never raises for what the server does."""
     endpoint, body = payload(target, request)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    start = time.perf_counter()
+    start = clock()
     record.start_s = start - t0
     text, usage, last, done = "", None, start, False
     try:
@@ -116,7 +118,7 @@ async def send_one(
                 if chunk.get("error"):
                     record.error = f"error event: {str(chunk['error'])[:200]}"
                     return
-                now = time.perf_counter()
+                now = clock()
                 piece = _chunk_text(chunk)
                 if piece:
                     if record.ttft_s is None:
@@ -135,7 +137,7 @@ async def send_one(
         record.error = "the stream ended before [DONE]"
         return
     record.e2e_s = (
-        last if record.ttft_s is not None else time.perf_counter()
+        last if record.ttft_s is not None else clock()
     ) - start  # the last token's arrival, as vLLM measures (not the usage chunk or [DONE])
     _count_tokens(record, usage, text, request, tokenizer)
 
@@ -182,6 +184,7 @@ async def run_serve_async(
     max_concurrency: int | None = None,
     tokenizer: BenchTokenizer | None = None,
     progress: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Run:
     reqs = workload.requests
     due = send_times(reqs, request_rate, workload.spec.seed)
@@ -193,20 +196,24 @@ async def run_serve_async(
     transport = httpx.AsyncHTTPTransport(retries=0, limits=limits)
     bar = tqdm(total=len(reqs), desc=label, unit="req", disable=not progress, leave=False)
     async with httpx.AsyncClient(transport=transport, timeout=timeout) as client:
-        t0 = time.perf_counter()
+        t0 = clock()
 
         async def one(i: int) -> None:
             when = due[i]
             if when is None:
                 await finished[reqs[i].after].wait()  # type: ignore[index]
             else:
-                await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
+                await asyncio.sleep(max(0.0, t0 + when - clock()))
             try:
                 if gate is None:
-                    await _bounded(send_one(client, target, reqs[i], records[i], t0, tokenizer), target, records[i])
+                    await _bounded(
+                        send_one(client, target, reqs[i], records[i], t0, tokenizer, clock), target, records[i]
+                    )
                 else:
                     async with gate:
-                        await _bounded(send_one(client, target, reqs[i], records[i], t0, tokenizer), target, records[i])
+                        await _bounded(
+                            send_one(client, target, reqs[i], records[i], t0, tokenizer, clock), target, records[i]
+                        )
             except Exception as e:  # anything unforeseen is this request's failure, never the run's
                 records[i].ok, records[i].error = False, f"client error: {type(e).__name__}: {e}"[:200]
             finally:
@@ -214,7 +221,7 @@ async def run_serve_async(
                 bar.update(1)
 
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
-        duration = time.perf_counter() - t0
+        duration = clock() - t0
     bar.close()
     return Run(label, repeat, dict(settings or {}), duration, records)
 
