@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill.layers.attention import KVCache, build_attention_metadata
+from tokenmill.layers.attention import AttentionBackend, allocate_kv_cache
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import TokenLogprob
 
@@ -55,13 +55,22 @@ def top_logprobs(logprobs: Sequence[TokenLogprob] | None) -> list[dict[int, floa
 class PagedRunner:
     """Drives the model step by step over a paged cache, the way the engine will."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, block_order: list[int]) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        block_order: list[int],
+        backend: AttentionBackend | None = None,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.backend = backend or model.layers[0].self_attn.backend
         dtype = model.embed_tokens.weight.dtype
-        self.caches = [KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+        self.caches = allocate_kv_cache(
+            self.backend, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
         self.free = list(block_order)
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -86,7 +95,7 @@ class PagedRunner:
         if pad_to > n:
             input_ids = torch.cat([input_ids, torch.zeros(pad_to - n, dtype=torch.int64)])
             pos = torch.cat([pos, torch.zeros(pad_to - n, dtype=torch.int64)])
-        md = build_attention_metadata(query_lens, seq_lens, tables, self.block_size)
+        md = self.backend.build_metadata(query_lens, seq_lens, tables, self.block_size)
         with torch.no_grad():
             logits = self.model.compute_logits(self.model(input_ids, pos, self.caches, md))
         out, offset = {}, 0

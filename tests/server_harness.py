@@ -10,6 +10,7 @@ import httpx
 import uvicorn
 
 from tokenmill.config import EngineConfig
+from tokenmill.outputs import EngineStats
 from tokenmill.server.app import create_app
 from tokenmill.server.launch import bind, build_server
 from tokenmill.server.protocol import Limits
@@ -25,15 +26,15 @@ class RunningServer:
     uvicorn_server: uvicorn.Server
     thread: threading.Thread
 
-    def stats(self) -> dict[str, int | float]:
-        return self.server.engine.engine.stats()
+    def stats(self) -> EngineStats:
+        return self.server.engine.stats()
 
-    def wait_all_free(self, timeout: float = 10.0) -> dict[str, int | float]:
+    def wait_all_free(self, timeout: float = 10.0) -> EngineStats:
         """Engine stats once every KV block is free again (or the last stats at the timeout)."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
-            done = stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == stats["waiting"] == 0
+            done = stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
             if done or time.monotonic() > deadline:
                 return stats
             time.sleep(0.02)

@@ -76,7 +76,7 @@ class Ticks:
 
 def no_leaks(engine: LLMEngine) -> None:
     stats = engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == stats["waiting"] == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_serve_against_a_tokenmill_server(srv, tok, llama, tmp_path):
     s = summarize(run.records, run.duration_s)
     assert s["completed"] == 8 and s["output_throughput"] > 0 and s["itl"] is not None
     stats = srv.wait_all_free()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     # the command line: a sweep, the result file, and plots from it
     out = tmp_path / "serve.json"
     argv = ["bench", "serve", "--base-url", srv.base_url + "/v1", "--model", "tiny", "--tokenizer", llama]
@@ -198,7 +198,7 @@ def test_serve_against_a_tokenmill_server(srv, tok, llama, tmp_path):
     assert all(r.summary["completed"] == 4 and r.summary["goodput_share"] == 1.0 for r in result.runs)
     assert main(["bench", "plot", str(out), "--out", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / "throughput_latency.png").read_bytes()[:4] == b"\x89PNG"
-    assert srv.wait_all_free()["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert srv.wait_all_free().kv_blocks_free == stats.kv_blocks_total
 
 
 def faulty_app() -> FastAPI:

@@ -29,8 +29,8 @@ def same_up_to_near_tie(x: RequestOutput, y: RequestOutput) -> bool:
 
 def assert_no_leaks(llm: LLM) -> None:
     stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.running == 0 and stats.waiting == 0
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_batched_with_chunking_and_preemption_equals_alone_and_transformers(llam
     # ~13 blocks of 16 tokens for up to 16 sequences of up to 90 tokens: preemption is certain
     tight = LLM(llama, max_num_seqs=16, max_num_batched_tokens=40, kv_cache_memory=13 * 24576, max_model_len=128)
     batched = tight.generate(ps, greedy(), use_tqdm=False)
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats().preemptions > 0
     assert_no_leaks(tight)
 
     alone_llm = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
@@ -203,9 +203,9 @@ def test_stats_count_tokens_and_blocks(llama):
     ps = prompts(5, seed=11)
     outs = llm.generate(ps, greedy(logprobs=None, max_tokens=6), use_tqdm=False)
     stats = llm.stats()
-    assert stats["prompt_tokens"] == sum(len(p) for p in ps)
-    assert stats["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 30
-    assert stats["kv_blocks_total"] == 64 and stats["preemptions"] == 0
+    assert stats.prompt_tokens == sum(len(p) for p in ps)
+    assert stats.generated_tokens == sum(len(o.outputs[0].token_ids) for o in outs) == 30
+    assert stats.kv_blocks_total == 64 and stats.preemptions == 0
     assert_no_leaks(llm)
 
 
@@ -230,7 +230,7 @@ def test_seeded_sampling_survives_preemption_and_recompute(llama):
     ]
     tight = LLM(llama, max_num_seqs=16, max_num_batched_tokens=40, kv_cache_memory=11 * 24576, max_model_len=128)
     batched = tight.generate(ps, params, use_tqdm=False)
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats().preemptions > 0
     assert_no_leaks(tight)
     roomy = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
     for p, param, out in zip(ps, params, batched, strict=True):

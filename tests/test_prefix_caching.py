@@ -28,10 +28,10 @@ def test_outputs_equal_with_caching_on_and_off_under_eviction(tiny_model_dir):
     exact = sum(same_up_to_near_tie(x, y) for x, y in zip(a, b, strict=True))
     assert exact == len(ps), f"only {exact} of {len(ps)} outputs with caching equal those without"
     stats = on.stats()
-    assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_evictions"] > 0
-    assert sum(o.num_cached_tokens for o in a) == stats["prefix_cache_hits"]
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_evictions > 0
+    assert sum(o.num_cached_tokens for o in a) == stats.prefix_cache_hits
     assert all(o.num_cached_tokens % 16 == 0 for o in a)
-    assert off.stats()["prefix_cache_hits"] == 0 and all(o.num_cached_tokens == 0 for o in b)
+    assert off.stats().prefix_cache_hits == 0 and all(o.num_cached_tokens == 0 for o in b)
     assert_no_leaks(on)
     assert_no_leaks(off)
 
@@ -66,8 +66,8 @@ def test_n_children_share_the_prompt_computed_once(tiny_model_dir):
     b = off.generate([prompt], params, use_tqdm=False)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     stats = on.stats()
-    assert stats["prefix_cache_hits"] == 2 * (39 // 16) * 16  # children 1 and 2 reuse child 0's blocks
-    assert stats["prompt_tokens"] == 40 + 2 * (40 - 32)
+    assert stats.prefix_cache_hits == 2 * (39 // 16) * 16  # children 1 and 2 reuse child 0's blocks
+    assert stats.prompt_tokens == 40 + 2 * (40 - 32)
     assert_no_leaks(on)
     assert_no_leaks(off)
 
@@ -84,7 +84,7 @@ def test_reset_prefix_cache_makes_the_cache_cold_and_waits_for_idle(tiny_model_d
     while engine.has_unfinished_requests():
         engine.step()
     assert llm.reset_prefix_cache()
-    assert engine.scheduler.kv.pool.num_cached == 0
+    assert engine.core.scheduler.kv.pool.num_cached == 0
     cold = llm.generate([prompt], params, use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0
     assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens > 0
@@ -122,12 +122,13 @@ def test_abort_with_children_still_held_frees_everything(tiny_model_dir):
     engine.add_request("held", prompt, SamplingParams(n=3, max_tokens=8, ignore_eos=True))
     engine.add_request("other", prompt[:20], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # child 0 computes a first chunk; children 1 and 2 wait for the whole prompt to be cached
-    assert engine.stats()["running"] == 1 and engine.stats()["waiting"] == 1
+    assert engine.stats().running == 1 and engine.stats().waiting == 3  # "other", and the two held
+    assert len(engine.core.scheduler.waiting) == 1
     assert engine.abort_request("held") and not engine.abort_request("held")
     finished = []
     while engine.has_unfinished_requests():
         finished += [out.request_id for out in engine.step() if out.finished]
     assert finished == ["other"]  # the held children never started
     stats = engine.stats()
-    assert stats["aborted"] == 1 and stats["generated_tokens"] == 4  # other's 4; child 0 never sampled
+    assert stats.aborted == 3 and stats.generated_tokens == 4  # the 3 children; other's 4 tokens
     assert_no_leaks(llm)

@@ -150,7 +150,7 @@ def test_report_equals_the_engine(tiny_model_dir, num_blocks, chunk):
         max_model_len=min(num_blocks * 16, 512),
         max_num_batched_tokens=chunk,
     )
-    assert llm.engine.scheduler.kv.num_blocks == num_blocks
+    assert llm.engine.core.scheduler.kv.num_blocks == num_blocks
     cached, refused = run_on_engine(llm, requests)
     report = analyse(requests, 16, num_blocks, max_num_batched_tokens=chunk)
     assert (report.lru_hit_tokens, report.skipped_requests) == (cached, refused)

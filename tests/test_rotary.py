@@ -56,8 +56,7 @@ def test_matches_transformers(params):
 
 
 def test_rotation_preserves_norm_and_relative_position():
-    from tokenmill.layers.rotary import RotaryEmbedding
-    from tokenmill.models.config import RopeConfig
+    from tokenmill.layers.rotary import RopeConfig, RotaryEmbedding
 
     rope = RotaryEmbedding(RopeConfig("default", 10000.0), head_dim=16, max_positions=64, device=torch.device("cpu"))
     q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)

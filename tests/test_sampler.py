@@ -9,13 +9,8 @@ import random
 import pytest
 import torch
 
-from tokenmill.layers.sampler import (
-    Sampler,
-    SamplingMetadata,
-    gather_logprobs,
-    generator_seed,
-)
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from tokenmill.sampling_params import SamplingParams, generator_seed
 
 Row = tuple[SamplingParams, int, int, list[int], list[int]]  # params, seed, output position, prompt, output
 
@@ -145,7 +140,7 @@ def test_from_params_builds_the_tensors() -> None:
 
 def test_generator_seed_is_a_fixed_mix() -> None:
     # SplitMix64's first output from state 0 is 0xE220A8397B1DCDAF: the mix is the published one.
-    from tokenmill.layers.sampler import _splitmix64
+    from tokenmill.sampling_params import _splitmix64
 
     assert _splitmix64(0) == 0xE220A8397B1DCDAF
     assert generator_seed(1, 2) == generator_seed(1, 2)

@@ -33,7 +33,7 @@ def client(srv) -> openai.OpenAI:
 def no_leaks(request, srv):
     yield
     stats = srv.wait_all_free()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    assert stats.kv_blocks_free == stats.kv_blocks_total, stats
 
 
 def post(srv: RunningServer, path: str, body: object, key: str | None = API_KEY, raw: bytes | None = None):
@@ -171,11 +171,11 @@ def test_client_disconnect_mid_stream_stops_generation_and_frees_blocks(srv):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        assert srv.stats()["running"] == 1
+        assert srv.stats().running == 1
     stats = srv.wait_all_free(timeout=5)  # within a few engine steps of the close
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["running"] == 0
-    assert stats["aborted"] == before["aborted"] + 1
-    generated = stats["generated_tokens"] - before["generated_tokens"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
+    assert stats.aborted == before.aborted + 1
+    generated = stats.generated_tokens - before.generated_tokens
     assert 1 <= generated < 100, f"{generated} of 200 tokens generated: the abort came late or never"
     text = httpx.get(f"{srv.base_url}/metrics", timeout=TIMEOUT).text
     assert 'tokenmill:request_success_total{finished_reason="abort",model_name="tiny"}' in text
@@ -385,7 +385,7 @@ def test_a_draining_server_refuses_with_503_and_its_health_says_so(tiny_model_di
 def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
     running = start_server(str(tiny_model_dir("llama")))
     try:
-        engine = running.server.engine.engine
+        core = running.server.engine.core
         long = {"model": "tiny", "prompt": "while True:", "max_tokens": 240, "ignore_eos": True}
         whole: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: whole.append(post(running, "/v1/completions", long, key=None)))
@@ -394,14 +394,14 @@ def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
             assert next(line for line in lines if line.startswith("data: "))
             waiter.start()
             deadline = time.monotonic() + 10
-            while running.stats()["running"] < 2:
+            while running.stats().running < 2:
                 assert time.monotonic() < deadline, "the second request never started"
                 time.sleep(0.005)
 
             def crash() -> None:
                 raise RuntimeError("a bug in the step")
 
-            engine.step = crash  # the engine thread's next step raises
+            core.step = crash  # the engine thread's next step raises
             rest = [line for line in lines if line.startswith("data: ")]
         waiter.join(10)
         assert not waiter.is_alive()
@@ -413,7 +413,7 @@ def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
         assert httpx.get(f"{running.base_url}/health", timeout=TIMEOUT).status_code == 503
         r = post(running, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, key=None)
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
-        stats = engine.stats()  # the requests were aborted and their blocks freed
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["aborted"] == 2
+        stats = running.stats()  # the requests were aborted and their blocks freed
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.aborted == 2
     finally:
         running.stop()

@@ -1,27 +1,55 @@
 """The `tokenmill` command line: one subcommand per job (`make-model`, `generate`, `serve`,
-`prefix-report`, `bench`; `doctor` arrives with its issue)."""
+`prefix-report`, `bench`; `doctor` arrives with its issue).
+
+The engine flags and `--config` come from engine_args.py (derived from `EngineConfig`); serve's own
+flags from `ServeSettings` here, the same way. `bench` lives in bench/cli.py, which imports nothing
+from here."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from tokenmill.bench.cli import add_bench_parser
+from tokenmill.config import EngineConfig, check_settings, setting
+from tokenmill.engine_args import (
+    DEFAULT_MODEL,
+    add_engine_args,
+    add_flags,
+    engine_config,
+    read_config_file,
+    settings_from,
+)
 from tokenmill.models.make_model import ARCHS, SIZES
 
-if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
-
-# The bundled demo model (models/tokenmill-demo in the repository): the default of serve and generate.
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tokenmill-demo"
+MODEL_HELP = f"Hugging Face model folder (default: the --config file's model, else the bundled {DEFAULT_MODEL.name})"
 
 
-def default_model() -> str:
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        raise ValueError(f"model: no model folder given, and the bundled default ({DEFAULT_MODEL}) is missing")
-    return str(DEFAULT_MODEL)
+@dataclass(frozen=True)
+class ServeSettings:
+    """`tokenmill serve`'s own settings (the engine's are EngineConfig's): its flags, and keys of its --config."""
+
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(8000, "port (0: any free port, logged at start)", minimum=0)
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else none)")
+    served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
+    max_waiting: int = setting(64, "refuse new requests (429) past this many waiting", minimum=1)
+    max_n: int = setting(16, "largest n a request may ask for", minimum=1)
+    max_tokens_limit: int | None = setting(
+        None, "largest max_tokens a request may ask for (default: no cap)", minimum=1
+    )
+    max_prompt_tokens: int | None = setting(
+        None, "longest prompt accepted, in tokens (default: only the model's length limits it)", minimum=1
+    )
+    drain_timeout: float = setting(30.0, "seconds in-flight requests get on SIGTERM")
+    log_interval: float = setting(10.0, "seconds between throughput log lines")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -39,23 +67,6 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_config(args: argparse.Namespace, seed: int) -> EngineConfig:
-    from tokenmill.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model or default_model(),
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        scheduling=args.scheduling,
-        seed=seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-
-
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
@@ -71,7 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(engine_config(args, seed=0 if args.seed is None else args.seed))
+    # --seed is the request's sampling seed here; it seeds the engine too when given
+    engine = LLMEngine(engine_config(args, **({} if args.seed is None else {"seed": args.seed})))
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -88,15 +100,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
+    file_values = read_config_file(args.config, EngineConfig, ServeSettings)  # checked before anything loads
+    config = engine_config(args, file_values)
+    settings = settings_from(ServeSettings, args, file_values)
 
     from tokenmill.server.launch import build_server, serve
     from tokenmill.server.protocol import Limits
 
-    config = engine_config(args, seed=args.seed)
-    limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens)
-    server = build_server(config, args.served_model_name, args.max_waiting, limits, args.log_interval)
-    serve(server, args.host, args.port, args.api_key or os.environ.get("TOKENMILL_API_KEY"), args.drain_timeout)
+    limits = Limits(
+        max_n=settings.max_n, max_tokens=settings.max_tokens_limit, max_prompt_tokens=settings.max_prompt_tokens
+    )
+    server = build_server(config, settings.served_model_name, settings.max_waiting, limits, settings.log_interval)
+    api_key = settings.api_key or os.environ.get("TOKENMILL_API_KEY")
+    serve(server, settings.host, settings.port, api_key, settings.drain_timeout)
     return 0
 
 
@@ -128,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(func=_make_model)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming the text to the terminal")
-    gen.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: the bundled demo)")
+    gen.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -140,24 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    add_engine_flags(gen, with_seed=False)
+    add_engine_args(gen, exclude=("seed",))
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API (completions, chat, models, metrics)")
-    srv.add_argument(
-        "model", nargs="?", default=None, help="Hugging Face model folder (default: the bundled tokenmill-demo)"
-    )
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--port", type=int, default=8000, help="port (0: any free port, logged at start)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TOKENMILL_API_KEY)")
-    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
-    srv.add_argument("--max-waiting", type=int, default=64, help="refuse new requests (429) past this many waiting")
-    srv.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
-    srv.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask for")
-    srv.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted, in tokens")
-    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines")
-    add_engine_flags(srv)
+    srv.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    add_flags(srv.add_argument_group("server settings (also from --config)"), ServeSettings)
+    add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
     pr = sub.add_parser(
@@ -184,28 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tokenizer", default=None, help="model folder whose tokenizer (and chat template) to use")
     pr.set_defaults(func=_prefix_report)
 
-    from tokenmill.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
     return parser
-
-
-def add_engine_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 2 GiB)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="share the KV of common prompt prefixes (on by default)",
-    )
-    if with_seed:
-        p.add_argument("--seed", type=int, default=0, help="seeds the requests that bring no seed")
 
 
 def main(argv: list[str] | None = None) -> int:

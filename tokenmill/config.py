@@ -1,48 +1,134 @@
-"""EngineConfig: every engine setting in one validated, frozen dataclass.
+"""EngineConfig: every engine setting in one validated, frozen dataclass, and the one source of them.
 
-Bad values raise a ValueError naming the field. Derived sizes (the KV cache's blocks, the
-effective maximum model length) are computed once by the engine from this and the model.
+Each field carries its help text, and where they apply its choices or integer minimum, in
+`dataclasses.field(metadata=...)` (made by `setting`). Everything else is derived from the fields:
+`LLM(model, **kwargs)` (`EngineConfig.from_kwargs`), the engine flags of `tokenmill generate | serve |
+bench offline` and their `--config` YAML file (engine_args.py), `bench offline --compare` variants.
+The helpers here (`setting`, `setting_type`, `check_setting(s)`, `check_known`) serve any settings
+dataclass built the same way (the CLI's `ServeSettings` is one).
+
+Bad values raise a ValueError naming the field. Derived sizes (the KV cache's blocks, the effective
+maximum model length) are computed once by the engine from this and the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SCHEDULING = ("continuous", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes
 GPU_MEMORY_FRACTION = 0.9  # of free memory after loading the model
+SETTING_KINDS = (bool, int, float, str)
+
+
+def setting(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: int | None = None) -> Any:
+    """A settings field: its default, and in its metadata the help text, the allowed values of a str
+    field (`choices`) and the least value of an int field (`minimum`; None for any)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
+
+
+@dataclass(frozen=True)
+class SettingType:
+    """A settings field's type: one of bool, int, float, str, and whether None is allowed."""
+
+    kind: type
+    optional: bool
+
+
+@functools.cache
+def _types(cls: type) -> dict[str, SettingType]:
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) != 1 or kinds[0] not in SETTING_KINDS:
+            raise TypeError(f"{cls.__name__}.{name}: a setting is bool, int, float or str, optionally | None")
+        out[name] = SettingType(kinds[0], optional=len(args) == 2)
+    return out
+
+
+def setting_type(cls: type, name: str) -> SettingType:
+    """The type of field `name` of the settings dataclass `cls`."""
+    return _types(cls)[name]
+
+
+def check_setting(cls: type, name: str, value: Any) -> None:
+    """Raise a ValueError naming `name` unless `value` fits the field: its type, choices, minimum."""
+    kind = setting_type(cls, name)
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    choices: tuple[str, ...] = field.metadata.get("choices", ())
+    minimum: int | None = field.metadata.get("minimum")
+    if value is None and kind.optional:
+        return
+    if kind.kind is bool:
+        ok, expected = isinstance(value, bool), "a boolean (true or false)"
+    elif kind.kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if minimum is None:
+            expected = "an integer"
+        else:
+            expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            ok = ok and value >= minimum
+    elif kind.kind is float:
+        ok, expected = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    else:
+        ok, expected = isinstance(value, str), "a string"
+        if choices:
+            ok, expected = ok and value in choices, f"one of {', '.join(choices)}"
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def check_settings(settings: Any) -> None:
+    """Check every field of a settings dataclass instance (`check_setting`): call from `__post_init__`."""
+    for field in dataclasses.fields(settings):
+        check_setting(type(settings), field.name, getattr(settings, field.name))
+
+
+def check_known(names: Iterable[str], known: Sequence[str], what: str) -> None:
+    """Raise a ValueError naming the first of `names` not in `known` (`what` says what a name is in the
+    message: "engine setting", "key", ...), with the closest known name as a suggestion."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(str(name).replace("-", "_"), known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"{name}: unknown {what}{hint}; expected one of {', '.join(known)}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (the checkpoint's)
-    device: str = "cpu"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    kv_cache_memory: int | None = None  # bytes; None: 2 GiB on CPU, 90% of free memory on GPU
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    scheduling: str = "continuous"
-    seed: int = 0  # draws the seeds of requests that bring none
-    enable_prefix_caching: bool = True  # share the KV of common prompt prefixes across requests
+    model: str = dataclasses.field(metadata={"help": "Hugging Face model folder"})
+    dtype: str = setting("auto", "dtype of weights and activations; auto: the checkpoint's", choices=DTYPES)
+    device: str = setting("cpu", "torch device to run on: cpu, cuda, cuda:1, ...")
+    block_size: int = setting(16, "tokens per KV cache block", minimum=1)
+    max_num_seqs: int = setting(64, "most requests running at once", minimum=1)
+    max_num_batched_tokens: int = setting(512, "tokens one engine step may run (prompt chunks + decodes)", minimum=1)
+    kv_cache_memory: int | None = setting(
+        None, "bytes for the KV cache (default: 2 GiB on CPU, 90% of free memory on GPU)", minimum=1
+    )
+    max_model_len: int | None = setting(
+        None, "longest prompt + output, in tokens (default: the model's max_position_embeddings)", minimum=1
+    )
+    scheduling: str = setting(
+        "continuous", "continuous batching, or static (the measured baseline)", choices=SCHEDULING
+    )
+    seed: int = setting(0, "seeds the requests that bring no seed")
+    enable_prefix_caching: bool = setting(True, "share the KV of common prompt prefixes across requests")
+    attention_backend: str = setting("torch", "attention backend by name; `torch` is the reference")
 
     def __post_init__(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        check_settings(self)
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            positive(name)
-        for name in ("kv_cache_memory", "max_model_len"):
-            if getattr(self, name) is not None:
-                positive(name)
-        if self.scheduling not in SCHEDULING:
-            raise ValueError(f"scheduling: expected one of {', '.join(SCHEDULING)}, got {self.scheduling!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: expected one of float32, bfloat16, float16 or 'auto', got {self.dtype!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching: expected a boolean, got {self.enable_prefix_caching!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed: expected an integer, got {self.seed!r}")
+    @classmethod
+    def from_kwargs(cls, model: str, **settings: Any) -> EngineConfig:
+        """`EngineConfig(model, **settings)`, where an unknown keyword is a ValueError naming it."""
+        check_known(settings, [f.name for f in dataclasses.fields(cls)], "engine setting")
+        return cls(model=model, **settings)

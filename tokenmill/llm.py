@@ -3,46 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        device: str = "cpu",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        kv_cache_memory: int | None = None,
-        max_model_len: int | None = None,
-        scheduling: str = "continuous",
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory,
-            max_model_len=max_model_len,
-            scheduling=scheduling,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        """`model`: a Hugging Face model folder; `engine_kwargs`: any other `EngineConfig` field by name
+        (dtype, max_num_seqs, kv_cache_memory, ...). An unknown keyword is a ValueError naming it."""
+        self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), **engine_kwargs))
         self._counter = 0
 
     def generate(
@@ -70,7 +47,7 @@ class LLM:
             for prompt, p in zip(prompt_list, params, strict=True):
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, output_kind=OutputKind.FINAL_ONLY)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -92,6 +69,6 @@ class LLM:
         """Empty the prefix cache (the next request computes its whole prompt); False while busy."""
         return self.engine.reset_prefix_cache()
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> EngineStats:
         """Engine gauges: KV blocks total and free, running, waiting, preemptions, tokens processed."""
         return self.engine.stats()

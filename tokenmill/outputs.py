@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from tokenmill.sampling_params import SamplingParams
@@ -62,6 +63,32 @@ class StepOutput:
 
 
 @dataclass
+class EngineStats:
+    """The engine's gauges and running totals after a step (totals cumulative since start)."""
+
+    running: int
+    waiting: int  # queued, preempted, and n > 1 children waiting for child 0's prompt
+    kv_blocks_total: int
+    kv_blocks_free: int
+    preemptions: int
+    aborted: int  # requests aborted before they finished
+    prompt_tokens: int  # prompt tokens computed (recomputation included)
+    generated_tokens: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    prefix_cache_evictions: int  # cached blocks taken for new tokens
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (0-1)."""
+        return 1 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
 class StepStats:
     """What one engine step did and what it cost; the engine keeps the latest."""
 
@@ -73,8 +100,20 @@ class StepStats:
     kv_allocated_slots: int  # slots in the blocks those requests hold
 
 
+class OutputKind(enum.Enum):
+    """How a request's RequestOutputs are built (`LLMEngine.add_request(..., output_kind=)`)."""
+
+    CUMULATIVE = "cumulative"  # each output holds everything so far (copies)
+    DELTA = "delta"  # each output holds what is new since the previous one (streaming)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
 @dataclass
 class CompletionOutput:
+    """One choice of a request. Cumulative: `text`, `token_ids` and `logprobs` hold everything so
+    far. Delta: only what is new since the previous output (tokens whose text is held back, e.g. a
+    possible stop string, wait for it: logprobs never run ahead of the text)."""
+
     index: int
     text: str
     token_ids: list[int]

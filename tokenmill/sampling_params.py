@@ -1,5 +1,9 @@
 """SamplingParams: how one request is sampled and when it stops (frozen; validated on creation).
 
+Also owns `generator_seed`, the fixed integer mix that makes sampling a pure function of
+(seed, output position): the engine seeds the children of an n > 1 request with it, the sampler
+each row's generator.
+
 Field names and meanings follow vLLM's `SamplingParams` and the OpenAI API, so users of either
 find what they expect. Every bad value raises a ValueError that names the field.
 """
@@ -10,6 +14,24 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijective, well-mixed map of 64-bit integers."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def generator_seed(seed: int, output_position: int) -> int:
+    """The 64-bit seed (in [0, 2**64)) of the generator that samples output token `output_position`.
+
+    A fixed integer mix, identical in every process (unlike Python's salted `hash()`); any int seed
+    is accepted, negative or wider than 64 bits ones are reduced modulo 2**64.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (output_position & _MASK64))
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ from typing import Any
 
 from tokenmill.bench.records import BenchResult, Run
 from tokenmill.bench.workloads import BUILT_IN, WorkloadSpec, parse_range
+from tokenmill.engine_args import add_engine_args, engine_config
 
 SWEEPABLE = ("max-concurrency", "request-rate")
 
 
 def add_bench_parser(sub: Any) -> None:
-    from tokenmill.cli import add_engine_flags
-
     bench = sub.add_parser("bench", help="measure TTFT, TPOT, ITL and tokens/s: a server, or the engine in-process")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -52,7 +51,7 @@ def add_bench_parser(sub: Any) -> None:
     off.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate, padded batches")
     off.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     off.add_argument("--warmup", type=int, default=4, help="warm-up requests per variant before timing")
-    add_engine_flags(off, with_seed=False)
+    add_engine_args(off, exclude=("seed",))  # --seed (below) seeds the workload and the engine
     _add_common(off)
     off.set_defaults(func=_offline)
 
@@ -231,7 +230,6 @@ def _offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.metrics import parse_slos, summarize
     from tokenmill.bench.offline import run_offline
     from tokenmill.bench.workloads import build_workload
-    from tokenmill.cli import engine_config
     from tokenmill.engine.engine import LLMEngine
 
     out = _check_common(args)
@@ -243,14 +241,14 @@ def _offline(args: argparse.Namespace) -> int:
     labels = [label_of(v) for v in variants]
     if len(set(labels)) != len(labels):
         raise ValueError("--compare: two variants are the same")
-    tokenizer = _tokenizer(args.model)
+    tokenizer = _tokenizer(base.model)
     spec = _spec(args)
     workload = build_workload(spec, tokenizer)
     warm = build_workload(dataclasses.replace(spec, seed=spec.seed + 1, num_requests=max(1, args.warmup)), tokenizer)
     if args.baseline == "hf":  # before anything loads
         check_baseline(workload, args.request_rate, args.max_concurrency, args.ignore_eos)
     engines = [(label, v, LLMEngine(dataclasses.replace(base, **v))) for label, v in zip(labels, variants, strict=True)]
-    hf = HFBaseline(args.model, base.dtype, base.max_num_seqs) if args.baseline == "hf" else None
+    hf = HFBaseline(base.model, base.dtype, base.max_num_seqs) if args.baseline == "hf" else None
     arrivals = {"request_rate": args.request_rate, "max_concurrency": args.max_concurrency}
     if args.warmup:
         for _, _, engine in engines:

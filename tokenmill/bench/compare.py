@@ -1,4 +1,5 @@
-"""Variants and repeats: `--compare KEY=VAL,KEY=VAL ...` parsed into engine-config overrides, and the
+"""Variants and repeats: `--compare KEY=VAL,KEY=VAL ...` parsed into engine-config overrides (typed
+from EngineConfig's fields, engine_args.parse_value), and the
 aggregates a result file carries: each label's metrics over repeats (median, min, max), and each
 label's gain over a base label, computed repeat by repeat (runs of one repeat ran side by side).
 """
@@ -12,46 +13,29 @@ from typing import Any
 from tokenmill.bench.metrics import flatten, gain, spread
 from tokenmill.bench.records import BenchResult, Run
 from tokenmill.config import EngineConfig
-
-TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+from tokenmill.engine_args import parse_value
 
 
 def parse_variant(text: str, base: EngineConfig) -> dict[str, Any]:
     """ "scheduling=static,max_num_seqs=8" -> {"scheduling": "static", "max_num_seqs": 8}, each value
-    converted to the type of the base config's field; a ValueError names a bad key or value."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    typed as its EngineConfig field (keys in snake_case or kebab-case) and checked against `base`
+    with the variant applied; a ValueError names a bad key or value."""
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     overrides: dict[str, Any] = {}
     for part in text.split(","):
         key, sep, raw = part.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in fields:
-            raise ValueError(
-                f"--compare: {part!r} is not KEY=VALUE with KEY an engine setting ({', '.join(sorted(fields))})"
-            )
-        overrides[key] = _convert(key, raw.strip(), getattr(base, key))
+            raise ValueError(f"--compare: {part!r} is not KEY=VALUE with KEY an engine setting ({', '.join(fields)})")
+        try:
+            overrides[key] = parse_value(EngineConfig, key, raw.strip())
+        except ValueError as e:
+            raise ValueError(f"--compare: {e}") from None
+    try:
+        dataclasses.replace(base, **overrides)
+    except ValueError as e:
+        raise ValueError(f"--compare: {text!r}: {e}") from None
     return overrides
-
-
-def _convert(key: str, raw: str, current: Any) -> Any:
-    if isinstance(current, bool):
-        if raw.lower() not in (*TRUE, *FALSE):
-            raise ValueError(f"--compare: {key}={raw!r} is not true or false")
-        return raw.lower() in TRUE
-    if raw.lower() == "none" and current is None:
-        return None
-    if isinstance(current, int) or current is None:
-        try:
-            return int(raw)
-        except ValueError:
-            if isinstance(current, int):
-                raise ValueError(f"--compare: {key}={raw!r} is not an integer") from None
-            return raw
-    if isinstance(current, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"--compare: {key}={raw!r} is not a number") from None
-    return raw
 
 
 def label_of(overrides: dict[str, Any]) -> str:

@@ -119,8 +119,8 @@ def run_offline(
     after = engine.stats()
     extras: dict[str, Any] = {
         "kv_live_share": live / allocated if allocated else None,
-        "preemptions": after["preemptions"] - before["preemptions"],
-        "prefix_cache_hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "preemptions": after.preemptions - before.preemptions,
+        "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
         "full_decode_steps": len(full_steps),
     }
     if full_steps:

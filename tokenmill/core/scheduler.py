@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tokenmill.core.kv_manager import KVManager
-from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
+from tokenmill.outputs import EngineStats, NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.request import Request, RequestStatus
 
 
@@ -31,20 +31,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
 
 
-@dataclass
-class SchedulerStats:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    preemptions: int
-    prompt_tokens: int  # prompt tokens computed (recomputation included)
-    generated_tokens: int
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    prefix_cache_evictions: int  # cached blocks taken for new tokens
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
@@ -52,9 +38,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # request id -> requests that start once it has computed its prompt (n > 1 children)
+        self.held: dict[str, list[Request]] = {}
         self._finished_ids: list[str] = []
         self._scheduled_once: set[str] = set()
         self.num_preemptions = 0
+        self.num_aborted = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -62,7 +51,9 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, wait_for: str | None = None) -> None:
+        """Queue a request; with `wait_for`, hold it until that request has computed its prompt (its
+        first token sampled) or finished, so that it finds the prompt's blocks in the prefix cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         total = request.num_prompt_tokens + request.max_tokens
@@ -77,7 +68,11 @@ class Scheduler:
                 f"the cache holds {self.kv.num_blocks}"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        awaited = self.requests.get(wait_for) if wait_for is not None else None
+        if awaited is not None and not awaited.output_token_ids:
+            self.held.setdefault(awaited.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Finish (or abort) a request wherever it is; its blocks are freed now."""
@@ -88,15 +83,28 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            for awaited, held in list(self.held.items()):
+                if request in held:
+                    held.remove(request)
+                    if not held:
+                        del self.held[awaited]
         request.status = status
         request.stop_reason = stop_reason
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += 1
         self.kv.free(request_id)
         self._finished_ids.append(request_id)
         del self.requests[request_id]
         self._scheduled_once.discard(request_id)
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """Queue the requests held for this one."""
+        self.waiting.extend(self.held.pop(request_id, ()))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -222,6 +230,8 @@ class Scheduler:
                     self.kv.cache_full_blocks(request.request_id, tokens, request.cache_salt)
             if not chunk.sample:
                 continue
+            if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
+                self._release(request.request_id)  # its prompt is computed, and cached
             for token in result.sampled.get(chunk.request_id, []):
                 request.output_token_ids.append(token)
                 self.num_generated_tokens += 1
@@ -245,13 +255,14 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def stats(self) -> EngineStats:
+        return EngineStats(
             running=len(self.running),
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + sum(len(h) for h in self.held.values()),
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_free=self.kv.num_free_blocks,
             preemptions=self.num_preemptions,
+            aborted=self.num_aborted,
             prompt_tokens=self.num_prompt_tokens,
             generated_tokens=self.num_generated_tokens,
             prefix_cache_queries=self.prefix_queries,

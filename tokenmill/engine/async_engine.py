@@ -1,10 +1,13 @@
-"""AsyncEngine: the engine's step loop on a background thread, one asyncio queue per request.
+"""AsyncEngine: the engine core on a background thread, the output processor on the event loop.
 
-Owns the boundary between the event loop and the engine. Every engine call happens on the engine
-thread: requests and aborts arrive as plain commands on a thread-safe queue, outputs go back to each
-request's asyncio queue through `call_soon_threadsafe`, so the event loop never blocks on the model.
-A client that goes away aborts its request, whose blocks are freed within one engine step. Admission
-is bounded: past `max_waiting` requests waiting, new ones are refused (the server answers 429).
+Owns the boundary between them. Only plain messages cross it (`engine.messages`: core requests,
+aborts, stops, shutdown in; `EngineCoreOutputs` out), so the core could as well run in another
+process. Requests are tokenized, checked and fanned out on the event loop; the core thread steps
+while it has work and hands each step's outputs to the loop (`call_soon_threadsafe`), where the
+output processor turns them into RequestOutputs for each request's asyncio queue — so the event
+loop never blocks on the model. A client that goes away aborts its request, whose blocks are freed
+within one engine step. Admission is bounded: past `max_waiting` requests waiting, new ones are
+refused (the server answers 429). If the core thread dies, every open request gets the error.
 """
 
 from __future__ import annotations
@@ -15,15 +18,24 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
-from dataclasses import dataclass
 
-from tokenmill.engine.engine import LLMEngine
-from tokenmill.engine.metrics import EngineGauges, EngineMetrics
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+    StopRequests,
+)
+from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
+
+Command = EngineCoreRequest | AbortRequests | StopRequests | Shutdown
 
 
 class EngineOverloaded(Exception):
@@ -34,47 +46,41 @@ class EngineStopped(Exception):
     """The engine is shutting down and takes no new requests."""
 
 
-@dataclass
-class AddCommand:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    arrival: float
-    sink: asyncio.Queue[RequestOutput | BaseException]
-    loop: asyncio.AbstractEventLoop
-    accepted: Future[None]
-
-
-@dataclass
-class AbortCommand:
-    request_id: str
-
-
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, metrics: EngineMetrics, max_waiting: int = 256, log_interval: float = 10.0
+        self,
+        core: EngineCore,
+        processor: OutputProcessor,
+        metrics: EngineMetrics,
+        max_waiting: int = 256,
+        log_interval: float = 10.0,
     ) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting: expected a positive integer, got {max_waiting}")
-        self.engine = engine
+        self.core = core
+        self.processor = processor
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.log_interval = log_interval
-        self._commands: queue.Queue[AddCommand | AbortCommand | None] = queue.Queue()
-        self._sinks: dict[str, tuple[asyncio.Queue[RequestOutput | BaseException], asyncio.AbstractEventLoop]] = {}
-        self._token_clock: dict[str, tuple[float, int]] = {}  # request id -> (last token time, tokens)
-        self._pending = 0  # add commands sent, not yet taken by the engine thread
-        self._lock = threading.Lock()  # guards _pending, _stopping and _closed against the engine thread
-        self._waiting = 0  # the engine's waiting count after its last step
+        self._commands: queue.Queue[Command] = queue.Queue()
+        # event-loop side: request id -> its queue, and (last token time, tokens) for the ITL metric
+        self._sinks: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._token_clock: dict[str, tuple[float, int]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # guards _pending, _stopping and _closed against the core thread
+        self._pending = 0  # core requests sent, not yet taken by the core thread
+        self._waiting = 0  # the core's waiting count after its last step
         self._stopping = False  # draining or stopping: no new requests
-        self._closed = False  # the engine thread has ended (or is ending)
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._closed = False  # the core thread has ended (or is ending)
         self._failure: BaseException | None = None
+        self._last_log = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
 
     # -- event-loop side -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the core thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     def begin_drain(self) -> None:
@@ -83,15 +89,16 @@ class AsyncEngine:
             self._stopping = True
 
     def request_stop(self) -> None:
-        """Tell the engine thread to abort what is left and end; returns at once."""
+        """Tell the core thread to abort what is left and end; returns at once."""
         with self._lock:
             self._stopping = True
-            self._commands.put(None)
+            self._commands.put(Shutdown())
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort what is left, stop the engine thread and wait for it."""
+        """Abort what is left, stop the core thread and wait for it."""
         self.request_stop()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def healthy(self) -> bool:
@@ -104,33 +111,42 @@ class AsyncEngine:
 
     @property
     def num_open(self) -> int:
-        """Requests accepted (or on their way in) that have not finished."""
-        return len(self._sinks) + self._pending
+        """Requests accepted that have not finished."""
+        return len(self._sinks)
 
     @property
     def num_waiting(self) -> int:
         return self._waiting + self._pending
 
+    def stats(self) -> EngineStats:
+        """The core's stats (read from the loop: a snapshot, as fresh as the last step)."""
+        return self.core.stats()
+
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them, until it finishes. Raises
-        EngineOverloaded or EngineStopped before anything is accepted, ValueError for a request the
-        engine refuses. Closing the iterator early (a client gone) aborts the request."""
-        loop = asyncio.get_running_loop()
+        EngineOverloaded or EngineStopped before anything is accepted, ValueError for a request that
+        cannot run. Closing the iterator early (a client gone) aborts the request."""
+        self._admit_check()
+        requests = self.processor.add_request(request_id, prompt, params, None, cache_salt, output_kind)
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        accepted: Future[None] = Future()
-        with self._lock:  # checked and queued at once: the engine thread never ends with it unseen
+        with self._lock:  # checked and queued at once: the core thread never ends with it unseen
             if not self.accepting:
-                raise EngineStopped("the server is shutting down" if self.healthy else "the engine is not running")
-            if self._waiting + self._pending >= self.max_waiting:
-                raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
-            self._pending += 1
-            command = AddCommand(request_id, prompt, params, cache_salt, time.monotonic(), sink, loop, accepted)
-            self._commands.put(command)
+                self.processor.abort_request(request_id)
+                raise EngineStopped("the server is shutting down")
+            self._sinks[request_id] = sink
+            self._token_clock[request_id] = (time.monotonic(), 0)
+            self._pending += len(requests)
+            for request in requests:
+                self._commands.put(request)
         finished = False
         try:
-            await asyncio.wrap_future(accepted)  # raises the engine's ValueError for a refused request
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
@@ -141,44 +157,100 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(AbortCommand(request_id))
+                self._abort(request_id)
 
-    # -- engine-thread side ----------------------------------------------------------------------
+    def _admit_check(self) -> None:
+        if not self.accepting:
+            raise EngineStopped("the server is shutting down" if self.healthy else "the engine is not running")
+        if self._waiting + self._pending >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
+
+    def _abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self._token_clock.pop(request_id, None)
+        core_ids = self.processor.abort_request(request_id)
+        if core_ids:
+            self._commands.put(AbortRequests(core_ids))
+            self.metrics.observe_aborted()
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """One core step's outputs, on the event loop: RequestOutputs to their queues, metrics."""
+        processed = self.processor.process(outputs)
+        if processed.stop_ids:
+            self._commands.put(StopRequests(processed.stop_ids))
+        for request_id, message in processed.errors.items():
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink.put_nowait(ValueError(message))
+        now = time.monotonic()
+        for out in processed.request_outputs:
+            self._observe(out, now)
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink.put_nowait(out)
+                if out.finished:
+                    del self._sinks[out.request_id]
+        self._waiting = outputs.stats.waiting
+        self.metrics.observe_step(outputs.stats)
+        if now - self._last_log >= self.log_interval:
+            self._last_log = now
+            logger.info(self.metrics.log_line())
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        last, seen = self._token_clock.get(out.request_id, (now, 0))
+        tokens = seen + sum(len(c.token_ids) for c in out.outputs)  # delta outputs: new tokens only
+        if tokens > seen:
+            if seen > 0:
+                self.metrics.observe_inter_token(now - last)
+            self._token_clock[out.request_id] = (now, tokens)
+        if out.finished:
+            self._token_clock.pop(out.request_id, None)
+            for c in out.outputs:
+                self.metrics.observe_finished(out.metrics, len(c.token_ids), c.finish_reason or "abort")
+
+    def _on_core_stopped(self, failure: BaseException | None) -> None:
+        """The core thread has ended: every open request gets the reason, nothing hangs."""
+        for request_id, sink in list(self._sinks.items()):
+            sink.put_nowait(RuntimeError("the engine failed") if failure else EngineStopped("the server shut down"))
+            self.processor.abort_request(request_id)
+        self._sinks.clear()
+        self._token_clock.clear()
+
+    # -- core-thread side ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        last_log = time.monotonic()
+        assert self._loop is not None, "start() from the event loop"
+        loop = self._loop
+        failure: BaseException | None = None
         try:
             while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._drain(block):
+                if not self._apply_commands(block=not self.core.has_unfinished()):
                     break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                now = time.monotonic()
-                if now - last_log >= self.log_interval:
-                    last_log = now
-                    if self.engine.has_unfinished_requests() or self._waiting:
-                        logger.info(self.metrics.log_line())
-        except BaseException as e:  # the engine died: fail every open request rather than hang it
+                if self.core.has_unfinished():
+                    outputs = self.core.step()
+                    loop.call_soon_threadsafe(self._on_outputs, outputs)
+        except BaseException as e:  # the core died: fail every open request rather than hang it
             logger.exception("engine thread failed")
-            self._failure = e
-            for sink, loop in self._sinks.values():
-                loop.call_soon_threadsafe(sink.put_nowait, RuntimeError("the engine failed"))
+            failure = self._failure = e
         finally:
-            with self._lock:  # no request is queued after this: refuse those queued but not taken
+            with self._lock:  # no request is queued after this
                 self._closed = True
-                while not self._commands.empty():
-                    left = self._commands.get_nowait()
-                    if isinstance(left, AddCommand):
-                        left.accepted.set_exception(EngineStopped("the server shut down"))
-            for request_id in list(self._sinks):
-                if self.engine.abort_request(request_id):
-                    self.metrics.observe_aborted()
-            for sink, loop in self._sinks.values():
-                loop.call_soon_threadsafe(sink.put_nowait, EngineStopped("the server shut down"))
-            self._sinks.clear()
+            self._abort_everything()
+            loop.call_soon_threadsafe(self._on_core_stopped, failure)
 
-    def _drain(self, block: bool) -> bool:
+    def _abort_everything(self) -> None:
+        """Free every request's blocks (those queued but not taken included)."""
+        try:
+            while True:
+                self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        try:
+            self.core.abort_requests(list(self.core.scheduler.requests))
+        except Exception:  # a core that failed may not abort cleanly; its requests are failed anyway
+            logger.exception("could not abort the engine's requests")
+
+    def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False when told to stop."""
         while True:
             try:
@@ -186,62 +258,27 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             block = False
-            if command is None:
+            if isinstance(command, Shutdown):
                 return False
-            if isinstance(command, AbortCommand):
-                if self._sinks.pop(command.request_id, None) is not None:
-                    if self.engine.abort_request(command.request_id):
-                        self.metrics.observe_aborted()
-                    self._token_clock.pop(command.request_id, None)
-                continue
-            with self._lock:
-                self._pending -= 1
-            try:
-                self.engine.add_request(
-                    command.request_id, command.prompt, command.params, command.arrival, command.cache_salt
-                )
-            except ValueError as e:
-                command.accepted.set_exception(e)
-                continue
-            except BaseException:
-                command.accepted.set_exception(RuntimeError("the engine failed"))
-                raise
-            self._sinks[command.request_id] = (command.sink, command.loop)
-            self._token_clock[command.request_id] = (command.arrival, 0)
-            self._waiting += 1
-            command.accepted.set_result(None)
+            if isinstance(command, AbortRequests):
+                self.core.abort_requests(command.request_ids)
+            elif isinstance(command, StopRequests):
+                self.core.stop_requests(command.request_ids)
+            else:
+                with self._lock:
+                    self._pending -= 1
+                self._add(command)
 
-    def _step(self) -> None:
-        outputs = self.engine.step()
-        now = time.monotonic()
-        for out in outputs:
-            tokens = sum(len(c.token_ids) for c in out.outputs)
-            last, seen = self._token_clock.get(out.request_id, (now, tokens))
-            if tokens > seen:
-                if seen > 0:
-                    self.metrics.observe_inter_token(now - last)
-                self._token_clock[out.request_id] = (now, tokens)
-            if out.finished:
-                self._token_clock.pop(out.request_id, None)
-                for c in out.outputs:
-                    self.metrics.observe_finished(out.metrics, len(c.token_ids), c.finish_reason or "abort")
-            target = self._sinks.get(out.request_id)
-            if target is not None:
-                sink, loop = target
-                loop.call_soon_threadsafe(sink.put_nowait, out)
-                if out.finished:
-                    del self._sinks[out.request_id]
-        stats = self.engine.stats()
-        self._waiting = int(stats["waiting"])
-        self.metrics.observe_step(
-            EngineGauges(
-                running=int(stats["running"]),
-                waiting=int(stats["waiting"]),
-                kv_cache_usage=float(stats["kv_cache_usage"]),
-                preemptions_total=int(stats["preemptions"]),
-                prompt_tokens_total=int(stats["prompt_tokens"]),
-                generation_tokens_total=int(stats["generated_tokens"]),
-                prefix_cache_queries_total=int(stats["prefix_cache_queries"]),
-                prefix_cache_hits_total=int(stats["prefix_cache_hits"]),
+    def _add(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except ValueError as e:  # the front end checks the same limits: this is a disagreement, not a user error
+            assert self._loop is not None
+            refusal = EngineCoreOutputs(
+                [_error_output(request.request_id, str(e))], self.core.stats(), self.core.last_step
             )
-        )
+            self._loop.call_soon_threadsafe(self._on_outputs, refusal)
+
+
+def _error_output(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, error=message)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokenmill.outputs import RequestMetrics
+from tokenmill.outputs import EngineStats, RequestMetrics
 
 PREFIX = "tokenmill:"
 LATENCY_BUCKETS = (
@@ -41,20 +40,6 @@ LATENCY_BUCKETS = (
     640.0,
 )
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-
-
-@dataclass(frozen=True)
-class EngineGauges:
-    """A snapshot of the engine after a step (totals are cumulative since start)."""
-
-    running: int
-    waiting: int
-    kv_cache_usage: float  # fraction of KV blocks in use
-    preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries_total: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits_total: int = 0  # of those, tokens found
 
 
 class EngineMetrics:
@@ -93,19 +78,19 @@ class EngineMetrics:
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
         self.model_name = model_name
-        self._last = EngineGauges(0, 0, 0.0, 0, 0, 0)
+        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._log_mark = (self._clock(), self._last)
 
-    def observe_step(self, g: EngineGauges) -> None:
+    def observe_step(self, g: EngineStats) -> None:
         m = self.model_name
         self.running.labels(m).set(g.running)
         self.waiting.labels(m).set(g.waiting)
         self.kv_usage.labels(m).set(g.kv_cache_usage)
-        self.preemptions.labels(m).inc(g.preemptions_total - self._last.preemptions_total)
-        self.prompt_tokens.labels(m).inc(g.prompt_tokens_total - self._last.prompt_tokens_total)
-        self.generation_tokens.labels(m).inc(g.generation_tokens_total - self._last.generation_tokens_total)
-        self.prefix_queries.labels(m).inc(g.prefix_cache_queries_total - self._last.prefix_cache_queries_total)
-        self.prefix_hits.labels(m).inc(g.prefix_cache_hits_total - self._last.prefix_cache_hits_total)
+        self.preemptions.labels(m).inc(g.preemptions - self._last.preemptions)
+        self.prompt_tokens.labels(m).inc(g.prompt_tokens - self._last.prompt_tokens)
+        self.generation_tokens.labels(m).inc(g.generated_tokens - self._last.generated_tokens)
+        self.prefix_queries.labels(m).inc(g.prefix_cache_queries - self._last.prefix_cache_queries)
+        self.prefix_hits.labels(m).inc(g.prefix_cache_hits - self._last.prefix_cache_hits)
         self._last = g
 
     def observe_inter_token(self, seconds: float) -> None:
@@ -142,9 +127,9 @@ class EngineMetrics:
         dt = max(now - then, 1e-9)
         self._log_mark = (now, g)
         return (
-            f"Avg prompt throughput: {(g.prompt_tokens_total - before.prompt_tokens_total) / dt:.1f} tokens/s, "
-            f"Avg generation throughput: {(g.generation_tokens_total - before.generation_tokens_total) / dt:.1f} "
+            f"Avg prompt throughput: {(g.prompt_tokens - before.prompt_tokens) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(g.generated_tokens - before.generated_tokens) / dt:.1f} "
             f"tokens/s, Running: {g.running} reqs, Waiting: {g.waiting} reqs, "
-            f"KV cache usage: {g.kv_cache_usage * 100:.1f}%, Preemptions: {g.preemptions_total}, "
-            f"Prefix cache hit rate: {g.prefix_cache_hits_total / max(g.prefix_cache_queries_total, 1) * 100:.1f}%"
+            f"KV cache usage: {g.kv_cache_usage * 100:.1f}%, Preemptions: {g.preemptions}, "
+            f"Prefix cache hit rate: {g.prefix_cache_hits / max(g.prefix_cache_queries, 1) * 100:.1f}%"
         )

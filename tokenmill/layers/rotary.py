@@ -1,6 +1,7 @@
 """Rotary position embeddings (RoPE) with the Llama family's scaling variants.
 
-Owns the inverse-frequency computation for `default`, `linear`, `llama3` and `yarn` RoPE, a cos/sin
+Owns `RopeConfig` (a model's RoPE settings, as `models/config.py` parses them from config.json), the
+inverse-frequency computation for `default`, `linear`, `llama3` and `yarn` RoPE, a cos/sin
 table over all positions the model accepts (float32, computed once), and applying it to q and k in
 the half-rotation layout Hugging Face checkpoints use.
 """
@@ -8,10 +9,32 @@ the half-rotation layout Hugging Face checkpoints use.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from tokenmill.models.config import RopeConfig
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """A model's RoPE: its type, base and the scaling parameters the type reads."""
+
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    theta: float
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # llama3 and yarn: the context length the model was pre-trained with
+    original_max_position_embeddings: int = 0
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 def inverse_frequencies(rope: RopeConfig, rot_dim: int) -> tuple[torch.Tensor, float]:

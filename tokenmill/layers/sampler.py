@@ -3,8 +3,8 @@
 Owns `SamplingMetadata` (per-row sampling parameters as tensors, plus the token history the
 penalties read), `Sampler` (penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
 an exact sample), `LogprobsTensors`/`gather_logprobs` (top-k and chosen-token log-probabilities,
-also used for prompt logprobs) and `generator_seed`, which makes randomness a pure function of
-(seed, output position).
+also used for prompt logprobs). Randomness is a pure function of (seed, output position) through
+`generator_seed`, which lives beside `SamplingParams` in sampling_params.py.
 
 Semantics follow vLLM, Hugging Face and the OpenAI API:
 - Log-probabilities come from the raw logits (log-softmax before penalties, temperature and
@@ -31,26 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.sampling_params import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64's finaliser: a bijective, well-mixed map of 64-bit integers."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def generator_seed(seed: int, output_position: int) -> int:
-    """The 64-bit seed (in [0, 2**64)) of the generator that samples output token `output_position`.
-
-    A fixed integer mix, identical in every process (unlike Python's salted `hash()`); any int seed
-    is accepted, negative or wider than 64 bits ones are reduced modulo 2**64.
-    """
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (output_position & _MASK64))
+from tokenmill.sampling_params import SamplingParams, generator_seed
 
 
 @dataclass

@@ -12,32 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+
 
 class ModelLoadError(ValueError):
     """A model folder that cannot be loaded; the message names the file and the field."""
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    rope_type: str  # one of SUPPORTED_ROPE_TYPES
-    theta: float
-    factor: float = 1.0
-    # llama3
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    # llama3 and yarn: the context length the model was pre-trained with
-    original_max_position_embeddings: int = 0
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
 
 
 @dataclass(frozen=True)

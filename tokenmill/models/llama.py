@@ -2,8 +2,10 @@
 
 Owns the modules (fused QKV and gate/up projections, RMSNorm, RoPE, SwiGLU MLP, GQA/MQA attention
 through an injected `AttentionBackend`) and the map from Hugging Face checkpoint tensor names to
-slices of tokenmill's fused parameters. The forward takes a flat batch of several sequences' tokens
-and a paged KV cache per layer; all attention metadata comes in as an argument.
+tokenmill's parameters and their shards. Every projection (and an untied lm_head) is a
+`layers.linear` layer whose `LinearMethod` is injected too (default: unquantized). The forward takes
+a flat batch of several sequences' tokens and a paged KV cache per layer; all attention metadata
+comes in as an argument.
 """
 
 from __future__ import annotations
@@ -15,31 +17,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from tokenmill.layers.linear import Linear, LinearMethod, MergedLinear, ShardId, UnquantizedLinearMethod
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.config import ModelConfig
 
+# tokenmill's fused projections -> the checkpoint projections stacked in them, in output order, each
+# with the shard id its weight loader takes
+STACKED_PROJECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", "gate"), ("up_proj", "up")),
+}
+
 
 @dataclass(frozen=True)
-class WeightSlot:
-    """Where a checkpoint tensor goes: rows [row_start, row_start + shape[0]) of parameter `param`."""
+class WeightTarget:
+    """Where a checkpoint tensor goes: shard `shard_id` of tokenmill parameter `param` (None: all of it)."""
 
     param: str
-    row_start: int
-    shape: tuple[int, ...]
+    shard_id: ShardId
+
+
+def rms_norm(dim: int, eps: float, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(dim, eps).to(dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, backend: AttentionBackend, method: LinearMethod, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        shards = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
+        self.qkv_proj = MergedLinear(cfg.hidden_size, shards, bias=cfg.qkv_bias, linear_method=method, dtype=dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, linear_method=method, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.sliding_window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
@@ -65,11 +81,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, method: LinearMethod, dtype: torch.dtype) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.intermediate_size = inter
+        shards = {"gate": inter, "up": inter}
+        self.gate_up_proj = MergedLinear(h, shards, bias=cfg.mlp_bias, linear_method=method, dtype=dtype)
+        self.down_proj = Linear(inter, h, bias=cfg.mlp_bias, linear_method=method, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -77,12 +95,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, backend: AttentionBackend, method: LinearMethod, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, backend, method, dtype)
+        self.post_attention_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, method, dtype)
 
     def forward(
         self,
@@ -97,16 +117,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids of a flat batch -> hidden states; hidden states -> float32 logits."""
+    """Token ids of a flat batch -> hidden states; hidden states -> float32 logits.
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    Parameters are created uninitialized (the loader fills them) in `dtype`, on the ambient device
+    (build it under `with torch.device(...)`); `linear_method` holds and applies every projection's
+    and the untied lm_head's weights (None: unquantized)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        *,
+        linear_method: LinearMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        method = linear_method or UnquantizedLinearMethod()
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, method, dtype) for i in range(cfg.num_layers))
+        self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, linear_method=method, dtype=dtype)
 
     def init_rotary(self, device: torch.device) -> None:
         """Build the RoPE tables; called once the parameters live on their device."""
@@ -127,37 +160,23 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.config.tie_word_embeddings:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
-    def checkpoint_layout(self) -> dict[str, WeightSlot]:
-        """Hugging Face tensor name -> the slice of a tokenmill parameter it fills."""
-        cfg = self.config
-        h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
-        slots = {
-            "model.embed_tokens.weight": WeightSlot("embed_tokens.weight", 0, (cfg.vocab_size, h)),
-            "model.norm.weight": WeightSlot("norm.weight", 0, (h,)),
-        }
-        if not cfg.tie_word_embeddings:
-            slots["lm_head.weight"] = WeightSlot("lm_head.weight", 0, (cfg.vocab_size, h))
-        for i in range(cfg.num_layers):
-            src, dst = f"model.layers.{i}", f"layers.{i}"
-            proj = {
-                "self_attn.q_proj": ("self_attn.qkv_proj", 0, q, h, cfg.qkv_bias),
-                "self_attn.k_proj": ("self_attn.qkv_proj", q, kv, h, cfg.qkv_bias),
-                "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv, h, cfg.qkv_bias),
-                "self_attn.o_proj": ("self_attn.o_proj", 0, h, q, cfg.o_bias),
-                "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter, h, cfg.mlp_bias),
-                "mlp.up_proj": ("mlp.gate_up_proj", inter, inter, h, cfg.mlp_bias),
-                "mlp.down_proj": ("mlp.down_proj", 0, h, inter, cfg.mlp_bias),
-            }
-            for name, (param, start, rows, cols, bias) in proj.items():
-                slots[f"{src}.{name}.weight"] = WeightSlot(f"{dst}.{param}.weight", start, (rows, cols))
-                if bias:
-                    slots[f"{src}.{name}.bias"] = WeightSlot(f"{dst}.{param}.bias", start, (rows,))
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                slots[f"{src}.{norm}.weight"] = WeightSlot(f"{dst}.{norm}.weight", 0, (h,))
-            if cfg.qk_norm:
-                for norm in ("q_norm", "k_norm"):
-                    slots[f"{src}.self_attn.{norm}.weight"] = WeightSlot(f"{dst}.self_attn.{norm}.weight", 0, (d,))
-        return slots
+    def checkpoint_map(self) -> dict[str, WeightTarget]:
+        """Hugging Face tensor name -> the parameter (and shard of it) it fills. Derived from the
+        parameters the model has, so a LinearMethod's own parameters (named after the checkpoint's
+        suffixes) are mapped too; a tied lm_head has none, and so no entry."""
+        targets: dict[str, WeightTarget] = {}
+        for name, _ in self.named_parameters():
+            prefix = "" if name.startswith("lm_head.") else "model."
+            module, _, suffix = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf in STACKED_PROJECTIONS:
+                for source, shard_id in STACKED_PROJECTIONS[leaf]:
+                    targets[f"{prefix}{parent}.{source}.{suffix}"] = WeightTarget(name, shard_id)
+            else:
+                targets[prefix + name] = WeightTarget(name, None)
+        return targets

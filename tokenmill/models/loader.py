@@ -1,9 +1,11 @@
 """Model folder -> a ready `LlamaForCausalLM`: safetensors read by mmap into fused parameters.
 
 Owns finding the weight files (a single `model.safetensors`, or shards listed by
-`model.safetensors.index.json`), checking every tensor's name and shape against the config before
-reading it, and copying each tensor once, from the memory-mapped file straight into its slice of the
-final (fused, converted) parameter. Pickle checkpoints (`*.bin`, `*.pt`) are refused, never loaded.
+`model.safetensors.index.json`), checking every tensor's name against the model's checkpoint map,
+and streaming each tensor, memory-mapped, to its parameter's `weight_loader` (layers/linear.py),
+which checks its shape against the config before reading it and copies it once, straight into its
+slice of the final (fused, converted) parameter. Then each linear layer's method gets its
+`process_weights_after_loading` call. Pickle checkpoints (`*.bin`, `*.pt`) are refused, never loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
+from tokenmill.layers.linear import LinearBase, LinearMethod, WeightLoadError, WeightShapeError, weight_loader_of
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -72,12 +75,12 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
 
 def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     """Fill every parameter of `model` from the folder's safetensors, checking names and shapes."""
-    layout = model.checkpoint_layout()
+    targets = model.checkpoint_map()
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for path, indexed_names in weight_files(folder).items():
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
                 names = list(f.keys())
                 if indexed_names is not None:
                     absent = sorted(set(indexed_names) - set(names))
@@ -88,25 +91,27 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                         name == "lm_head.weight" and model.config.tie_word_embeddings
                     ):
                         continue
-                    slot = layout.get(name)
-                    if slot is None:
+                    target = targets.get(name)
+                    if target is None:
                         raise ModelLoadError(
                             f"{path}: unexpected tensor '{name}' (not part of a "
                             f"{model.config.architecture} with this config.json)"
                         )
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != slot.shape:
-                        raise ModelLoadError(
-                            f"{path}: tensor '{name}' has shape {list(shape)}, config.json implies {list(slot.shape)}"
-                        )
                     if name in seen:
                         raise ModelLoadError(f"{path}: tensor '{name}' appears in more than one file")
-                    target = params[slot.param].data[slot.row_start : slot.row_start + shape[0]]
-                    target.copy_(f.get_tensor(name))
+                    param = params[target.param]
+                    try:  # a view of the mapped file: nothing is read before the shape check
+                        weight_loader_of(param)(param, f.get_tensor(name), target.shard_id)
+                    except WeightShapeError as e:
+                        raise ModelLoadError(
+                            f"{path}: tensor '{name}' has shape {list(e.got)}, config.json implies {list(e.expected)}"
+                        ) from None
+                    except WeightLoadError as e:
+                        raise ModelLoadError(f"{path}: tensor '{name}': {e}") from None
                     seen.add(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-    missing = sorted(set(layout) - seen)
+    missing = sorted(set(targets) - seen)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelLoadError(f"{folder}: tensor '{missing[0]}'{more} missing from the safetensors files")
@@ -117,16 +122,21 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
+    linear_method: LinearMethod | None = None,
 ) -> LlamaForCausalLM:
-    """Load a Llama-family model folder for inference (eval mode, no gradients)."""
+    """Load a Llama-family model folder for inference (eval mode, no gradients). `linear_method`
+    holds and applies the projections' weights (None: unquantized, in `dtype`)."""
     folder = Path(folder)
     cfg = load_config(folder)
     torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend or TorchReferenceBackend())
-    model = model.to_empty(device=device).to(torch_dtype)
+    attention: AttentionBackend = backend or TorchReferenceBackend()
+    with device:  # parameters are allocated uninitialized, in their final dtype, on their device
+        model = LlamaForCausalLM(cfg, attention, linear_method=linear_method, dtype=torch_dtype)
     load_weights(model, folder)
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.process_weights_after_loading()
     model.init_rotary(device)
     model.requires_grad_(False)
     return model.eval()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers.attention import AttentionMetadata, build_attention_metadata
+from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.outputs import ScheduledChunk
 
 
@@ -32,6 +32,7 @@ class ModelInputs:
 
 def prepare_inputs(
     chunks: list[ScheduledChunk],
+    backend: AttentionBackend,
     block_size: int,
     prompt_logprob_targets: dict[str, tuple[int, list[int]]],
     device: torch.device,
@@ -61,7 +62,7 @@ def prepare_inputs(
             sample_rows[c.request_id] = len(rows)
             rows.append(offset + n - 1)
         offset += n
-    metadata = build_attention_metadata(
+    metadata = backend.build_metadata(
         [len(c.token_ids) for c in chunks],
         [c.start_position + len(c.token_ids) for c in chunks],
         [c.block_table for c in chunks],

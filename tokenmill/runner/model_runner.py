@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.layers.attention import KVCache
+from tokenmill.layers.attention import AttentionBackend, KVCache
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import prepare_inputs
-from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -32,15 +31,16 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend, block_size: int
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.backend = backend
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
-        if self.device.type == "cpu":
-            keep_freed_memory()
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
@@ -57,7 +57,7 @@ class ModelRunner:
             if (s := self.states[c.request_id]).params.prompt_logprobs is not None
             and s.next_prompt_logprob < len(s.prompt_token_ids)
         }
-        inputs = prepare_inputs(scheduled.chunks, self.block_size, targets, self.device)
+        inputs = prepare_inputs(scheduled.chunks, self.backend, self.block_size, targets, self.device)
         with torch.inference_mode():
             start = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)

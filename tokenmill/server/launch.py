@@ -20,8 +20,11 @@ import uvicorn
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.engine import engine_limits
 from tokenmill.engine.metrics import EngineMetrics
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.server.app import create_app
 from tokenmill.server.protocol import Limits
 from tokenmill.server.serving import Server
@@ -36,10 +39,13 @@ def build_server(
     limits: Limits | None = None,
     log_interval: float = 10.0,
 ) -> Server:
-    engine = LLMEngine(config)
+    core = EngineCore(config)
+    tokenizer = Tokenizer(config.model)
+    processor = OutputProcessor(tokenizer, engine_limits(core), seed=config.seed)
     name = served_model_name or Path(config.model).name
-    async_engine = AsyncEngine(engine, EngineMetrics(name), max_waiting=max_waiting, log_interval=log_interval)
-    return Server(async_engine, engine.tokenizer, name, engine.max_model_len, limits or Limits())
+    metrics = EngineMetrics(name)
+    async_engine = AsyncEngine(core, processor, metrics, max_waiting=max_waiting, log_interval=log_interval)
+    return Server(async_engine, tokenizer, name, core.max_model_len, limits or Limits())
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -215,10 +215,13 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], s
     return ChatLogprobs(content=content)
 
 
-def usage_info(outputs: Sequence[RequestOutput]) -> UsageInfo:
-    """Token counts over the outputs of one HTTP request (one RequestOutput per prompt; n choices each)."""
+def usage_info(outputs: Sequence[RequestOutput], completion_tokens: int | None = None) -> UsageInfo:
+    """Token counts over the outputs of one HTTP request (one RequestOutput per prompt; n choices
+    each): completion tokens counted from those final outputs, or given (a stream of deltas)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = (
+        sum(len(c.token_ids) for o in outputs for c in o.outputs) if completion_tokens is None else completion_tokens
+    )
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,

@@ -14,12 +14,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStopped
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -58,8 +58,6 @@ class Job:
     echo: bool
     include_usage: bool
     cache_salt: str | None
-    sent_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> logprob entries streamed
-    done_choices: set[int] = field(default_factory=set)  # choices whose finish_reason was streamed
 
 
 @dataclass
@@ -130,7 +128,7 @@ class Server:
             )
 
     def _check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.processor.limits.vocab_size
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise RequestError(
@@ -151,15 +149,15 @@ class Server:
 
     # -- running -------------------------------------------------------------------------------
 
-    def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
+    def _streams(self, job: Job, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         return [
-            self.engine.generate(f"{job.request_id}-{i}", p, job.params, job.cache_salt)
+            self.engine.generate(f"{job.request_id}-{i}", p, job.params, job.cache_salt, kind)
             for i, p in enumerate(job.prompts)
         ]
 
     async def complete(self, job: Job) -> dict[str, Any]:
         """Run every prompt to the end; the whole response as JSON."""
-        streams = self._streams(job)
+        streams = self._streams(job, OutputKind.FINAL_ONLY)
         try:
             finals = await asyncio.gather(*(_last(s) for s in streams))
         except ValueError as e:
@@ -210,7 +208,7 @@ class Server:
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE events for a streaming request, ending with `data: [DONE]`. Nothing is sent before the
         engine accepts every prompt, so a refused request still gets its error status."""
-        streams = self._streams(job)
+        streams = self._streams(job, OutputKind.DELTA)
         try:  # the first item (or the refusal) of each prompt, all submitted at once
             results = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
         except BaseException:
@@ -241,7 +239,8 @@ class Server:
             await merged.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, RequestOutput] = {}  # prompt i -> its latest (delta) output
+        generated = 0  # completion tokens over every choice (deltas: each token counted once)
         started: set[int] = set()
         try:
             if job.chat:
@@ -259,13 +258,14 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 finals[i] = out
+                generated += sum(len(c.token_ids) for c in out.outputs)
                 for c in out.outputs:
                     event = self._chunk_for(job, i, out, c, first=(i, c.index) not in started)
                     if event is not None:
                         started.add((i, c.index))
                         yield event
             if job.include_usage:
-                usage = usage_info([finals[i] for i in sorted(finals)])
+                usage = usage_info([finals[i] for i in sorted(finals)], completion_tokens=generated)
                 cls = ChatCompletionChunk if job.chat else CompletionStreamResponse
                 chunk = cls(id=job.request_id, created=job.created, model=job.model, choices=[], usage=usage)
                 yield _sse(chunk.model_dump(mode="json"))
@@ -279,27 +279,22 @@ class Server:
             await _close_all(streams)
 
     def _chunk_for(self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool) -> str | None:
+        """The SSE event of one choice's delta (its text, and the logprobs of the tokens that made it)."""
         key = i * job.params.n + c.index
-        if key in job.done_choices:
+        if not c.text and c.finish_reason is None and not (job.echo and first):
             return None
-        if not c.text_delta and c.finish_reason is None and not (job.echo and first):
-            return None  # nothing to show yet (text held back): its logprobs go with the next chunk
-        if c.finish_reason is not None:
-            job.done_choices.add(key)
-        sent = job.sent_tokens.get(key, 0)
-        entries = c.logprobs[sent:] if c.logprobs is not None else None
-        job.sent_tokens[key] = len(c.logprobs) if c.logprobs is not None else 0
+        entries = c.logprobs
         if job.chat:
             logprobs = chat_logprobs(entries, self.token_text) if entries else None
             choice = ChatChunkChoice(
                 index=key,
-                delta=DeltaMessage(content=c.text_delta),
+                delta=DeltaMessage(content=c.text),
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
             return self._chat_chunk_choice(job, choice)
-        choice = self._completion_choice(job, i, out, c, c.text_delta, entries, first)
+        choice = self._completion_choice(job, i, out, c, c.text, entries, first)
         chunk = CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model, choices=[choice])
         return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
 

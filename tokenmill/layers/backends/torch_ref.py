@@ -12,29 +12,108 @@ SDPA's `enable_gqa`.
 The attention math runs in float32 whatever the cache dtype: it is the reference, and on CPU
 torch's bfloat16 SDPA is several times slower than converting and running in float32. Inputs are
 4-D: torch's CPU flash kernel takes those, 3-D ones fall back to the slow math path.
+
+Cache layout: per layer, K and V of [num_blocks, block_size, num_kv_heads, head_dim]. The metadata
+(`TorchMetadata`) is built in plain Python, then one tensor per field: a decode step has one token
+per sequence, and a dozen small torch ops per step cost more than these loops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSequence
+from tokenmill.layers.attention import KVCache, check_batch
+
+# Decodes are attended in groups of this many sequences of similar context length: a few more
+# kernel calls, in exchange for not padding every context to the longest one in the step.
+DECODE_GROUP_SIZE = 8
+
+
+@dataclass
+class PrefillSequence:
+    """A sequence with several new tokens this step (a prompt chunk): attended on its own."""
+
+    row_start: int  # its first token's row in the flat batch
+    query_len: int
+    seq_len: int  # tokens in the cache for it after this step
+    block_table: torch.Tensor  # [ceil(seq_len / block_size)] int64
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences with one new token each and contexts of similar length, attended in one batch."""
+
+    rows: torch.Tensor  # [G] int64: their tokens' rows in the flat batch
+    seq_lens: torch.Tensor  # [G] int64
+    block_tables: torch.Tensor  # [G, ceil(max_seq_len / block_size)] int64
+    max_seq_len: int
+
+
+@dataclass
+class TorchMetadata:
+    num_actual_tokens: int  # tokens [0, n) of the batch are real; the rest is padding
+    slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
+    query_start_loc: torch.Tensor  # [B + 1] int64: sequence b's tokens are [qsl[b], qsl[b+1])
+    # Sequences with one new token (decodes), sorted by context length and batched in groups, so that
+    # a short context is not padded to the longest one in the step:
+    decode_groups: list[DecodeGroup]
+    # Sequences with several new tokens:
+    prefills: list[PrefillSequence]
 
 
 class TorchReferenceBackend:
     name = "torch"
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> TorchMetadata:
+        """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are new."""
+        check_batch(query_lens, seq_lens, block_tables, block_size)
+        starts = [0]
+        slots: list[int] = []
+        for q, s, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            starts.append(starts[-1] + q)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s - q, s))
+        decodes = sorted((b for b, q in enumerate(query_lens) if q == 1), key=lambda b: seq_lens[b])
+        groups = [decodes[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decodes), DECODE_GROUP_SIZE)]
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return TorchMetadata(
+            num_actual_tokens=starts[-1],
+            slot_mapping=tensor(slots),
+            query_start_loc=tensor(starts),
+            decode_groups=[_decode_group(g, starts, seq_lens, block_tables, block_size, tensor) for g in groups],
+            prefills=[
+                PrefillSequence(starts[b], q, seq_lens[b], tensor(block_tables[b][: -(-seq_lens[b] // block_size)]))
+                for b, q in enumerate(query_lens)
+                if q > 1
+            ],
+        )
+
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
+        q: torch.Tensor,  # [T, heads, D]
+        k: torch.Tensor,  # [T, kv_heads, D]
         v: torch.Tensor,
         cache: KVCache,
-        metadata: AttentionMetadata,
+        metadata: TorchMetadata,
         scale: float,
         sliding_window: int | None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [T, heads, D]
         md = metadata
         n = md.num_actual_tokens
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -111,3 +190,22 @@ class TorchReferenceBackend:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _decode_group(
+    members: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    tensor: Callable[[list[int] | list[list[int]]], torch.Tensor],
+) -> DecodeGroup:
+    longest = max(seq_lens[b] for b in members)
+    blocks = -(-longest // block_size)
+    return DecodeGroup(
+        rows=tensor([starts[b] for b in members]),
+        seq_lens=tensor([seq_lens[b] for b in members]),
+        # shorter tables padded with block 0: the mask hides those positions
+        block_tables=tensor([(tables[b] + [0] * blocks)[:blocks] for b in members]),
+        max_seq_len=longest,
+    )

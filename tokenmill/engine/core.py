@@ -1,0 +1,121 @@
+"""EngineCore: token ids in, plain messages out — schedule -> execute -> update, once per step.
+
+Owns the scheduler (and through it the KV manager) and the worker that runs the model. It takes
+`EngineCoreRequest`s, aborts and stops (a stop string the front end matched: the request finishes
+as stopped and its blocks are freed here, in the core, like every other finish), and each `step()`
+returns `EngineCoreOutputs`: per request that changed, the new token ids and logprobs, the
+prompt-logprob rows of the chunk just run, the finish and stop reason, cached tokens and timestamps.
+It never tokenizes, detokenizes or fans out `n`: the front end (`OutputProcessor`) does.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_manager import KVManager
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.core.static import StaticScheduler
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.outputs import EngineStats, StepOutput, StepStats
+from tokenmill.request import Request, RequestStatus, RequestTimes
+from tokenmill.runner.worker import Worker
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.worker = Worker(config)
+        self.model_config = self.worker.model_config
+        self.max_model_len = self.worker.max_model_len
+        self.block_size = self.worker.block_size
+        self.num_blocks = self.worker.num_blocks
+        kv = KVManager(
+            self.num_blocks,
+            config.block_size,
+            watermark_blocks=max(1, self.num_blocks // 100),
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        scheduler_cls = StaticScheduler if config.scheduling == "static" else Scheduler
+        self.scheduler: Scheduler = scheduler_cls(sched_config, kv)
+        self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
+
+    # -- requests in -----------------------------------------------------------------------------
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; a ValueError (naming the field) if it can never run here."""
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params,
+            seed=req.seed,
+            max_tokens=req.max_tokens,
+            eos_token_ids=tuple(req.eos_token_ids),
+            times=RequestTimes(arrival=req.arrival_time),
+            cache_salt=req.cache_salt,
+        )
+        wait_for = req.wait_for if self.config.enable_prefix_caching else None
+        self.scheduler.add_request(request, wait_for)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids: list[str]) -> None:
+        """Finish requests whose output matched a stop string (the front end keeps the string)."""
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule(time.monotonic())
+        requests = self.scheduler.requests
+        had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
+        result = self.worker.execute(scheduled)
+        changed = self.scheduler.update(scheduled, result, time.monotonic())
+        outputs = [self._output(r, result, had[r.request_id]) for r in changed]
+        reported = {r.request_id for r in changed}
+        for request_id, rows in result.prompt_logprobs.items():  # a prompt chunk that sampled nothing
+            if request_id not in reported:
+                outputs.append(EngineCoreOutput(request_id, new_prompt_logprobs=rows))
+        self.last_step = StepStats(
+            num_running=len(scheduled.chunks),
+            num_batched_tokens=scheduled.num_batched_tokens,
+            total_seconds=time.perf_counter() - start,
+            forward_seconds=result.forward_seconds,
+            kv_live_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
+            kv_allocated_slots=self.scheduler.kv.num_allocated_slots(),
+        )
+        return EngineCoreOutputs(outputs, self.stats(), self.last_step)
+
+    @staticmethod
+    def _output(request: Request, result: StepOutput, had: int) -> EngineCoreOutput:
+        """What changed for `request` this step; `had`: its output tokens before the step."""
+        new = request.output_token_ids[had:]  # those the scheduler kept (none past a stop)
+        logprobs = result.logprobs.get(request.request_id)
+        stop = request.stop_reason
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=list(new),
+            new_logprobs=logprobs[: len(new)] if logprobs is not None else None,
+            new_prompt_logprobs=result.prompt_logprobs.get(request.request_id),
+            finish_reason=request.status.value if request.status.finished else None,
+            stop_reason=stop if isinstance(stop, int) else None,
+            num_cached_tokens=request.num_cached_tokens,
+            first_scheduled_time=request.times.first_scheduled,
+            first_token_time=request.times.first_token,
+            finished_time=request.times.finished,
+        )
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""
+        return self.scheduler.kv.reset_prefix_cache()

@@ -1,0 +1,286 @@
+"""OutputProcessor: the front end's side of a request — text in, RequestOutputs out.
+
+Owns, per user request: tokenizing and checking the prompt, the `n` fan-out into core requests
+(child i seeded from (seed, i); children 1..n-1 wait in the core for child 0's prompt to be cached),
+gathering the children's `EngineCoreOutput`s back into one `RequestOutput`, incremental
+detokenization and stop strings. A stop string ends a child here and is reported back (`stop_ids`)
+so that the core finishes it and frees its blocks: nothing here touches a `Request`.
+
+RequestOutputs are built as copies, never views of state that keeps changing: cumulative (everything
+so far; `LLM.generate`), deltas (what is new since the last output; streaming) or final only. In a
+delta, a choice's tokens and logprobs go out with the text they make: tokens whose text is held back
+(a possible stop string, an incomplete character) wait for it.
+
+Runs wherever the front end runs (the server's event loop): it never calls the core directly.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
+from tokenmill.sampling_params import SamplingParams, generator_seed
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the front end checks a request against, as the core is sized."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool  # n > 1 children wait for child 0's prompt to be cached
+
+
+@dataclass
+class Child:
+    core_id: str
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_delta: str = ""  # text not yet sent in an output
+    sent_tokens: int = 0  # tokens (and logprobs) already sent in delta outputs
+    sent_finish: bool = False  # its finish reason went out in a delta output
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    kind: OutputKind
+    children: list[Child]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    num_cached_tokens: int = 0
+    prompt_logprobs_sent: bool = False
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    stop_ids: list[str]  # core requests that matched a stop string: finish them in the core
+    errors: dict[str, str]  # request id -> why the core refused it
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits, seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._rng = random.Random(seed)  # draws the seeds of requests that bring none
+        self._parents: dict[str, Parent] = {}
+        self._children: dict[str, tuple[Parent, int]] = {}  # core id -> (parent, child index)
+        self._next_id = 0
+
+    # -- requests in -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        kind: OutputKind = OutputKind.CUMULATIVE,
+    ) -> list[EngineCoreRequest]:
+        """Check and register a request; the core requests to send (one per child). ValueError
+        (naming the field) for a request that cannot run; nothing is registered then."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        max_tokens = self._check(ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        children, requests = [], []
+        for i in range(params.n):
+            core_id = str(self._next_id)
+            self._next_id += 1
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            )
+            children.append(Child(core_id, detok, logprobs=[] if params.logprobs is not None else None))
+            wait_for = requests[0].request_id if i and self.limits.prefix_caching else None
+            requests.append(
+                EngineCoreRequest(
+                    request_id=core_id,
+                    prompt_token_ids=ids,
+                    sampling_params=params,
+                    seed=generator_seed(base_seed, i),  # child i seeded from (seed, i)
+                    max_tokens=max_tokens,
+                    eos_token_ids=list(self.tokenizer.info.eos_token_ids),
+                    arrival_time=arrival,
+                    cache_salt=cache_salt,
+                    wait_for=wait_for,
+                )
+            )
+        prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
+        parent = Parent(request_id, text, ids, params, arrival, kind, children, prompt_logprobs)
+        self._parents[request_id] = parent
+        for i, child in enumerate(children):
+            self._children[child.core_id] = (parent, i)
+        return requests
+
+    def _check(self, ids: list[int], params: SamplingParams) -> int:
+        """The effective max_tokens of a valid prompt; ValueError otherwise."""
+        lim = self.limits
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < lim.vocab_size for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {lim.vocab_size})")
+        if len(ids) >= lim.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within the maximum model length "
+                f"({lim.max_model_len})"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else lim.max_model_len - len(ids)
+        total = len(ids) + max_tokens
+        if total > lim.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds the maximum model length ({lim.max_model_len})"
+            )
+        blocks = -(-total // lim.block_size)
+        if blocks > lim.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens ({total} tokens) needs {blocks} KV blocks; "
+                f"the cache holds {lim.num_blocks}"
+            )
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; the core ids to abort (none if it is unknown or already finished)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for child in parent.children:
+            self._children.pop(child.core_id, None)
+        return [c.core_id for c in parent.children if c.finish_reason is None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._parents)
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    def process(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        touched: dict[str, Parent] = {}
+        stop_ids: list[str] = []
+        errors: dict[str, str] = {}
+        for out in outputs.outputs:
+            found = self._children.get(out.request_id)
+            if found is None:
+                continue  # aborted, or stopped by a stop string, while the step ran
+            parent, index = found
+            if out.error is not None:
+                errors[parent.request_id] = out.error
+                stop_ids.extend(c for c in self.abort_request(parent.request_id) if c != out.request_id)
+                continue
+            if self._apply(parent, parent.children[index], out):
+                stop_ids.append(out.request_id)
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            finished = all(c.finish_reason is not None for c in parent.children)
+            if finished:
+                self._parents.pop(parent.request_id, None)
+                for child in parent.children:
+                    self._children.pop(child.core_id, None)
+            output = self._output(parent, finished)
+            if output is not None:
+                results.append(output)
+        return ProcessedOutputs(results, stop_ids, errors)
+
+    def _apply(self, parent: Parent, child: Child, out: EngineCoreOutput) -> bool:
+        """Fold one core output into a child; True when a stop string ended it here."""
+        if child.finish_reason is not None:
+            return False  # stopped here by a stop string; the core ran a step before it heard
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child is parent.children[0]:
+            parent.prompt_logprobs.extend(out.new_prompt_logprobs)
+        if child is parent.children[0]:
+            parent.num_cached_tokens = out.num_cached_tokens
+        child.first_scheduled = out.first_scheduled_time
+        child.first_token = out.first_token_time
+        child.token_ids.extend(out.new_token_ids)
+        if child.logprobs is not None and out.new_logprobs:
+            child.logprobs.extend(out.new_logprobs)
+        if not out.new_token_ids and out.finish_reason is None:
+            return False
+        update = child.detokenizer.add_tokens(out.new_token_ids)
+        child.text_delta += update.text_delta
+        if update.stop_string is not None:  # a stop string wins over EOS or length in the same step
+            child.finish_reason, child.stop_reason = "stop", update.stop_string
+            child.finished = out.finished_time if out.finished_time is not None else time.monotonic()
+            return out.finish_reason is None  # still running in the core: stop it there
+        if out.finish_reason is not None:
+            child.text_delta += child.detokenizer.flush()
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            child.finished = out.finished_time
+        return False
+
+    def _output(self, parent: Parent, finished: bool) -> RequestOutput | None:
+        kind = parent.kind
+        if kind is OutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for i, child in enumerate(parent.children):
+            if kind is OutputKind.DELTA:
+                if child.sent_finish or (not child.text_delta and child.finish_reason is None):
+                    continue  # done, or nothing to show yet: its tokens go with the text they make
+                child.sent_finish = child.finish_reason is not None
+                start = child.sent_tokens
+                child.sent_tokens = len(child.token_ids)
+                text, token_ids = child.text_delta, child.token_ids[start:]
+                logprobs = child.logprobs[start:] if child.logprobs is not None else None
+            else:
+                text, token_ids = child.detokenizer.output_text, list(child.token_ids)
+                logprobs = list(child.logprobs) if child.logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    text_delta=child.text_delta,
+                )
+            )
+            child.text_delta = ""
+        if kind is OutputKind.DELTA and not completions:
+            return None
+        prompt_logprobs = None
+        if parent.prompt_logprobs is not None and not (kind is OutputKind.DELTA and parent.prompt_logprobs_sent):
+            prompt_logprobs = list(parent.prompt_logprobs)
+            parent.prompt_logprobs_sent = True
+        firsts = [c.first_scheduled for c in parent.children if c.first_scheduled is not None]
+        tokens = [c.first_token for c in parent.children if c.first_token is not None]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=parent.arrival,
+                first_scheduled_time=min(firsts) if firsts else None,
+                first_token_time=min(tokens) if tokens else None,
+                finished_time=max(c.finished or 0.0 for c in parent.children) if finished else None,
+            ),
+        )

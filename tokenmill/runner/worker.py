@@ -1,0 +1,110 @@
+"""Worker: builds the model side of an engine from its EngineConfig, and runs its steps.
+
+In order: resolves the device and dtype, picks the attention backend by name, loads the model,
+runs a warm-up step at the largest batch the scheduler may send (`max_num_batched_tokens` tokens
+of prompt, then `max_num_seqs` decodes) on a scratch cache, and only then sizes the KV cache from
+the memory left (`kv_cache_memory` when given; otherwise the CPU default, or on a GPU a fraction of
+its memory less the warm-up's peak) and allocates it in the backend's own layout. The engine core
+sees `num_blocks`, `block_size`, `max_model_len` and `execute(SchedulerOutput) -> StepOutput`;
+nothing else of torch crosses.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
+from tokenmill.layers.attention import KVCache, allocate_kv_cache
+from tokenmill.layers.backends import get_attention_backend
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.loader import load_model, resolve_dtype
+from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
+from tokenmill.runner.cpu_memory import keep_freed_memory
+from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.backend = get_attention_backend(config.attention_backend)
+        model = load_model(config.model, dtype=config.dtype, device=self.device, backend=self.backend)
+        self.model_config: ModelConfig = model.config
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.block_size = config.block_size
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._warm_up(model, config)
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        budget = kv_cache_budget(
+            self.device, config.kv_cache_memory, DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, peak
+        )
+        per_block = kv_bytes_per_block(self.backend, self.model_config, self.block_size, self.dtype)
+        self.num_blocks = budget // per_block
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold {self.num_blocks * self.block_size} tokens of KV, fewer "
+                f"than max_model_len ({self.max_model_len}); give at least "
+                f"{-(-self.max_model_len // self.block_size) * per_block} bytes or lower max_model_len"
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s, %s attention)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            budget / 2**20,
+            self.dtype,
+            self.backend.name,
+        )
+        self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
+
+    def execute(self, scheduled: SchedulerOutput) -> StepOutput:
+        return self.runner.execute(scheduled)
+
+    def _caches(self, num_blocks: int) -> list[KVCache]:
+        cfg = self.model_config
+        return allocate_kv_cache(
+            self.backend,
+            cfg.num_layers,
+            num_blocks,
+            self.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _warm_up(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
+        """One prefill step of the largest chunk, then one step of the most decodes, on a scratch
+        cache: kernels are chosen and memory peaks before the KV cache takes what is left."""
+        prompt_len = min(config.max_num_batched_tokens, self.max_model_len)
+        decodes = min(config.max_num_seqs, config.max_num_batched_tokens)
+        prompt_blocks = -(-prompt_len // self.block_size)
+        runner = ModelRunner(model, self._caches(prompt_blocks + decodes), self.backend, self.block_size)
+        params = SamplingParams(temperature=0, max_tokens=1)
+        prompt = [0] * prompt_len
+        runner.execute(
+            SchedulerOutput(
+                new_requests=[NewRequestData("warm-up", prompt, params, 0)],
+                chunks=[ScheduledChunk("warm-up", prompt, 0, list(range(prompt_blocks)), sample=True)],
+                finished_request_ids=[],
+            )
+        )
+        ids = [f"warm-up-{i}" for i in range(decodes)]
+        runner.execute(
+            SchedulerOutput(
+                new_requests=[NewRequestData(i, [0], params, 0) for i in ids],
+                chunks=[ScheduledChunk(i, [0], 0, [prompt_blocks + b], sample=True) for b, i in enumerate(ids)],
+                finished_request_ids=["warm-up"],
+            )
+        )
