@@ -33,11 +33,11 @@ import transformers
 from common import RESULTS, ensure_model
 
 from tokenmill.bench.metrics import spread
-from tokenmill.layers.attention import build_attention_metadata
+from tokenmill.layers.attention import allocate_kv_cache
+from tokenmill.layers.backends import get_attention_backend
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cpu_memory import keep_freed_memory
-from tokenmill.runner.kv_cache import allocate_kv_cache
 
 BLOCK = 16
 PROMPT = 512
@@ -79,16 +79,20 @@ class Tokenmill:
     name = "tokenmill"
 
     def __init__(self, folder: Path, dtype: torch.dtype) -> None:
-        self.model = load_model(folder, dtype=dtype)
+        self.backend = get_attention_backend("torch")
+        self.model = load_model(folder, dtype=dtype, backend=self.backend)
         self.dtype = dtype
 
     def _fresh(self, batch: int, tokens: int) -> None:
         per_seq = -(-(tokens + DECODE_STEPS + 1) // BLOCK)
-        self.caches = allocate_kv_cache(self.model.config, batch * per_seq, BLOCK, self.dtype)
+        cfg = self.model.config
+        self.caches = allocate_kv_cache(
+            self.backend, cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
         self.tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
 
     def _run(self, ids: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
-        md = build_attention_metadata(query_lens, seq_lens, self.tables, BLOCK)
+        md = self.backend.build_metadata(query_lens, seq_lens, self.tables, BLOCK)
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
         hidden = self.model(ids, positions, self.caches, md)
         last = md.query_start_loc[1:] - 1

@@ -301,3 +301,27 @@ def test_folder_errors_and_fallbacks(folder: Path, tmp_path: Path) -> None:
         Tokenizer(bare)
     (bare / "generation_config.json").write_text('{"eos_token_id": 7}')
     assert Tokenizer(bare).info.eos_token_ids == (7,)
+
+
+def test_settled_tokens_wait_for_their_whole_text(tok: Tokenizer) -> None:
+    """A token counts as settled (its logprob may be streamed) only once all its text has gone out."""
+    head = tok.encode("ab ", add_special_tokens=False)
+    tail = tok.encode("日", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    detok.add_tokens(head)
+    assert detok.num_settled_tokens == len(head)
+    for i, t in enumerate(tail[:-1]):  # the character's first bytes: no text yet
+        detok.add_tokens([t])
+        assert detok.num_settled_tokens == len(head), i
+    detok.add_tokens(tail[-1:])
+    assert detok.num_settled_tokens == len(head) + len(tail)
+    # a possible stop string holds text back, and the tokens that made it
+    ids = tok.encode("x = 10", add_special_tokens=False)
+    held = IncrementalDetokenizer(tok, [], stop=("= 10!",))
+    settled = []
+    for t in ids:
+        held.add_tokens([t])
+        settled.append(held.num_settled_tokens)
+    assert held.output_text == "x " and settled[-1] < len(ids)
+    held.flush()
+    assert held.num_settled_tokens == len(ids) and held.output_text == "x = 10"

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import assert_same_up_to_near_tie, top_logprobs
 from tokenmill import LLM, SamplingParams
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import OutputKind, RequestOutput
 
 MAX_NEW = 20
 TOP = 5
@@ -236,3 +236,33 @@ def test_seeded_sampling_survives_preemption_and_recompute(llama):
     for p, param, out in zip(ps, params, batched, strict=True):
         alone = roomy.generate([p], param, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_delta_outputs_send_tokens_and_logprobs_with_their_text(llama):
+    """Streaming deltas: at every output, the tokens (and logprobs) sent so far decode to a prefix of
+    the text sent so far — a token whose text is partly held back (a possible stop string) waits for
+    the rest of it; at the end both are whole."""
+    llm = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
+    engine, tok = llm.engine, llm.engine.tokenizer
+    p = prompts(1, seed=13)[0]
+    full = llm.generate([p], greedy(logprobs=None, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    # stop strings that begin like the output's text at several points, so that text is held back
+    starts = [full.text[i : i + 1] + "\x00" for i in range(0, len(full.text), 3)]
+    engine.add_request("d", p, greedy(logprobs=2, max_tokens=24, n=2, stop=starts), output_kind=OutputKind.DELTA)
+    sent: dict[int, tuple[str, list[int], int]] = {0: ("", [], 0), 1: ("", [], 0)}
+    outputs = held_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs += 1
+            for c in out.outputs:
+                text, ids, n_lp = sent[c.index]
+                assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+                text, ids, n_lp = text + c.text, ids + c.token_ids, n_lp + len(c.logprobs)
+                sent[c.index] = (text, ids, n_lp)
+                assert n_lp == len(ids) and text.startswith(tok.decode(ids))
+                held_tokens += tok.decode(ids) != text
+    for text, ids, _ in sent.values():
+        assert text == full.text and ids == full.token_ids
+    assert 1 < outputs < 2 * 24  # several deltas, and none carries nothing
+    assert held_tokens > 0  # some token waited for its held-back text
+    assert_no_leaks(llm)

@@ -118,18 +118,21 @@ def test_from_params_builds_the_tensors() -> None:
     assert md.top_k.dtype == torch.int64 and md.top_k.tolist() == [3, 100, 100]  # None and > vocab -> vocab
     assert md.top_p.tolist() == pytest.approx([0.9, 1.0, 1.0])
     assert md.min_p.tolist() == pytest.approx([0.1, 0.0, 0.0])
-    assert md.repetition_penalty.tolist() == pytest.approx([1.0, 1.2, 1.0])
-    assert md.presence_penalty.tolist() == pytest.approx([0.0, 0.3, 0.0])
-    assert md.frequency_penalty.tolist() == pytest.approx([0.0, -0.4, 0.0])
-    for t in (md.top_p, md.min_p, md.repetition_penalty, md.presence_penalty, md.frequency_penalty):
+    (penalties,) = md.processors  # row 1 asks for penalties: the processor is active
+    assert penalties.repetition.tolist() == pytest.approx([1.0, 1.2, 1.0])
+    assert penalties.presence.tolist() == pytest.approx([0.0, 0.3, 0.0])
+    assert penalties.frequency.tolist() == pytest.approx([0.0, -0.4, 0.0])
+    for t in (md.top_p, md.min_p, penalties.repetition, penalties.presence, penalties.frequency):
         assert t.dtype == torch.float32 and t.shape == (3,)
-    assert md.seeds == [7, 8, 9] and md.output_positions == [0, 4, 2]
-    assert md.prompt_token_ids == [[1], [2, 3], []] and md.output_token_ids == [[], [5], [6, 6]]
+    assert md.seeds == [7, 8, 9] and md.output_positions == [0, 4, 2] and md.batch_rows.tolist() == [0, 1, 2]
+    assert penalties.penalised == [False, True, False]
+    counts, prompt_seen = penalties._state()
+    assert counts[1].nonzero().flatten().tolist() == [5] and prompt_seen[1].nonzero().flatten().tolist() == [2, 3]
     assert md.max_num_logprobs == 2 and md.logprobs_requested
-    assert not md.all_greedy and not md.no_penalties
+    assert not md.all_greedy
 
     plain = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * 2, [1, 2], [0, 0], [[], []], [[], []], 10)
-    assert plain.all_greedy and plain.no_penalties
+    assert plain.all_greedy and plain.processors == []  # no row asks for penalties: nothing to apply
     assert plain.max_num_logprobs == 0 and not plain.logprobs_requested
     zero = SamplingMetadata.from_params([SamplingParams(logprobs=0)], [1], [0], [[]], [[]], 10)
     assert zero.max_num_logprobs == 0 and zero.logprobs_requested
@@ -177,7 +180,7 @@ def test_greedy_with_penalties_matches_reference() -> None:
         )
         rows.append((p, i, 0, history(rng, vocab, 5), history(rng, vocab, 6)))
     md = metadata(rows, vocab)
-    assert md.all_greedy and not md.no_penalties
+    assert md.all_greedy and md.processors
     expected = [int(ref_penalised(logits[i], *(r[0], r[3], r[4])).argmax()) for i, r in enumerate(rows)]
     assert Sampler()(logits, md).token_ids.tolist() == expected
     # The penalties must change the outcome somewhere, or this test proves little.

@@ -68,8 +68,11 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters of the window's text beyond the prefix text already passed on
         self._set_context(self._kept(prompt_token_ids)[-CONTEXT_TOKENS:])
         self._held = ""  # decoded text held back: it may be the start of a stop string
+        self._incomplete = False  # the pending tokens end inside a character (its bytes not all here)
         self._pieces: list[str] = []
         self._finished = False
+        self._num_tokens = 0  # tokens given to add_tokens
+        self._num_settled = 0  # of those, the leading ones whose text has all been passed on
 
     @property
     def output_text(self) -> str:
@@ -77,6 +80,12 @@ class IncrementalDetokenizer:
         if len(self._pieces) > 1:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
+
+    @property
+    def num_settled_tokens(self) -> int:
+        """How many of the tokens added so far have had all their text passed on (and no text of a
+        later token is needed to finish theirs): a stream sends a token's logprob only then."""
+        return self._num_settled
 
     @property
     def finished(self) -> bool:
@@ -88,7 +97,10 @@ class IncrementalDetokenizer:
         if self._finished:
             raise RuntimeError("add_tokens: this request's output is finished (stop string matched or flush() called)")
         self._window.extend(self._kept(token_ids))
+        self._num_tokens += len(token_ids)
         delta, stop_string = self._scan(self._take_decoded(final=False), final=False)
+        if self._finished or (not self._held and not self._incomplete):
+            self._num_settled = self._num_tokens
         return DetokenizerUpdate(text_delta=delta, stop_string=stop_string)
 
     def flush(self) -> str:
@@ -98,6 +110,7 @@ class IncrementalDetokenizer:
             return ""
         delta, _ = self._scan(self._take_decoded(final=True), final=True)
         self._finished = True
+        self._num_settled = self._num_tokens
         return delta
 
     def _kept(self, token_ids: Sequence[int]) -> list[int]:
@@ -127,6 +140,7 @@ class IncrementalDetokenizer:
             return ""
         text = self._decode(self._window)
         start = len(self._prefix_text) + self._sent
+        self._incomplete = not final and text.endswith(REPLACEMENT_CHAR)
         if final or not text.endswith(REPLACEMENT_CHAR):
             self._set_context(self._window[-CONTEXT_TOKENS:])
             return text[start:]
@@ -135,6 +149,7 @@ class IncrementalDetokenizer:
         if pending > MAX_PENDING_TOKENS and not self._reanchor():
             # no clean token boundary among the last tokens: invalid UTF-8, passed on as decoded
             self._set_context(self._window[-CONTEXT_TOKENS:])
+            self._incomplete = False
             return text[start:]
         return fresh
 

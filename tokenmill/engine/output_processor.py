@@ -8,8 +8,8 @@ so that the core finishes it and frees its blocks: nothing here touches a `Reque
 
 RequestOutputs are built as copies, never views of state that keeps changing: cumulative (everything
 so far; `LLM.generate`), deltas (what is new since the last output; streaming) or final only. In a
-delta, a choice's tokens and logprobs go out with the text they make: tokens whose text is held back
-(a possible stop string, an incomplete character) wait for it.
+delta, a choice's tokens and logprobs go out once all their text has (`num_settled_tokens`): a token
+whose text is partly held back (a possible stop string, an incomplete character) waits for it.
 
 Runs wherever the front end runs (the server's event loop): it never calls the core directly.
 """
@@ -243,9 +243,9 @@ class OutputProcessor:
                     continue  # done, or nothing to show yet: its tokens go with the text they make
                 child.sent_finish = child.finish_reason is not None
                 start = child.sent_tokens
-                child.sent_tokens = len(child.token_ids)
-                text, token_ids = child.text_delta, child.token_ids[start:]
-                logprobs = child.logprobs[start:] if child.logprobs is not None else None
+                child.sent_tokens = len(child.token_ids) if child.sent_finish else child.detokenizer.num_settled_tokens
+                text, token_ids = child.text_delta, child.token_ids[start : child.sent_tokens]
+                logprobs = child.logprobs[start : child.sent_tokens] if child.logprobs is not None else None
             else:
                 text, token_ids = child.detokenizer.output_text, list(child.token_ids)
                 logprobs = list(child.logprobs) if child.logprobs is not None else None

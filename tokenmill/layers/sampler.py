@@ -1,19 +1,17 @@
 """Sampling: turns a batch of float32 logits into next tokens, and their log-probabilities.
 
-Owns `SamplingMetadata` (per-row sampling parameters as tensors, plus the token history the
-penalties read), `Sampler` (penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
-an exact sample), `LogprobsTensors`/`gather_logprobs` (top-k and chosen-token log-probabilities,
+Owns `SamplingMetadata` (per-row sampling parameters as tensors, and the logits processors with
+the batch rows they read), `Sampler` (logits processors -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> an exact sample), `LogprobsTensors`/`gather_logprobs` (top-k and chosen-token log-probabilities,
 also used for prompt logprobs). Randomness is a pure function of (seed, output position) through
 `generator_seed`, which lives beside `SamplingParams` in sampling_params.py.
 
 Semantics follow vLLM, Hugging Face and the OpenAI API:
 - Log-probabilities come from the raw logits (log-softmax before penalties, temperature and
   truncation), as vLLM returns them by default.
-- Penalties, in this order, on the raw logits: repetition (HF `RepetitionPenaltyLogitsProcessor`:
-  a token seen in the prompt or the output has its logit divided by the penalty when positive,
-  multiplied when not), then frequency and presence (OpenAI: `logit -= frequency * count +
-  presence * (count > 0)`, counts over the output tokens only).
-- Greedy rows (temperature 0) take the argmax of the penalised logits (the first index on ties).
+- Logits processors (layers/logits_processor.py: penalties today) then change the raw logits, each
+  reading its own state for the batch row of each logits row.
+- Greedy rows (temperature 0) take the argmax of the processed logits (the first index on ties).
 - Other rows: divide by the temperature, keep the top-k logits (every token tied with the k-th
   largest is kept too, as HF's `TopKLogitsWarper` does), then the smallest prefix of the sorted
   distribution whose probability reaches top_p (at least the top token; HF's `TopPLogitsWarper`),
@@ -26,33 +24,29 @@ Semantics follow vLLM, Hugging Face and the OpenAI API:
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill.layers.logits_processor import LogitsProcessor, PenaltiesProcessor
 from tokenmill.sampling_params import SamplingParams, generator_seed
 
 
 @dataclass
 class SamplingMetadata:
-    """One row per request that samples this step; all tensors on the logits' device."""
+    """One row per logits row sampled this step; all tensors on the logits' device."""
 
     temperature: torch.Tensor  # [B] float32 (0 = greedy row)
     top_k: torch.Tensor  # [B] int64 (vocab_size where the request has top_k None)
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
-    repetition_penalty: torch.Tensor  # [B] float32
-    presence_penalty: torch.Tensor  # [B] float32
-    frequency_penalty: torch.Tensor  # [B] float32
     seeds: list[int]  # per row: the request's seed
     output_positions: list[int]  # per row: index of the output token being sampled (0 = first)
-    prompt_token_ids: list[list[int]]  # per row: the prompt (seen by the repetition penalty)
-    output_token_ids: list[list[int]]  # per row: tokens generated so far (seen by every penalty)
     max_num_logprobs: int  # max over rows of SamplingParams.logprobs (0 if none asks)
     logprobs_requested: bool  # some row has logprobs not None (it may ask for 0: chosen token only)
-    all_greedy: bool  # every row greedy: argmax of the (penalised) logits, no sorting, no randomness
-    no_penalties: bool  # every row has repetition 1, presence 0, frequency 0
+    all_greedy: bool  # every row greedy: argmax of the (processed) logits, no sorting, no randomness
+    processors: list[LogitsProcessor]  # the active ones, applied in order
+    batch_rows: torch.Tensor  # [B] int64: each row's row in the processors' (persistent) batch
 
     @classmethod
     def from_params(
@@ -65,13 +59,32 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
-        """Metadata for rows sampled with `params[b]`; top_k None (or above the vocabulary) -> vocab_size."""
+        """A one-off batch (rows 0..B-1 of fresh processors holding these histories); the runner
+        builds its metadata from the persistent batch instead. top_k None (or above the vocabulary)
+        -> vocab_size."""
         rows = len(params)
         if not (rows == len(seeds) == len(output_positions) == len(prompt_token_ids) == len(output_token_ids)):
             raise ValueError(
                 "params, seeds, output_positions, prompt_token_ids and output_token_ids must have one entry per row"
             )
+        penalties = PenaltiesProcessor(rows, vocab_size, device)
+        for row, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids, strict=True)):
+            penalties.add_row(row, p, prompt)
+            for token in output:
+                penalties.append_token(row, token)
+        return cls.build(params, seeds, output_positions, vocab_size, [penalties], list(range(rows)), device)
 
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_positions: list[int],
+        vocab_size: int,
+        processors: list[LogitsProcessor],
+        batch_rows: list[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
@@ -85,20 +98,20 @@ class SamplingMetadata:
             ),
             top_p=floats([p.top_p for p in params]),
             min_p=floats([p.min_p for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
             seeds=list(seeds),
             output_positions=list(output_positions),
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
             max_num_logprobs=max(requested, default=0),
             logprobs_requested=bool(requested),
             all_greedy=all(p.greedy for p in params),
-            no_penalties=all(
-                p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params
-            ),
+            processors=[p for p in processors if p.active],
+            batch_rows=torch.tensor(batch_rows, dtype=torch.int64, device=device),
         )
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> [B, V] after every active logits processor (the input is left as is)."""
+        for processor in self.processors:
+            logits = processor.apply(logits, self.batch_rows)
+        return logits
 
 
 @dataclass
@@ -128,32 +141,6 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
     return LogprobsTensors(
         topk_ids=topk_ids, topk_logprobs=topk_logprobs, chosen_logprobs=chosen.squeeze(-1), chosen_ranks=ranks
     )
-
-
-def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float32: how many times each token occurs in each row's list."""
-    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
-    flat = list(itertools.chain.from_iterable(token_ids))
-    if flat:
-        lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64, device=device)
-        rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)  # [n]
-        tokens = torch.tensor(flat, dtype=torch.int64, device=device)  # [n]
-        counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
-    return counts
-
-
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """logits [B, V] -> new [B, V] with repetition, then frequency and presence penalties applied."""
-    vocab_size = logits.shape[-1]
-    output_counts = _token_counts(metadata.output_token_ids, vocab_size, logits.device)  # [B, V]
-    output_seen = output_counts > 0  # [B, V]
-    if bool((metadata.repetition_penalty != 1).any()):
-        prompt_counts = _token_counts(metadata.prompt_token_ids, vocab_size, logits.device)  # [B, V]
-        seen = output_seen | (prompt_counts > 0)
-        penalty = torch.where(seen, metadata.repetition_penalty.unsqueeze(-1), 1.0)  # [B, V]
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits = logits - metadata.frequency_penalty.unsqueeze(-1) * output_counts
-    return logits - metadata.presence_penalty.unsqueeze(-1) * output_seen
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -192,7 +179,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] float32 -> the next token of every row, with log-probabilities when asked for."""
         logits = logits.float()
-        penalised = logits if metadata.no_penalties else apply_penalties(logits, metadata)  # [B, V]
+        penalised = metadata.process(logits)  # [B, V]
         if metadata.all_greedy:
             token_ids = penalised.argmax(dim=-1)  # [B]
         else:
@@ -207,7 +194,7 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [B, V] -> [B, V] float32: the distribution each row samples from (one-hot for greedy rows)."""
         logits = logits.float()
-        penalised = logits if metadata.no_penalties else apply_penalties(logits, metadata)
+        penalised = metadata.process(logits)
         return self._probabilities(penalised, metadata)
 
     def _probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,33 +1,23 @@
 """ModelRunner: execute(SchedulerOutput) -> StepOutput. Runs the model and samples; never holds a Request.
 
-Keeps its own per-request batch state (sampling params, seed, prompt and output ids for penalties,
-how far prompt logprobs got) keyed by request id, registered when the scheduler first sends a
-request and dropped when it reports the id finished.
+Keeps its own per-request state in a persistent batch (`InputBatch`: sampling params as per-row
+tensors, seed, prompt and output ids, how far prompt logprobs got, and the logits processors' rows),
+a row added when the scheduler first sends a request and removed when it reports the id finished.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.layers.attention import AttentionBackend, KVCache
-from tokenmill.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from tokenmill.layers.sampler import LogprobsTensors, Sampler, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import prepare_inputs
-from tokenmill.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestState:
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_token_ids: list[int] = field(default_factory=list)
-    next_prompt_logprob: int = 1  # the next prompt position whose logprob is owed
+from tokenmill.runner.input_batch import InputBatch
 
 
 class ModelRunner:
@@ -40,13 +30,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler()
-        self.states: dict[str, RequestState] = {}
+        self.batch = InputBatch(64, model.config.vocab_size, self.device)
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
-            self.states.pop(request_id, None)
+            self.batch.remove(request_id)
         for new in scheduled.new_requests:
-            self.states[new.request_id] = RequestState(new.prompt_token_ids, new.sampling_params, new.seed)
+            self.batch.add(new)
         result = StepOutput()
         if not scheduled.chunks:
             return result
@@ -54,7 +44,7 @@ class ModelRunner:
         targets = {
             c.request_id: (s.next_prompt_logprob, s.prompt_token_ids)
             for c in scheduled.chunks
-            if (s := self.states[c.request_id]).params.prompt_logprobs is not None
+            if (s := self.batch.state(c.request_id)).params.prompt_logprobs is not None
             and s.next_prompt_logprob < len(s.prompt_token_ids)
         }
         inputs = prepare_inputs(scheduled.chunks, self.backend, self.block_size, targets, self.device)
@@ -67,7 +57,7 @@ class ModelRunner:
             result.forward_seconds = time.perf_counter() - start
 
             for rows in inputs.prompt_rows:
-                state = self.states[rows.request_id]
+                state = self.batch.state(rows.request_id)
                 k = state.params.prompt_logprobs or 0
                 n = len(rows.targets)
                 lp = torch.log_softmax(logits[rows.first_row : rows.first_row + n], dim=-1)
@@ -83,26 +73,17 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sample_rows: dict[str, int], result: StepOutput) -> None:
         ids = list(sample_rows)
-        states = [self.states[i] for i in ids]
-        metadata = SamplingMetadata.from_params(
-            [s.params for s in states],
-            [s.seed for s in states],
-            [len(s.output_token_ids) for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            logits.shape[-1],
-            logits.device,
-        )
+        metadata = self.batch.sampling_metadata(ids)
         rows = [sample_rows[i] for i in ids]
         if rows != list(range(logits.shape[0])):  # prompt-logprob rows are mixed in: pick the sampling ones
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         out = self.sampler(logits, metadata)
         tokens = out.token_ids.tolist()
-        for b, (request_id, state, token) in enumerate(zip(ids, states, tokens, strict=True)):
-            state.output_token_ids.append(token)
+        for b, (request_id, token) in enumerate(zip(ids, tokens, strict=True)):
+            self.batch.append_token(request_id, token)
             result.sampled[request_id] = [token]
-            if out.logprobs is not None and state.params.logprobs is not None:
-                k = state.params.logprobs
+            k = self.batch.state(request_id).params.logprobs
+            if out.logprobs is not None and k is not None:
                 result.logprobs[request_id] = to_token_logprobs(out.logprobs, k, [token], [b])
 
 

@@ -1,0 +1,72 @@
+"""Every registered attention backend runs the engine's core cases: the paged forward equals
+transformers (a sliding-window family included), and batched runs with chunked prefill, preemption
+and prefix caching equal lone runs token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.helpers import PagedRunner, assert_logits_close
+from tests.test_engine import assert_no_leaks, greedy, prompts, same_up_to_near_tie
+from tokenmill import LLM
+from tokenmill.layers.backends import backend_names, get_attention_backend
+from tokenmill.models.loader import load_model
+
+BACKENDS = backend_names()
+
+
+def test_the_registry_names_its_backends_and_refuses_others(tiny_model_dir):
+    assert "torch" in BACKENDS
+    for name in BACKENDS:
+        assert get_attention_backend(name).name == name
+    with pytest.raises(ValueError, match="attention_backend: expected one of torch"):
+        get_attention_backend("flash-on-cpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(tiny_model_dir("llama")), attention_backend="flash-on-cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: GQA with a sliding window
+def test_forward_equals_transformers(tiny_model_dir, hf_logits, backend, arch):
+    folder = tiny_model_dir(arch)
+    model = load_model(folder, dtype="float32", backend=get_attention_backend(backend))
+    order = list(range(48))
+    random.Random(3).shuffle(order)
+    runner = PagedRunner(model, num_blocks=48, block_size=8, block_order=order)
+    seqs = {s: torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(s)) for s, n in enumerate((61, 9))}
+    logits = {0: [runner.step({0: seqs[0][:40], 1: seqs[1][:1]})[0]], 1: []}
+    for t in range(40, 61):  # decodes of both, a prompt chunk of one
+        out = runner.step({0: seqs[0][t : t + 1]} | ({1: seqs[1][1:9]} if t == 40 else {}), pad_to=16)
+        logits[0].append(out[0])
+    assert_logits_close(torch.cat(logits[0]), hf_logits(folder, seqs[0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_core_cases(tiny_model_dir, backend):
+    model = str(tiny_model_dir("llama"))
+    ps = prompts(12, seed=21)
+    tight = LLM(
+        model,
+        attention_backend=backend,
+        max_num_seqs=8,
+        max_num_batched_tokens=40,
+        kv_cache_memory=12 * 24576,
+        max_model_len=128,
+    )
+    roomy = LLM(model, attention_backend=backend, max_model_len=128, kv_cache_memory=64 * 24576)
+    off = LLM(
+        model, attention_backend=backend, max_model_len=128, kv_cache_memory=64 * 24576, enable_prefix_caching=False
+    )
+    batched = tight.generate(ps + ps[:4], greedy(), use_tqdm=False)  # repeats hit the prefix cache
+    assert tight.stats().preemptions > 0 and tight.stats().prefix_cache_hits > 0
+    alone = [roomy.generate([p], greedy(), use_tqdm=False)[0] for p in ps]
+    uncached = off.generate(ps, greedy(), use_tqdm=False)
+    for b, a, u in zip(batched, alone, uncached, strict=False):
+        assert same_up_to_near_tie(b, a) and same_up_to_near_tie(u, a)
+    for b, a in zip(batched[12:], batched[:4], strict=True):
+        assert same_up_to_near_tie(b, a)
+    for llm in (tight, roomy, off):
+        assert_no_leaks(llm)
