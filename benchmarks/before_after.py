@@ -70,13 +70,17 @@ tables = [list(range(b * 10, (b + 1) * 10)) for b in range(32)]
 prompt = torch.randint(0, 32000, (512,), generator=torch.Generator().manual_seed(0))
 times = []
 for _ in range(4):
-    t = time.perf_counter(); step(prompt, [512], [512], [list(range(320, 352))], kv); times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    step(prompt, [512], [512], [list(range(320, 352))], kv)
+    times.append(time.perf_counter() - t)
 out["prefill_512_tokens_per_s"] = 512 / statistics.median(times[1:])
 for batch in (1, 32):
     ids = torch.randint(0, 32000, (batch,), generator=torch.Generator().manual_seed(batch))
     times = []
     for i in range(12):
-        t = time.perf_counter(); step(ids, [1] * batch, [129] * batch, tables[:batch], kv); times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        step(ids, [1] * batch, [129] * batch, tables[:batch], kv)
+        times.append(time.perf_counter() - t)
     out[f"decode_step_ms_batch_{batch}"] = statistics.median(times[2:]) * 1e3
 print("RESULT " + json.dumps(out))
 """
