@@ -44,8 +44,10 @@ class RunningServer:
         self.thread.join(30)
 
 
-def start_server(model_dir: str, api_key: str | None = None, max_waiting: int = 8, blocks: int = 64) -> RunningServer:
-    config = EngineConfig(model=model_dir, max_model_len=256, kv_cache_memory=blocks * KV_BLOCK_BYTES)
+def start_server(
+    model_dir: str, api_key: str | None = None, max_waiting: int = 8, blocks: int = 64, **engine: object
+) -> RunningServer:
+    config = EngineConfig(model=model_dir, max_model_len=256, kv_cache_memory=blocks * KV_BLOCK_BYTES, **engine)  # type: ignore[arg-type]
     server = build_server(config, "tiny", max_waiting=max_waiting, limits=Limits(max_n=4), log_interval=60)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -14,13 +14,12 @@ from pydantic import BaseModel
 
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     Limits,
     RequestError,
     check_prompt_length,
-    parse_chat_request,
     parse_completion_request,
 )
 from tokenmill.server.responses import (
@@ -47,7 +46,7 @@ from tokenmill.server.responses import (
     usage_info,
 )
 
-LIMITS = Limits()
+LIMITS = Limits(strict_fields=True)  # the tables below expect unknown fields refused; the default ignores them
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -132,8 +131,19 @@ FULL = {
     "skip_special_tokens": False,
     "include_stop_str_in_output": True,
     "user": "someone",
+    "min_tokens": 2,
+    "logit_bias": {"5": -100, "7": 2.5},
+    "allowed_token_ids": [5, 7, 9],
+    "bad_words": ["foo", "bar baz"],
 }
-FULL_EXPECTED = {**FULL, "stop": ("\n\n", "END"), "stop_token_ids": (2, 3)}
+FULL_EXPECTED = {
+    **FULL,
+    "stop": ("\n\n", "END"),
+    "stop_token_ids": (2, 3),
+    "logit_bias": {5: -100, 7: 2.5},
+    "allowed_token_ids": (5, 7, 9),
+    "bad_words": ("foo", "bar baz"),
+}
 del FULL_EXPECTED["user"]
 
 
@@ -141,7 +151,7 @@ def test_completion_maps_every_field() -> None:
     request = parse_completion_request(completion(**FULL, max_tokens=20, logprobs=3, echo=True), LIMITS)
     params = request.to_sampling_params(max_model_len=128, default_max_tokens=None)
     assert params == SamplingParams(**FULL_EXPECTED, max_tokens=20, logprobs=3, prompt_logprobs=3)
-    all_changed(params, skip=set())
+    all_changed(params, skip={"bad_words_token_ids"})  # the engine's front end fills it in
     no_echo = parse_completion_request(completion(logprobs=2), LIMITS).to_sampling_params(128, None)
     assert (no_echo.logprobs, no_echo.prompt_logprobs) == (2, None)
     echo_only = parse_completion_request(completion(echo=True), LIMITS).to_sampling_params(128, None)
@@ -152,7 +162,7 @@ def test_chat_maps_every_field() -> None:
     raw = chat(**FULL, max_completion_tokens=20, logprobs=True, top_logprobs=4)
     params = parse_chat_request(raw, LIMITS).to_sampling_params(max_model_len=128, default_max_tokens=None)
     assert params == SamplingParams(**FULL_EXPECTED, max_tokens=20, logprobs=4)
-    all_changed(params, skip={"prompt_logprobs"})  # chat has no echo
+    all_changed(params, skip={"prompt_logprobs", "bad_words_token_ids"})  # chat has no echo
     assert parse_chat_request(chat(logprobs=True), LIMITS).to_sampling_params(128, None).logprobs == 0
     assert parse_chat_request(chat(logprobs=False), LIMITS).to_sampling_params(128, None).logprobs is None
     assert parse_chat_request(chat(max_tokens=9), LIMITS).to_sampling_params(128, None).max_tokens == 9
@@ -355,7 +365,6 @@ UNSUPPORTED: list[tuple[str, Any, list[Any]]] = [
     ("function_call", "auto", [None]),
     ("parallel_tool_calls", True, [None]),
     ("response_format", {"type": "json_object"}, [None, {"type": "text"}]),
-    ("logit_bias", {"50256": -100}, [None, {}]),
     ("suffix", "end", [None, ""]),
     ("best_of", 2, [None, 1]),
     ("audio", {"voice": "alloy", "format": "wav"}, [None]),
@@ -668,3 +677,34 @@ def test_usage_info() -> None:
         "total_tokens": 15,
         "prompt_tokens_details": {"cached_tokens": 4},
     }
+
+
+@ENDPOINTS
+def test_unknown_fields_are_ignored_and_listed_unless_strict(endpoint: str) -> None:
+    raw = body(endpoint, temprature=0.5, guidellm_extra={"x": 1}, top_p=0.5)
+    request = parse(endpoint, raw, Limits())
+    assert request.ignored_fields == ["temprature", "guidellm_extra"] and request.top_p == 0.5
+    assert parse(endpoint, body(endpoint), Limits()).ignored_fields == []
+    error = rejected(endpoint, raw, Limits(strict_fields=True))
+    assert (error.param, error.code) == ("temprature", "unknown_field")
+    # fields that would change the output if ignored stay refused either way
+    error = rejected(endpoint, body(endpoint, tools=[{"type": "function"}]), Limits())
+    assert (error.param, error.code) == ("tools", "unsupported_field")
+
+
+@ENDPOINTS
+def test_vllm_extension_fields(endpoint: str) -> None:
+    raw = body(endpoint, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    request = parse(endpoint, raw)
+    assert request.stream_options is not None and request.stream_options.continuous_usage_stats
+    for bad, param in (
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words[0]"),
+    ):
+        assert rejected(endpoint, body(endpoint, **bad)).param == param
+    with pytest.raises(RequestError) as info:
+        parse(endpoint, body(endpoint, min_tokens=50, max_tokens=10)).to_sampling_params(128, None)
+    assert info.value.param == "min_tokens" and "max_tokens" in info.value.message

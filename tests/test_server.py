@@ -126,11 +126,12 @@ def test_several_prompts_and_echo(client):
         ({"model": "other", "prompt": "x"}, "model"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 300}, "max_tokens"),
         ({"model": "tiny", "prompt": "x " * 200, "max_tokens": 100}, "prompt"),
-        ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
         ({"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
         ({"model": "tiny", "prompt": [[1, 99999]]}, "prompt[0]"),
         ({"model": "tiny", "prompt": "x", "n": 9}, "n"),
-        ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus"),
+        ({"model": "tiny", "prompt": "x", "tool_choice": "auto"}, "tool_choice"),
     ],
 )
 def test_bad_completion_requests_are_400_naming_the_field(srv, body, param):
@@ -415,5 +416,138 @@ def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
         stats = running.stats()  # the requests were aborted and their blocks freed
         assert stats.kv_blocks_free == stats.kv_blocks_total and stats.aborted == 2
+    finally:
+        running.stop()
+
+
+def test_unknown_fields_are_ignored_named_in_a_header_and_logged_once(srv, caplog):
+    body = {"model": "tiny", "prompt": "x = 1", "max_tokens": 2, "guidellm_run_id": "r1", "temprature": 0.1}
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        first = post(srv, "/v1/completions", body)
+        again = post(srv, "/v1/completions", body)
+    assert first.status_code == again.status_code == 200, first.text
+    assert first.headers["x-tokenmill-ignored-fields"] == "guidellm_run_id,temprature"
+    warned = [r.getMessage() for r in caplog.records if "ignored unknown request fields" in r.getMessage()]
+    assert len(warned) <= 1 and all("temprature" in w for w in warned)  # once per server (and name)
+    assert "temprature" in srv.server.warned_fields
+    clean = {k: v for k, v in body.items() if k not in ("guidellm_run_id", "temprature")}
+    assert "x-tokenmill-ignored-fields" not in post(srv, "/v1/completions", clean).headers
+
+
+def test_strict_fields_refuse_unknown_fields(tiny_model_dir):
+    from tokenmill.server.protocol import Limits
+
+    running = start_server(str(tiny_model_dir("llama")))
+    try:
+        running.server.limits = Limits(max_n=4, strict_fields=True)
+        r = post(running, "/v1/completions", {"model": "tiny", "prompt": "x", "bogus": 1}, key=None)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+    finally:
+        running.stop()
+
+
+def test_logit_bias_and_min_tokens_through_the_api(srv):
+    eos = srv.server.tokenizer.info.eos_token_ids[0]
+    body = {"model": "tiny", "prompt": "import os", "max_tokens": 20, "temperature": 0}
+    forced = post(srv, "/v1/completions", {**body, "logit_bias": {str(eos): 100}}).json()
+    assert forced["usage"]["completion_tokens"] == 1 and forced["choices"][0]["finish_reason"] == "stop"
+    held = post(srv, "/v1/completions", {**body, "logit_bias": {str(eos): 100}, "min_tokens": 4}).json()
+    assert held["usage"]["completion_tokens"] == 5 and held["choices"][0]["finish_reason"] == "stop"
+    chat = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+    long = post(srv, "/v1/chat/completions", {**chat, "logit_bias": {str(eos): -100}}).json()
+    assert long["usage"]["completion_tokens"] == 20 and long["choices"][0]["finish_reason"] == "length"
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(srv):
+    body = {"model": "tiny", "prompt": ["a = 1", "b = 2"], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = stream_events(srv, "/v1/completions", {**body, "stream": True, "stream_options": options})
+    usages = [e["usage"] for e in events]
+    assert all(u is not None for u in usages)
+    completions = [u["completion_tokens"] for u in usages]
+    assert completions == sorted(completions) and completions[-1] == 10 and completions[0] >= 1
+    prompt_tokens = sum(len(srv.server.tokenizer.encode(p)) for p in body["prompt"])
+    assert {u["prompt_tokens"] for u in usages} == {prompt_tokens}
+
+
+def test_tokenize_detokenize_and_the_model_length(srv, client):
+    tok = srv.server.tokenizer
+    r = post(srv, "/tokenize", {"model": "tiny", "prompt": "def f(x): return x", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("def f(x): return x") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256 and "".join(r["token_strs"]) == tok.decode(r["tokens"], skip_special_tokens=False)
+    messages = [{"role": "user", "content": "hello"}]
+    chat = post(srv, "/tokenize", {"model": "tiny", "messages": messages}).json()
+    assert chat["tokens"] == tok.apply_chat_template(messages)
+    back = post(srv, "/detokenize", {"model": "tiny", "tokens": r["tokens"]}).json()
+    assert back["prompt"] == tok.decode(r["tokens"], skip_special_tokens=False)
+    bad = post(srv, "/detokenize", {"tokens": [1, 99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    both = post(srv, "/tokenize", {"prompt": "x", "messages": messages})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    assert client.models.list().data[0].max_model_len == 256
+
+
+def test_no_orphans_when_a_streaming_client_of_several_prompts_and_n_leaves(srv, caplog):
+    before = srv.stats()
+    body = {"model": "tiny", "prompt": ["for x in y:", "while z:"], "n": 2, "max_tokens": 200, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with caplog.at_level("WARNING"):
+        with httpx.stream(
+            "POST", f"{srv.base_url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=TIMEOUT
+        ) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+        stats = srv.wait_all_free(timeout=5)
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
+    assert stats.aborted == before.aborted + 4  # every sequence of every prompt
+    assert stats.generated_tokens - before.generated_tokens < 4 * 100
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or "aclose" in r.getMessage()]
+
+
+def test_no_orphans_when_a_non_streaming_client_leaves(srv):
+    before = srv.stats()
+    body = {"model": "tiny", "prompt": ["for x in y:", "while z:"], "n": 4, "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and closes its connection
+        httpx.post(
+            f"{srv.base_url}/v1/completions",
+            json=body,
+            headers={"authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(30.0, read=0.3),
+        )
+    stats = srv.wait_all_free(timeout=5)
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
+    assert stats.aborted == before.aborted + 8
+    assert stats.generated_tokens - before.generated_tokens < 8 * 240
+
+
+def test_no_orphans_when_a_queued_client_leaves(tiny_model_dir):
+    running = start_server(str(tiny_model_dir("llama")), max_num_seqs=1)
+    try:
+        worker = running.server.engine.core.worker
+        execute = worker.execute
+
+        def slow(scheduled):  # 5 ms a step: the stream below runs >= 1.2 s, whatever the machine
+            time.sleep(0.005)
+            return execute(scheduled)
+
+        worker.execute = slow
+        long = {"model": "tiny", "prompt": "while True:", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{running.base_url}/v1/completions", json=long, timeout=TIMEOUT) as r:
+            lines = r.iter_lines()  # held: dropping the iterator would close the connection
+            assert next(line for line in lines if line.startswith("data:"))
+            with pytest.raises(httpx.TimeoutException):  # queued behind the stream, then gone
+                httpx.post(
+                    f"{running.base_url}/v1/completions",
+                    json={"model": "tiny", "prompt": "x", "max_tokens": 4},
+                    timeout=httpx.Timeout(30.0, read=0.3),
+                )
+            deadline = time.monotonic() + 5
+            while running.stats().aborted < 1:  # the queued request, and only it, is aborted
+                assert time.monotonic() < deadline, running.stats()
+                time.sleep(0.01)
+            stats = running.stats()
+            assert stats.aborted == 1 and stats.running == 1 and stats.waiting == 0  # the stream goes on
+        stats = running.wait_all_free(timeout=5)
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
     finally:
         running.stop()

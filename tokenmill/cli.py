@@ -45,6 +45,9 @@ class ServeSettings:
     max_prompt_tokens: int | None = setting(
         None, "longest prompt accepted, in tokens (default: only the model's length limits it)", minimum=1
     )
+    strict_fields: bool = setting(
+        False, "refuse (400) request fields the server does not know, instead of ignoring them as vLLM does"
+    )
     drain_timeout: float = setting(30.0, "seconds in-flight requests get on SIGTERM")
     log_interval: float = setting(10.0, "seconds between throughput log lines")
 
@@ -108,7 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.server.protocol import Limits
 
     limits = Limits(
-        max_n=settings.max_n, max_tokens=settings.max_tokens_limit, max_prompt_tokens=settings.max_prompt_tokens
+        max_n=settings.max_n,
+        max_tokens=settings.max_tokens_limit,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        strict_fields=settings.strict_fields,
     )
     server = build_server(config, settings.served_model_name, settings.max_waiting, limits, settings.log_interval)
     api_key = settings.api_key or os.environ.get("TOKENMILL_API_KEY")

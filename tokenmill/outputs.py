@@ -20,6 +20,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     seed: int
+    eos_token_ids: tuple[int, ...] = ()  # what min_tokens masks (with the stop token ids)
 
 
 @dataclass

@@ -53,6 +53,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # EOS and stop token ids are masked (and stop strings not checked) until this many
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # words never generated (as words: at the start or after a space)
+    # bad_words as token-id sequences: filled in by the engine's front end (which has the tokenizer)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +67,15 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        else:
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -109,7 +124,29 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a boolean")
+        if integer("min_tokens") < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", "an integer in [0, max_tokens]")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if not _token_id(token):
+                    raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                    raise ValueError(
+                        f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {bias!r}"
+                    )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or not all(_token_id(t) for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "a non-empty list of token ids, or None")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise bad("bad_words", "non-empty strings")
+        if not all(w and all(_token_id(t) for t in w) for w in self.bad_words_token_ids):
+            raise bad("bad_words_token_ids", "non-empty sequences of token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -161,7 +161,13 @@ class Scheduler:
         if request.request_id not in self._scheduled_once:
             self._scheduled_once.add(request.request_id)
             new.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.seed)
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    request.seed,
+                    request.eos_token_ids,
+                )
             )
 
     def _prefix_hit(self, request: Request) -> int:

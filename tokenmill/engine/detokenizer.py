@@ -92,13 +92,14 @@ class IncrementalDetokenizer:
         """True once a stop string matched or `flush()` was called; no more tokens are accepted."""
         return self._finished
 
-    def add_tokens(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
-        """Append newly generated tokens (one, or several at once) and return the text they add."""
+    def add_tokens(self, token_ids: Sequence[int], check_stop: bool = True) -> DetokenizerUpdate:
+        """Append newly generated tokens (one, or several at once) and return the text they add.
+        With `check_stop` False (before `min_tokens`), stop strings are neither matched nor held."""
         if self._finished:
             raise RuntimeError("add_tokens: this request's output is finished (stop string matched or flush() called)")
         self._window.extend(self._kept(token_ids))
         self._num_tokens += len(token_ids)
-        delta, stop_string = self._scan(self._take_decoded(final=False), final=False)
+        delta, stop_string = self._scan(self._take_decoded(final=False), final=False, check_stop=check_stop)
         if self._finished or (not self._held and not self._incomplete):
             self._num_settled = self._num_tokens
         return DetokenizerUpdate(text_delta=delta, stop_string=stop_string)
@@ -187,10 +188,10 @@ class IncrementalDetokenizer:
                 return k
         return 0
 
-    def _scan(self, fresh: str, final: bool) -> tuple[str, str | None]:
+    def _scan(self, fresh: str, final: bool, check_stop: bool = True) -> tuple[str, str | None]:
         """Pass decoded text through the stop-string stage: (text to emit, matched stop string)."""
         text = self._held + fresh
-        match = self._find_stop(text)
+        match = self._find_stop(text) if check_stop else None
         if match is not None:
             start, stop_string = match
             end = start + len(stop_string) if self.include_stop_str_in_output else start
@@ -199,7 +200,7 @@ class IncrementalDetokenizer:
             self._finished = True
         else:
             stop_string = None
-            hold = 0 if final else self._partial_stop_len(text)
+            hold = 0 if final or not check_stop else self._partial_stop_len(text)
             delta, self._held = text[: len(text) - hold], text[len(text) - hold :]
         if delta:
             self._pieces.append(delta)

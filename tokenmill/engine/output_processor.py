@@ -16,6 +16,7 @@ Runs wherever the front end runs (the server's event loop): it never calls the c
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class OutputProcessor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         max_tokens = self._check(ids, params)
+        params = self._with_token_constraints(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         children, requests = [], []
@@ -158,6 +160,27 @@ class OutputProcessor:
                 f"the cache holds {lim.num_blocks}"
             )
         return max_tokens
+
+    def _with_token_constraints(self, params: SamplingParams) -> SamplingParams:
+        """Check the token ids a request names against the vocabulary, and turn its bad words into
+        token sequences: each word alone and after a space (barred at the start and mid-text)."""
+        vocab = self.limits.vocab_size
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", list(params.allowed_token_ids or ())),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary ({vocab})")
+        if not params.bad_words:
+            return params
+        sequences: list[tuple[int, ...]] = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return dataclasses.replace(params, bad_words_token_ids=tuple(sequences))
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; the core ids to abort (none if it is unknown or already finished)."""
@@ -220,7 +243,8 @@ class OutputProcessor:
             child.logprobs.extend(out.new_logprobs)
         if not out.new_token_ids and out.finish_reason is None:
             return False
-        update = child.detokenizer.add_tokens(out.new_token_ids)
+        check_stop = len(child.token_ids) > parent.params.min_tokens  # vLLM: no stop strings before min_tokens
+        update = child.detokenizer.add_tokens(out.new_token_ids, check_stop=check_stop)
         child.text_delta += update.text_delta
         if update.stop_string is not None:  # a stop string wins over EOS or length in the same step
             child.finish_reason, child.stop_reason = "stop", update.stop_string

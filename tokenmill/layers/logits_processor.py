@@ -4,8 +4,8 @@ A `LogitsProcessor` holds per-row state for the runner's persistent batch (`runn
 a row is added when a request joins, removed when it leaves, moved when the batch is compacted, and
 told each token the request samples. `apply(logits, rows)` changes the logits of the given batch
 rows — one logits row per position, so several positions of one request (speculative drafts, later)
-read the same batch row. Penalties are the first processor; `logit_bias`, `min_tokens`, bad words
-and grammar bitmasks plug in the same way.
+read the same batch row. Penalties live here; allowed token ids, bad words, `min_tokens` and
+`logit_bias` in `token_constraints.py`; grammar bitmasks will plug in the same way.
 
 `PenaltiesProcessor` follows Hugging Face and the OpenAI API, in this order on the raw logits:
 repetition (a token seen in the prompt or the output has its logit divided by the penalty when
@@ -24,7 +24,9 @@ from tokenmill.sampling_params import SamplingParams
 
 
 class LogitsProcessor(Protocol):
-    def add_row(self, row: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def add_row(
+        self, row: int, params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...]
+    ) -> None:
         """A request joins the batch at `row` (its previous occupant, if any, was removed)."""
         ...
 
@@ -85,7 +87,9 @@ class PenaltiesProcessor:
             self._prompt_seen = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
         return self._counts, self._prompt_seen
 
-    def add_row(self, row: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def add_row(
+        self, row: int, params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         penalised = params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
         self.repetition[row] = params.repetition_penalty
         self.presence[row] = params.presence_penalty

@@ -69,7 +69,7 @@ class SamplingMetadata:
             )
         penalties = PenaltiesProcessor(rows, vocab_size, device)
         for row, (p, prompt, output) in enumerate(zip(params, prompt_token_ids, output_token_ids, strict=True)):
-            penalties.add_row(row, p, prompt)
+            penalties.add_row(row, p, prompt, ())
             for token in output:
                 penalties.append_token(row, token)
         return cls.build(params, seeds, output_positions, vocab_size, [penalties], list(range(rows)), device)

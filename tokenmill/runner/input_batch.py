@@ -18,6 +18,12 @@ import torch
 
 from tokenmill.layers.logits_processor import LogitsProcessor, PenaltiesProcessor
 from tokenmill.layers.sampler import SamplingMetadata
+from tokenmill.layers.token_constraints import (
+    AllowedTokensProcessor,
+    BadWordsProcessor,
+    LogitBiasProcessor,
+    MinTokensProcessor,
+)
 from tokenmill.outputs import NewRequestData
 from tokenmill.sampling_params import SamplingParams
 
@@ -44,7 +50,14 @@ class InputBatch:
         self.top_p = torch.ones(self.capacity, dtype=torch.float32, device=self.device)  # [C]
         self.min_p = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)  # [C]
         self.penalties = PenaltiesProcessor(self.capacity, vocab_size, self.device)
-        self.processors: list[LogitsProcessor] = [self.penalties]
+        # in vLLM's order: which tokens may come at all, then biases, then the penalties
+        self.processors: list[LogitsProcessor] = [
+            AllowedTokensProcessor(),
+            BadWordsProcessor(),
+            MinTokensProcessor(),
+            LogitBiasProcessor(),
+            self.penalties,
+        ]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -71,7 +84,7 @@ class InputBatch:
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
         for processor in self.processors:
-            processor.add_row(row, p, new.prompt_token_ids)
+            processor.add_row(row, p, new.prompt_token_ids, new.eos_token_ids)
         return row
 
     def remove(self, request_id: str) -> None:

@@ -8,22 +8,24 @@ response schemas.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
+from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     RequestError,
-    parse_chat_request,
     parse_completion_request,
+    parse_model,
 )
 from tokenmill.server.responses import (
     ChatCompletionResponse,
@@ -32,9 +34,44 @@ from tokenmill.server.responses import (
     ModelCard,
     ModelList,
 )
-from tokenmill.server.serving import Server
+from tokenmill.server.serving import Job, Server
+from tokenmill.server.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 
 RETRY_AFTER_SECONDS = 1
+IGNORED_FIELDS_HEADER = "x-tokenmill-ignored-fields"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (never seen by it)
+T = TypeVar("T")
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, the result) of `work`, or (False, None) once the client has gone away first — then
+    `work` is cancelled, which closes the engine streams it opened and so aborts their requests."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def error_response(
@@ -49,8 +86,17 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _documented(request_model: type, response_model: type) -> dict[str, Any]:
+def _documented(request_model: type, response_model: type, stream: bool = True) -> dict[str, Any]:
     """OpenAPI for a route whose body the handler reads itself (so that errors keep OpenAI's shape)."""
+    if not stream:
+        ok = {"application/json": {"schema": {"$ref": f"#/components/schemas/{response_model.__name__}"}}}
+        return {
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}},
+            },
+            "responses": {"200": {"description": "OK", "content": ok}, "400": _error_doc("Invalid request")},
+        }
     return {
         "requestBody": {
             "required": True,
@@ -80,6 +126,38 @@ def _documented(request_model: type, response_model: type) -> dict[str, Any]:
     }
 
 
+class ApiKeyCheck:
+    """Refuses /v1/ requests without 'Authorization: Bearer <key>' (401). A plain ASGI middleware:
+    it leaves `receive` alone, so a handler still hears its client disconnect (Starlette's
+    BaseHTTPMiddleware reports a disconnect to the app once the response has started)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if given != self.expected:
+                response = error_response(
+                    401,
+                    "Missing or wrong API key (send 'Authorization: Bearer <key>').",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _error_doc(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+
+
 def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     engine: AsyncEngine = server.engine
 
@@ -93,19 +171,8 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        path, given = request.url.path, request.headers.get("authorization", "")
-        if api_key is not None and path.startswith("/v1/") and given != f"Bearer {api_key}":
-            return error_response(
-                401,
-                "Missing or wrong API key (send 'Authorization: Bearer <key>').",
-                "authentication_error",
-                None,
-                "invalid_api_key",
-            )
-        response: Response = await call_next(request)
-        return response
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -149,21 +216,40 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"The body is not valid JSON ({e}).", None, "invalid_json") from None
 
-    async def respond(job_stream: bool, job: Any) -> Response:
-        if job_stream:
-            events = await server.stream(job)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await server.complete(job))
+    async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, job: Job) -> Response:
+        """Run a job until it answers or its client goes away (then every engine request it started is
+        aborted and nothing is sent)."""
+        headers = {}
+        if req.ignored_fields:
+            server.note_ignored(req.ignored_fields)
+            headers[IGNORED_FIELDS_HEADER] = ",".join(req.ignored_fields)
+        answered, result = await until_disconnected(request, server.stream(job) if req.stream else server.complete(job))
+        if not answered:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if req.stream:
+            headers["Cache-Control"] = "no-cache"
+            return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+        return JSONResponse(result, headers=headers)
 
     @app.post("/v1/completions", openapi_extra=_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         req = parse_completion_request(await read_json(request), server.limits)
-        return await respond(req.stream, server.prepare_completion(req))
+        return await respond(request, req, server.prepare_completion(req))
 
     @app.post("/v1/chat/completions", openapi_extra=_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         req = parse_chat_request(await read_json(request), server.limits)
-        return await respond(req.stream, server.prepare_chat(req))
+        return await respond(request, req, server.prepare_chat(req))
+
+    @app.post("/tokenize", openapi_extra=_documented(TokenizeRequest, TokenizeResponse, stream=False))
+    async def tokenize_route(request: Request) -> Response:
+        req = parse_model(TokenizeRequest, await read_json(request))
+        return JSONResponse(tokenize(req, server.tokenizer, server.max_model_len))
+
+    @app.post("/detokenize", openapi_extra=_documented(DetokenizeRequest, DetokenizeResponse, stream=False))
+    async def detokenize_route(request: Request) -> Response:
+        req = parse_model(DetokenizeRequest, await read_json(request))
+        return JSONResponse(detokenize(req, server.tokenizer, server.engine.processor.limits.vocab_size))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -192,6 +278,10 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                 CompletionResponse,
                 ChatCompletionResponse,
                 ErrorResponse,
+                TokenizeRequest,
+                TokenizeResponse,
+                DetokenizeRequest,
+                DetokenizeResponse,
             ):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))

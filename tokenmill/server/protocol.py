@@ -1,22 +1,25 @@
-"""The OpenAI-compatible request schemas and their validation.
+"""The OpenAI-compatible request schemas and their validation: the base both endpoints share, and
+completions (the chat request builds on it in `chat_protocol.py`).
 
-Owns: `CompletionRequest` and `ChatCompletionRequest` (strict pydantic models: no string-to-number
-coercion, unknown fields rejected, OpenAI fields tokenmill does not support rejected unless they hold
-their default), `parse_completion_request` / `parse_chat_request` (raw JSON value -> request, or a
-`RequestError` that is a 400 in OpenAI's error shape naming the offending parameter), and the
-conversion of requests into `SamplingParams`. Responses live in `responses.py`. No I/O here: the
-FastAPI app reads the body, calls these, and writes what they return.
+Owns: `_Request` and `CompletionRequest` (strict pydantic models: no string-to-number coercion;
+fields tokenmill does not know are ignored and listed, or refused with `strict_fields`; OpenAI fields
+that would change the output if ignored are refused unless they hold their default),
+`parse_completion_request` (raw JSON value -> request, or a `RequestError` that is a 400 in OpenAI's
+error shape naming the offending parameter), and the conversion of requests into `SamplingParams`.
+Responses live in `responses.py`. No I/O here: the FastAPI app reads the body, calls these, and
+writes what they return.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -33,6 +36,7 @@ from tokenmill.server.validation import (
     from_validation_error,
     is_int,
     show,
+    split_unknown,
 )
 
 CONTENT_PART_SEPARATOR = "\n"  # text parts of one message are joined with this (as vLLM does)
@@ -67,6 +71,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
 class _Request(_Strict):
@@ -80,7 +85,6 @@ class _Request(_Strict):
         "function_call",
         "parallel_tool_calls",
         "response_format",
-        "logit_bias",
         "suffix",
         "best_of",
         "audio",
@@ -92,6 +96,13 @@ class _Request(_Strict):
         "metadata",
         "service_tier",
     )
+
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Unknown fields dropped from the body (vLLM's policy), in the body's order."""
+        return self._ignored_fields
 
     model: str
     temperature: Temperature = 1.0
@@ -112,6 +123,10 @@ class _Request(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: NonEmptyStr | None = None  # vLLM's: prefix-cache entries shared only with the same salt
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no EOS, stop token or stop string before this many
+    allowed_token_ids: TokenIds | None = None  # vLLM's: only these may be generated
+    bad_words: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None  # vLLM's: words never generated
 
     @classmethod
     def _null_means_default(cls) -> list[str]:
@@ -150,6 +165,14 @@ class _Request(_Strict):
     def _top_k_no_limit(cls, value: Any) -> Any:
         return None if is_int(value) and value in (-1, 0) else value
 
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise custom_error(f"keys must be token ids (decimal integers as strings), got {show(key)}.")
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:
@@ -186,6 +209,10 @@ class _Request(_Strict):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "min_tokens": self.min_tokens,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            "allowed_token_ids": tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            "bad_words": tuple(self.bad_words or ()),
         }
 
     def _sampling_params(
@@ -307,7 +334,7 @@ class CompletionRequest(_Request):
 
 def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
     """The parsed JSON body of POST /v1/completions -> a valid request, or a RequestError (400)."""
-    request = _parse(CompletionRequest, raw)
+    request = _parse(CompletionRequest, raw, limits)
     _common_limits(request, limits)
     _max_tokens_limit(request.max_tokens, "max_tokens", limits)
     if limits.max_prompt_tokens is not None:
@@ -323,130 +350,7 @@ def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
     return request
 
 
-# ----------------------------------------------------------------------------------------------- chat
-
-
-class TextContentPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessageParam(_Strict):
-    """One message of a chat request. Content is a string or a list of text parts (joined by `text`)."""
-
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "tool_calls",
-        "tool_call_id",
-        "function_call",
-        "refusal",
-        "audio",
-        "annotations",
-    )
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
-    name: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _prepare(cls, raw: Any) -> Any:
-        return check_unsupported(raw, cls.UNSUPPORTED)
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _check_content(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise custom_error(f"expected a string or an array of text parts, got {show(value)}.", code="invalid_type")
-        for j, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise custom_error(
-                    f"only text content parts are supported, part {j} has type {show(kind)}.",
-                    code="unsupported_content",
-                )
-            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
-                raise custom_error(f'part {j}: expected {{"type": "text", "text": "..."}}, got {show(part)}.')
-        return value
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return CONTENT_PART_SEPARATOR.join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_Request):
-    """POST /v1/chat/completions."""
-
-    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
-    max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: PositiveInt | None = None  # None: the server's default (up to the model's length)
-    logprobs: bool = False
-    top_logprobs: Logprobs | None = None
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _cross_field(self) -> ChatCompletionRequest:
-        self._stream_options_check()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise custom_error("'top_logprobs' is only allowed when 'logprobs' is true.", ("top_logprobs",), whole=True)
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-        ):
-            raise custom_error(
-                f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' ({self.max_completion_tokens}) "
-                "disagree; send only 'max_completion_tokens'.",
-                ("max_tokens",),
-                whole=True,
-            )
-        return self
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as a chat template takes them: role, content as text, and name when given. The
-        "developer" role (OpenAI's newer name for "system") is given as "system", which templates know."""
-        out = []
-        for message in self.messages:
-            role = "system" if message.role == "developer" else message.role
-            entry = {"role": role, "content": message.text}
-            if message.name is not None:
-                entry["name"] = message.name
-            out.append(entry)
-        return out
-
-    def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
-        fields = self._common_sampling()
-        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(
-            fields,
-            self.requested_max_tokens,
-            self.max_tokens_param,
-            max_model_len,
-            default_max_tokens,
-            {"logprobs": "top_logprobs"},
-        )
-
-
-def parse_chat_request(raw: Any, limits: Limits) -> ChatCompletionRequest:
-    """The parsed JSON body of POST /v1/chat/completions -> a valid request, or a RequestError (400)."""
-    request = _parse(ChatCompletionRequest, raw)
-    _common_limits(request, limits)
-    _max_tokens_limit(request.requested_max_tokens, request.max_tokens_param, limits)
-    return request
-
-
-RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+RequestT = TypeVar("RequestT", bound=_Request)
 
 
 def _json_kind(value: Any) -> str:
@@ -461,13 +365,33 @@ def _json_kind(value: Any) -> str:
     return "an array" if isinstance(value, list) else type(value).__name__
 
 
-def _parse(cls: type[RequestT], raw: Any) -> RequestT:
+StrictT = TypeVar("StrictT", bound=_Strict)
+
+
+def parse_model(cls: type[StrictT], raw: Any) -> StrictT:
+    """A raw JSON body -> a valid `cls`, or a RequestError (400) naming the parameter."""
     if not isinstance(raw, dict):
         raise RequestError(f"The request body must be a JSON object, got {_json_kind(raw)}.", None, "invalid_body")
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
+    """Validate a body; fields the request type does not know are dropped and listed in
+    `ignored_fields` (vLLM's policy), or refused with `limits.strict_fields`."""
+    if not isinstance(raw, dict):
+        raise RequestError(f"The request body must be a JSON object, got {_json_kind(raw)}.", None, "invalid_body")
+    ignored: list[str] = []
+    if not limits.strict_fields:
+        raw, ignored = split_unknown(raw, {*cls.model_fields, *cls.UNSUPPORTED})
+    try:
+        request = cls.model_validate(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    request._ignored_fields = ignored
+    return request
 
 
 def check_prompt_length(

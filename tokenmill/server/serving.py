@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStopped
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.chat_protocol import ChatCompletionRequest
 from tokenmill.server.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     Limits,
     RequestError,
@@ -38,10 +39,13 @@ from tokenmill.server.responses import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    UsageInfo,
     chat_logprobs,
     completion_logprobs,
     usage_info,
 )
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Job:
     echo: bool
     include_usage: bool
     cache_salt: str | None
+    continuous_usage: bool = False  # usage (so far) in every chunk: vLLM's continuous_usage_stats
 
 
 @dataclass
@@ -67,6 +72,14 @@ class Server:
     model_name: str
     max_model_len: int
     limits: Limits
+    warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged
+
+    def note_ignored(self, names: list[str]) -> None:
+        """Log each unknown request field once per server (it is ignored, as vLLM ignores it)."""
+        new = [n for n in names if n not in self.warned_fields]
+        if new:
+            self.warned_fields.update(new)
+            logger.warning("ignored unknown request fields %s (send --strict-fields to refuse them)", ", ".join(new))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -84,6 +97,7 @@ class Server:
             prompts.append(ids)
             texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         return Job(
             False,
             f"cmpl-{uuid.uuid4().hex}",
@@ -95,6 +109,7 @@ class Server:
             req.echo,
             include_usage,
             req.cache_salt,
+            continuous,
         )
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
@@ -106,6 +121,7 @@ class Server:
             raise RequestError(str(e), "messages", "invalid_value") from None
         check_prompt_length(len(ids), req.requested_max_tokens, self.max_model_len, self.limits, "messages")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         return Job(
             True,
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -117,6 +133,7 @@ class Server:
             False,
             include_usage,
             req.cache_salt,
+            continuous,
         )
 
     def _check_model(self, model: str) -> None:
@@ -242,11 +259,23 @@ class Server:
         finals: dict[int, RequestOutput] = {}  # prompt i -> its latest (delta) output
         generated = 0  # completion tokens over every choice (deltas: each token counted once)
         started: set[int] = set()
+        prompt_tokens = sum(len(p) for p in job.prompts)
+
+        def emit(chunk: ChatCompletionChunk | CompletionStreamResponse) -> str:
+            if not job.continuous_usage:
+                return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+            chunk.usage = UsageInfo(
+                prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated
+            )
+            return _sse(chunk.model_dump(mode="json"))
+
         try:
             if job.chat:
                 for i in range(len(streams)):
                     for j in range(job.params.n):
-                        yield self._chat_chunk(job, i * job.params.n + j, DeltaMessage(role="assistant", content=""))
+                        yield emit(
+                            self._chat_chunk(job, i * job.params.n + j, DeltaMessage(role="assistant", content=""))
+                        )
             open_streams = len(streams)
             while open_streams:
                 i, out = await merged.get()
@@ -260,10 +289,10 @@ class Server:
                 finals[i] = out
                 generated += sum(len(c.token_ids) for c in out.outputs)
                 for c in out.outputs:
-                    event = self._chunk_for(job, i, out, c, first=(i, c.index) not in started)
-                    if event is not None:
+                    chunk = self._chunk_for(job, i, out, c, first=(i, c.index) not in started)
+                    if chunk is not None:
                         started.add((i, c.index))
-                        yield event
+                        yield emit(chunk)
             if job.include_usage:
                 usage = usage_info([finals[i] for i in sorted(finals)], completion_tokens=generated)
                 cls = ChatCompletionChunk if job.chat else CompletionStreamResponse
@@ -278,8 +307,10 @@ class Server:
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
 
-    def _chunk_for(self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool) -> str | None:
-        """The SSE event of one choice's delta (its text, and the logprobs of the tokens that made it)."""
+    def _chunk_for(
+        self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool
+    ) -> ChatCompletionChunk | CompletionStreamResponse | None:
+        """The chunk of one choice's delta (its text, and the logprobs of the tokens that made it)."""
         key = i * job.params.n + c.index
         if not c.text and c.finish_reason is None and not (job.echo and first):
             return None
@@ -295,16 +326,14 @@ class Server:
             )
             return self._chat_chunk_choice(job, choice)
         choice = self._completion_choice(job, i, out, c, c.text, entries, first)
-        chunk = CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model, choices=[choice])
-        return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+        return CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model, choices=[choice])
 
-    def _chat_chunk(self, job: Job, index: int, delta: DeltaMessage) -> str:
+    def _chat_chunk(self, job: Job, index: int, delta: DeltaMessage) -> ChatCompletionChunk:
         return self._chat_chunk_choice(job, ChatChunkChoice(index=index, delta=delta))
 
     @staticmethod
-    def _chat_chunk_choice(job: Job, choice: ChatChunkChoice) -> str:
-        chunk = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=[choice])
-        return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+    def _chat_chunk_choice(job: Job, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model, choices=[choice])
 
 
 def stream_error(e: BaseException) -> dict[str, Any]:

@@ -51,6 +51,14 @@ class Limits:
     max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: no extra cap
     max_prompt_tokens: int | None = None  # None: only the model's length limits the prompt
     max_stop: int = 16  # OpenAI allows 4
+    strict_fields: bool = False  # refuse (400) unknown fields instead of ignoring them
+
+
+def split_unknown(raw: dict[str, Any], known: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """(the body without the fields not in `known`, their names in order): an unknown field is
+    ignored, as vLLM does, unless the server is strict about fields."""
+    unknown = [k for k in raw if k not in known]
+    return ({k: v for k, v in raw.items() if k in known} if unknown else raw), unknown
 
 
 def custom_error(
@@ -131,7 +139,7 @@ def unsupported_default(name: str, value: Any, raw: dict[str, Any]) -> str | Non
     match name:
         case "response_format":
             ok, allowed = value == {"type": "text"}, 'null or {"type": "text"}'
-        case "logit_bias" | "metadata":
+        case "metadata":
             ok, allowed = isinstance(value, dict) and not value, "null or {}"
         case "suffix":
             ok, allowed = value == "", 'null or ""'

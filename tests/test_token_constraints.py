@@ -1,0 +1,115 @@
+"""The token-constraint logits processors against hand-computed logits, and through the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.test_engine import assert_no_leaks, prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.token_constraints import (
+    AllowedTokensProcessor,
+    BadWordsProcessor,
+    LogitBiasProcessor,
+    MinTokensProcessor,
+)
+
+INF = math.inf
+
+
+def logits(rows: int = 2, vocab: int = 6) -> torch.Tensor:
+    return torch.arange(rows * vocab, dtype=torch.float32).reshape(rows, vocab) / 10  # row 0: 0.0 .. 0.5
+
+
+def test_allowed_tokens_keep_only_theirs():
+    p = AllowedTokensProcessor()
+    p.add_row(3, SamplingParams(allowed_token_ids=[1, 4]), [], ())
+    p.add_row(5, SamplingParams(), [], ())  # asks for nothing: no state, untouched
+    assert p.active and 5 not in p.state
+    x = logits()
+    out = p.apply(x, torch.tensor([5, 3]))
+    assert out[0].tolist() == pytest.approx(x[0].tolist())
+    assert out[1].tolist() == pytest.approx([-INF, 0.7, -INF, -INF, 1.0, -INF])
+    assert x[1, 0] == 0.6  # the input is left as is
+    p.move_row(3, 0)
+    assert p.apply(x, torch.tensor([0, 5]))[0].tolist() == pytest.approx([-INF, 0.1, -INF, -INF, 0.4, -INF])
+    p.remove_row(0)
+    assert not p.active
+
+
+def test_bad_words_bar_the_last_token_after_the_rest():
+    p = BadWordsProcessor()
+    p.add_row(0, SamplingParams(bad_words_token_ids=[(2,), (4, 5)]), [], ())
+    x = logits(1)
+    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, 0.5])
+    p.append_token(0, 4)  # the output now ends with 4: 5 would complete the word (4, 5)
+    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, -INF])
+    p.append_token(0, 1)
+    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, 0.5])
+
+
+def test_min_tokens_mask_eos_and_stop_ids_until_reached():
+    p = MinTokensProcessor()
+    p.add_row(0, SamplingParams(min_tokens=2, stop_token_ids=[3]), [], (5,))
+    p.add_row(1, SamplingParams(min_tokens=2, ignore_eos=True), [], (5,))  # no stop ids, EOS ignored: nothing
+    p.add_row(2, SamplingParams(min_tokens=0), [], (5,))
+    assert list(p.state) == [0]
+    x = logits(1)
+    masked = [0.0, 0.1, 0.2, -INF, 0.4, -INF]
+    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx(masked)
+    p.append_token(0, 1)
+    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx(masked)
+    p.append_token(0, 1)  # two tokens: reached
+    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx(x[0].tolist()) and not p.active
+
+
+def test_logit_bias_adds_to_the_listed_tokens():
+    p = LogitBiasProcessor()
+    p.add_row(1, SamplingParams(logit_bias={0: 100, 5: -100, 2: 0.25}), [], ())
+    x = logits(1)
+    assert p.apply(x, torch.tensor([1]))[0].tolist() == pytest.approx([100.0, 0.1, 0.45, 0.3, 0.4, -99.5])
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory=64 * 24576)
+
+
+def greedy(**kw: object) -> SamplingParams:
+    return SamplingParams(**({"temperature": 0, "max_tokens": 12} | kw))  # type: ignore[arg-type]
+
+
+def test_through_the_engine(llm):
+    p = prompts(1, seed=31)[0]
+    eos = llm.engine.tokenizer.info.eos_token_ids[0]
+    plain = llm.generate([p], greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    # logit_bias: +100 on one token makes it every greedy choice
+    forced = llm.generate([p], greedy(logit_bias={17: 100}, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [17] * 12
+    # allowed_token_ids: only those, greedy among them
+    allowed = llm.generate([p], greedy(allowed_token_ids=[40, 41, 42]), use_tqdm=False)[0].outputs[0]
+    assert set(allowed.token_ids) <= {40, 41, 42} and allowed.token_ids
+    # min_tokens: EOS forced by its bias is still masked for the first 5 tokens, then ends the request
+    early = llm.generate([p], greedy(logit_bias={eos: 100}, min_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) == 6 and early.token_ids[-1] == eos and eos not in early.token_ids[:5]
+    assert early.finish_reason == "stop"
+    # bad_words: the first word of the plain output never appears
+    word = llm.engine.tokenizer.decode(plain.token_ids[:1]).strip()
+    assert word
+    barred = llm.generate([p], greedy(bad_words=[word], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert barred.token_ids != plain.token_ids and barred.token_ids[:1] != plain.token_ids[:1]
+    with pytest.raises(ValueError, match="logit_bias: token id 99999 is outside the vocabulary"):
+        llm.generate([p], greedy(logit_bias={99999: 1}), use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+def test_min_tokens_holds_stop_strings_back(llm):
+    p = prompts(1, seed=32)[0]
+    full = llm.generate([p], greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop = full.text[:2]  # would stop at once
+    assert llm.generate([p], greedy(ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0].text == ""
+    late = llm.generate([p], greedy(ignore_eos=True, stop=[stop], min_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert late.token_ids == full.token_ids  # the stop string is not checked before min_tokens
+    assert_no_leaks(llm)
