@@ -244,7 +244,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("both", {"temperature": math.nan}, "temperature", "invalid_value"),
     ("both", {"n": "2"}, "n", "invalid_type"),
     ("both", {"n": True}, "n", "invalid_type"),
-    ("both", {"n": 1.0}, "n", "invalid_type"),
+    ("both", {"n": 1.5}, "n", "invalid_type"),
     ("both", {"seed": 1.5}, "seed", "invalid_type"),
     ("both", {"stream": "yes"}, "stream", "invalid_type"),
     ("both", {"model": 5}, "model", "invalid_type"),
@@ -287,7 +287,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("completion", {"prompt": ["a", ""]}, "prompt[1]", "invalid_value"),
     ("completion", {"prompt": [1, -1]}, "prompt[1]", "invalid_value"),
     ("completion", {"prompt": [1, "a"]}, "prompt[1]", "invalid_value"),
-    ("completion", {"prompt": [1.0]}, "prompt", "invalid_value"),
+    ("completion", {"prompt": [1.5]}, "prompt", "invalid_value"),
     ("completion", {"prompt": [[1], [2, True]]}, "prompt[1][1]", "invalid_value"),
     ("completion", {"prompt": {"text": "a"}}, "prompt", "invalid_value"),
     ("completion", {"max_completion_tokens": 5}, "max_completion_tokens", "unknown_field"),
@@ -708,3 +708,9 @@ def test_vllm_extension_fields(endpoint: str) -> None:
     with pytest.raises(RequestError) as info:
         parse(endpoint, body(endpoint, min_tokens=50, max_tokens=10)).to_sampling_params(128, None)
     assert info.value.param == "min_tokens" and "max_tokens" in info.value.message
+
+
+def test_integral_numbers_are_integers_as_json_schema_says() -> None:
+    request = parse_completion_request(completion(n=2.0, prompt=[[1.0, 2], [3.0]], max_tokens=8.0, seed=-3.0), LIMITS)
+    assert (request.n, request.prompts(), request.max_tokens, request.seed) == (2, [[1, 2], [3]], 8, -3)
+    assert all(type(t) is int for p in request.prompts() for t in p)

@@ -10,10 +10,10 @@ find what they expect. Every bad value raises a ValueError that names the field.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+FLOAT32_MAX = 3.4028234663852886e38
 _MASK64 = (1 << 64) - 1
 
 
@@ -84,8 +84,8 @@ class SamplingParams:
 
         def number(name: str) -> float:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise bad(name, "a finite number")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not abs(value) <= FLOAT32_MAX:
+                raise bad(name, "a finite number (within float32's range)")  # the sampler's tensors are float32
             return float(value)
 
         def integer(name: str) -> int:

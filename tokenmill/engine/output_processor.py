@@ -147,6 +147,10 @@ class OutputProcessor:
                 f"({lim.max_model_len})"
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else lim.max_model_len - len(ids)
+        if params.min_tokens > max_tokens:
+            raise ValueError(
+                f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this request may generate"
+            )
         total = len(ids) + max_tokens
         if total > lim.max_model_len:
             raise ValueError(
@@ -168,6 +172,7 @@ class OutputProcessor:
         for name, ids in (
             ("logit_bias", list(params.logit_bias or ())),
             ("allowed_token_ids", list(params.allowed_token_ids or ())),
+            ("stop_token_ids", list(params.stop_token_ids)),
         ):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:

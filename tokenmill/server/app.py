@@ -13,14 +13,16 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
+from tokenmill.server.openapi import constrain
 from tokenmill.server.protocol import (
     CompletionRequest,
     RequestError,
@@ -48,6 +50,13 @@ RETRY_AFTER_SECONDS = 1
 IGNORED_FIELDS_HEADER = "x-tokenmill-ignored-fields"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (never seen by it)
 T = TypeVar("T")
+
+
+def ignored_fields_header(names: list[str], limit: int = 1024) -> str:
+    """The ignored field names, comma-separated, percent-encoded (a header is ASCII), at most `limit`
+    characters (then an ellipsis)."""
+    text = ",".join(quote(name, safe="") for name in names)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
@@ -86,8 +95,25 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _sse_event(chunk_model: str) -> dict[str, Any]:
+    """One server-sent event of a stream: its data a JSON chunk (or an error object), then `[DONE]`."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "description": f"a {chunk_model} as JSON, an OpenAI error object as JSON, or [DONE] at the end",
+                "contentMediaType": "application/json",
+            },
+        },
+    }
+
+
 def _documented(request_model: type, response_model: type, stream: bool = True) -> dict[str, Any]:
     """OpenAPI for a route whose body the handler reads itself (so that errors keep OpenAI's shape)."""
+    stream_model = "ChatCompletionChunk" if response_model.__name__.startswith("Chat") else "CompletionStreamResponse"
     if not stream:
         ok = {"application/json": {"schema": {"$ref": f"#/components/schemas/{response_model.__name__}"}}}
         return {
@@ -107,7 +133,7 @@ def _documented(request_model: type, response_model: type, stream: bool = True) 
                 "description": "The completion (JSON), or server-sent events when stream is true.",
                 "content": {
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{response_model.__name__}"}},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    "text/event-stream": {"schema": _sse_event(stream_model)},
                 },
             },
             **{
@@ -222,7 +248,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         headers = {}
         if req.ignored_fields:
             server.note_ignored(req.ignored_fields)
-            headers[IGNORED_FIELDS_HEADER] = ",".join(req.ignored_fields)
+            headers[IGNORED_FIELDS_HEADER] = ignored_fields_header(req.ignored_fields)
         answered, result = await until_disconnected(request, server.stream(job) if req.stream else server.complete(job))
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -255,14 +281,25 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=server.model_name, created=0, max_model_len=server.max_model_len)])
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "Serving (empty body)"},
+            503: _error_doc("Shutting down, or the engine failed"),
+        },
+    )
     async def health() -> Response:
         if engine.accepting:
             return Response(status_code=200)
         why = "The server is shutting down." if engine.healthy else "The engine is not running."
         return error_response(503, why, "service_unavailable", None, None, {"Retry-After": str(RETRY_AFTER_SECONDS)})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}},
+    )
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -286,6 +323,16 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
+            limits = server.limits
+            constrain(
+                components,
+                server.model_name,
+                server.max_model_len,
+                limits.max_n,
+                limits.max_tokens,
+                limits.strict_fields,
+                server.engine.processor.limits.vocab_size,
+            )
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
@@ -34,6 +35,7 @@ from tokenmill.server.validation import (
     check_unsupported,
     custom_error,
     from_validation_error,
+    integral,
     is_int,
     show,
     split_unknown,
@@ -49,9 +51,12 @@ TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-PositiveInt = Annotated[int, Field(ge=1)]
-TokenId = Annotated[int, Field(ge=0)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+# Integers take 7 and 7.0 alike (both integers to JSON Schema); one flat Annotated each, so that the
+# JSON schema keeps its bounds.
+JsonInt = Annotated[int, BeforeValidator(integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(integral)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(integral)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(integral)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopStrings = NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -107,11 +112,13 @@ class _Request(_Strict):
     model: str
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 and 0 (vLLM's "no limit") are read as None
+    top_k: Annotated[int, Field(ge=-1), BeforeValidator(integral)] | None = (
+        None  # -1 and 0 (vLLM's "no limit") are read as None
+    )
     min_p: MinP = 0.0
     n: PositiveInt = 1
     stop: StopStrings | None = None
-    seed: int | None = None
+    seed: JsonInt | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
@@ -124,7 +131,9 @@ class _Request(_Strict):
     include_stop_str_in_output: bool = False
     cache_salt: NonEmptyStr | None = None  # vLLM's: prefix-cache entries shared only with the same salt
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no EOS, stop token or stop string before this many
+    min_tokens: Annotated[int, Field(ge=0), BeforeValidator(integral)] = (
+        0  # vLLM's: no EOS, stop token or stop string before this many
+    )
     allowed_token_ids: TokenIds | None = None  # vLLM's: only these may be generated
     bad_words: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None  # vLLM's: words never generated
 
@@ -163,6 +172,7 @@ class _Request(_Strict):
     @field_validator("top_k", mode="before")
     @classmethod
     def _top_k_no_limit(cls, value: Any) -> Any:
+        value = integral(value)
         return None if is_int(value) and value in (-1, 0) else value
 
     @field_validator("logit_bias", mode="after")
@@ -284,6 +294,7 @@ class CompletionRequest(_Request):
             return custom_error(message, loc)
 
         shape = "expected a non-empty string, array of strings, array of token ids or array of token id arrays"
+        value = integral(value)
         if isinstance(value, str):
             if not value:
                 raise bad("the prompt is empty.")

@@ -127,6 +127,16 @@ def from_validation_error(exc: ValidationError) -> RequestError:
     )
 
 
+def integral(value: Any) -> Any:
+    """JSON Schema's integers include 1.0: an integral float is read as that int (strict parsing still
+    refuses other floats, numeric strings and booleans)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [integral(v) for v in value]
+    return value
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
