@@ -559,4 +559,5 @@ def test_no_orphans_when_a_queued_client_leaves(tiny_model_dir):
 def test_a_penalty_beyond_float32_is_a_400_not_an_engine_crash(srv):
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "repetition_penalty": 1e300})
     assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
-    assert srv.server.engine.healthy and post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 200
+    assert srv.server.engine.healthy
+    assert post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 200
