@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all lint format serve bench bench-forward bench-engine bench-prefix bench-serve clean
+.PHONY: install test test-all lint format serve compat bench bench-forward bench-engine bench-prefix bench-serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,19 +16,34 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check tokenmill tests benchmarks scripts
-	$(BIN)/ruff format --check tokenmill tests benchmarks scripts
+	$(BIN)/ruff check tokenmill tests benchmarks scripts compat
+	$(BIN)/ruff format --check tokenmill tests benchmarks scripts compat
 	$(BIN)/mypy tokenmill/core
 
 format: $(STAMP)
-	$(BIN)/ruff format tokenmill tests benchmarks scripts
-	$(BIN)/ruff check --fix tokenmill tests benchmarks scripts
+	$(BIN)/ruff format tokenmill tests benchmarks scripts compat
+	$(BIN)/ruff check --fix tokenmill tests benchmarks scripts compat
 
 test: lint
 	$(BIN)/pytest
 
 test-all: lint
 	$(BIN)/pytest -m "slow or not slow"
+
+# The load and evaluation tools people point at a server (guidellm, aiperf, lm-eval, schemathesis,
+# the openai client), pinned in their own venv (torch==2.13.0 first, as above), run against
+# `tokenmill serve` offline: one line per tool, non-zero on any failure. Minutes; not part of `make test`.
+COMPAT := .venv-compat
+COMPAT_STAMP := $(COMPAT)/.installed-stamp
+
+$(COMPAT_STAMP): compat/requirements.txt
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install --quiet torch==2.13.0
+	$(COMPAT)/bin/pip install --quiet -r compat/requirements.txt
+	touch $(COMPAT_STAMP)
+
+compat: $(STAMP) $(COMPAT_STAMP)
+	$(BIN)/python compat/run.py --tools-venv $(COMPAT)
 
 # The bundled demo model, models/tokenmill-demo (scripts/train_demo_models.py made it).
 serve: $(STAMP)
@@ -52,4 +67,4 @@ bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/serve.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(COMPAT) .pytest_cache .ruff_cache .mypy_cache

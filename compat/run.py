@@ -1,0 +1,215 @@
+"""`make compat`: the tools people already point at an OpenAI-compatible server, against `tokenmill serve`.
+
+Starts `tokenmill serve` (the bundled demo model, float32, a free loopback port) and runs each tool,
+offline (local tokenizer paths, a local lm-eval task whose data is in this folder, HF_HUB_OFFLINE=1),
+from the separate venv `make compat` builds (compat/requirements.txt, pinned). Prints one line per
+tool and exits non-zero on any failure:
+- openai: the official client, completions and chat, whole and streamed;
+- lm-eval: `local-completions` log-likelihoods (echo + logprobs) on compat/tasks/tokenmill_python,
+  each equal to lm-eval's own transformers run of the same checkpoint (`--model hf`) within 1e-3;
+- schemathesis: every check, all phases, against /openapi.json (compat/schemathesis.toml);
+- guidellm, at concurrency 1 and 4, on completions and chat;
+- aiperf, on completions.
+
+Usage: python compat/run.py [--tools-venv .venv-compat] [--only openai,lm-eval,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "tokenmill-demo"
+NAME = "tokenmill-demo"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+LL_TOLERANCE = 1e-3
+
+
+class Server:
+    def __init__(self, log: Path) -> None:
+        cmd = [str(ROOT / ".venv" / "bin" / "tokenmill"), "serve", str(MODEL), "--port", "0", "--dtype", "float32"]
+        cmd += ["--max-model-len", "256", "--kv-cache-memory", str(64 * 2**20), "--max-waiting", "256"]
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stderr=log.open("w"), stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)", log.read_text())
+            if found and self._healthy(found.group(1)):
+                self.url = found.group(1)
+                return
+            if self.proc.poll() is not None:
+                raise SystemExit(f"tokenmill serve exited:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise SystemExit("tokenmill serve did not start in 120 s")
+
+    @staticmethod
+    def _healthy(url: str) -> bool:
+        try:
+            return urllib.request.urlopen(f"{url}/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=timeout)
+
+
+def tail(done: subprocess.CompletedProcess[str], lines: int = 15) -> str:
+    return "\n".join((done.stdout + done.stderr).strip().splitlines()[-lines:])
+
+
+OPENAI_CHECK = r"""
+import sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+whole = c.completions.create(model=sys.argv[2], prompt="def fib(n):", max_tokens=16, temperature=0)
+streamed = "".join(x.choices[0].text for x in c.completions.create(
+    model=sys.argv[2], prompt="def fib(n):", max_tokens=16, temperature=0, stream=True) if x.choices)
+assert streamed == whole.choices[0].text, (streamed, whole.choices[0].text)
+chat = c.chat.completions.create(model=sys.argv[2], messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+print(f"completion, streamed == whole ({whole.usage.completion_tokens} tokens); chat ok")
+"""
+
+
+def check_openai(tools: Path, url: str, scratch: Path) -> str:
+    done = run([str(tools / "bin" / "python"), "-c", OPENAI_CHECK, url, NAME], 120)
+    if done.returncode:
+        raise RuntimeError(tail(done))
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _lm_eval(tools: Path, model: str, args: str, out: Path) -> list[list[float]]:
+    cmd = [str(tools / "bin" / "lm_eval"), "--model", model, "--model_args", args, "--tasks", "tokenmill_python"]
+    cmd += ["--include_path", "compat/tasks", "--log_samples", "--output_path", str(out), "--device", "cpu"]
+    done = run(cmd, 900)
+    if done.returncode:
+        raise RuntimeError(tail(done))
+    (samples,) = out.rglob("samples_tokenmill_python_*.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    return [[float(r[0]) for r in row["filtered_resps"]] for row in sorted(rows, key=lambda r: r["doc_id"])]
+
+
+def check_lm_eval(tools: Path, url: str, scratch: Path) -> str:
+    served = _lm_eval(
+        tools,
+        "local-completions",
+        f"model={NAME},base_url={url}/v1/completions,tokenizer={MODEL},tokenizer_backend=huggingface,"
+        "num_concurrent=2,max_retries=1,add_bos_token=True",  # as lm-eval's hf model encodes (BOS first)
+        scratch / "lm-eval-served",
+    )
+    reference = _lm_eval(tools, "hf", f"pretrained={MODEL},dtype=float32", scratch / "lm-eval-hf")
+    diffs = [abs(a - b) for x, y in zip(served, reference, strict=True) for a, b in zip(x, y, strict=True)]
+    worst = max(diffs)
+    if worst > LL_TOLERANCE:
+        raise RuntimeError(f"log-likelihoods differ from transformers by up to {worst:.2e} (> {LL_TOLERANCE})")
+    return f"{len(diffs)} log-likelihoods equal transformers' within {worst:.1e} (tolerance {LL_TOLERANCE})"
+
+
+def check_schemathesis(tools: Path, url: str, scratch: Path) -> str:
+    cmd = [str(tools / "bin" / "schemathesis"), "run", f"{url}/openapi.json", "--checks", "all"]
+    cmd += ["--phases", "examples,coverage,fuzzing,stateful", "--max-examples", "25", "--seed", "1"]
+    done = run(cmd, 900, cwd=ROOT / "compat")  # compat/schemathesis.toml
+    found = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
+    if done.returncode or not found:
+        raise RuntimeError(tail(done, 40))
+    return f"all checks, all phases: {found.group(1)} generated, {found.group(2)} passed"
+
+
+def check_guidellm(tools: Path, url: str, scratch: Path) -> str:
+    results = []
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        for streams in (1, 4):
+            label = f"{'chat' if 'chat' in route else 'completions'}@{streams}"
+            out = scratch / f"guidellm-{label}.json"
+            cmd = [str(tools / "bin" / "guidellm"), "run", "--disable-progress"]
+            cmd += ["--backend", f"kind=openai_http,target={url},model={NAME},request_format={route}"]
+            cmd += ["--profile", f"kind=concurrent,streams={streams}", "--constraint", "kind=max_requests,count=8"]
+            cmd += ["--data", "kind=synthetic_text,prompt_tokens=48,output_tokens=16"]
+            cmd += ["--tokenizer", f"kind=hf_auto,model={MODEL}", "--output", f"kind=json,path={out}"]
+            done = run(cmd, 600)
+            if done.returncode or not out.is_file():
+                raise RuntimeError(f"{route} at concurrency {streams}:\n{tail(done)}")
+            state = json.loads(out.read_text())["benchmarks"][0]["scheduler_state"]
+            if state["successful_requests"] != 8 or state["errored_requests"] or state["cancelled_requests"]:
+                raise RuntimeError(f"{route} at concurrency {streams}: {state}")
+            results.append(label)
+    return f"8 of 8 requests succeeded at each of {', '.join(results)}"
+
+
+def check_aiperf(tools: Path, url: str, scratch: Path) -> str:
+    out = scratch / "aiperf"
+    cmd = [str(tools / "bin" / "aiperf"), "profile", "--model", NAME, "--url", url, "--endpoint-type", "completions"]
+    cmd += ["--streaming", "--tokenizer", str(MODEL), "--concurrency", "2", "--request-count", "8", "--isl", "32"]
+    cmd += ["--osl", "16", "--extra-inputs", "ignore_eos:true", "--artifact-dir", str(out), "--ui-type", "none"]
+    cmd += ["--no-server-metrics", "--no-gpu-telemetry", "--use-server-token-count"]  # tokens from usage
+    # aiperf reads a local tokenizer folder without the hub; its offline mode takes any name for a repo id
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE}
+    done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+    report = out / "profile_export_aiperf.json"
+    if done.returncode or not report.is_file():
+        raise RuntimeError(tail(done))
+    data = json.loads(report.read_text())
+    count, osl = data["request_count"]["avg"], data["output_sequence_length"]
+    if count != 8 or data.get("error_summary") or osl["min"] != 16 or osl["max"] != 16:
+        raise RuntimeError(f"requests {count}, errors {data.get('error_summary')}, output lengths {osl}")
+    ttft = data["time_to_first_token"]["p50"]
+    return f"8 streamed requests, 16 tokens each, TTFT p50 {ttft:.0f} ms"
+
+
+CHECKS: dict[str, Callable[[Path, str, Path], str]] = {
+    "openai": check_openai,
+    "lm-eval": check_lm_eval,
+    "guidellm": check_guidellm,
+    "aiperf": check_aiperf,
+    "schemathesis": check_schemathesis,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tools-venv", default=str(ROOT / ".venv-compat"))
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated, of {', '.join(CHECKS)}")
+    args = parser.parse_args()
+    tools = Path(args.tools_venv)
+    wanted = [name for name in args.only.split(",") if name]
+    unknown = [n for n in wanted if n not in CHECKS]
+    if unknown:
+        parser.error(f"--only: unknown tool {unknown[0]!r}")
+    scratch = Path(tempfile.mkdtemp(prefix="tokenmill-compat-"))
+    server = Server(scratch / "serve.log")
+    failed = 0
+    try:
+        for name in wanted:
+            start = time.monotonic()
+            try:
+                line = f"PASS {name}: {CHECKS[name](tools, server.url, scratch)}"
+            except Exception as e:  # one tool's failure is reported, the others still run
+                failed += 1
+                line = f"FAIL {name}: {e}"
+            print(f"{line} ({time.monotonic() - start:.0f} s)", flush=True)
+    finally:
+        server.stop()
+    log = (scratch / "serve.log").read_text()
+    if "Traceback" in log:
+        failed += 1
+        print(f"FAIL server log: a traceback (see {scratch / 'serve.log'})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
