@@ -561,3 +561,29 @@ def test_a_penalty_beyond_float32_is_a_400_not_an_engine_crash(srv):
     assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
     assert srv.server.engine.healthy
     assert post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 200
+
+
+def test_no_orphans_when_a_client_leaves_during_prefill(tiny_model_dir):
+    running = start_server(str(tiny_model_dir("llama")), max_num_batched_tokens=8)
+    try:
+        worker = running.server.engine.core.worker
+        execute = worker.execute
+
+        def slow(scheduled):  # 5 ms a step: a 200-token prompt in chunks of 8 takes >= 125 ms
+            time.sleep(0.005)
+            return execute(scheduled)
+
+        worker.execute = slow
+        prompt = list(range(10, 210))
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                f"{running.base_url}/v1/completions",
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 8},
+                timeout=httpx.Timeout(30.0, read=0.05),
+            )
+        stats = running.wait_all_free(timeout=5)
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
+        assert stats.aborted == 1 and stats.generated_tokens == 0  # gone before its prompt was computed
+        assert 0 < stats.prompt_tokens < 200
+    finally:
+        running.stop()
