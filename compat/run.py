@@ -185,7 +185,7 @@ def main() -> int:
     parser.add_argument("--tools-venv", default=str(ROOT / ".venv-compat"))
     parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated, of {', '.join(CHECKS)}")
     args = parser.parse_args()
-    tools = Path(args.tools_venv)
+    tools = Path(args.tools_venv).resolve()  # the tools run from other folders
     wanted = [name for name in args.only.split(",") if name]
     unknown = [n for n in wanted if n not in CHECKS]
     if unknown:
