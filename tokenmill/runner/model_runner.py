@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -79,12 +80,31 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         out = self.sampler(logits, metadata)
         tokens = out.token_ids.tolist()
+        lists = LogprobLists.of(out.logprobs) if out.logprobs is not None else None  # one conversion a step
         for b, (request_id, token) in enumerate(zip(ids, tokens, strict=True)):
             self.batch.append_token(request_id, token)
             result.sampled[request_id] = [token]
             k = self.batch.state(request_id).params.logprobs
-            if out.logprobs is not None and k is not None:
-                result.logprobs[request_id] = to_token_logprobs(out.logprobs, k, [token], [b])
+            if lists is not None and k is not None:
+                result.logprobs[request_id] = [lists.entry(b, token, k)]
+
+
+@dataclass
+class LogprobLists:
+    """LogprobsTensors as Python lists, converted once for the whole batch (not once per request)."""
+
+    topk_ids: list[list[int]]  # [B][max k]
+    topk_logprobs: list[list[float]]  # [B][max k]
+    chosen_logprobs: list[float]  # [B]
+    chosen_ranks: list[int]  # [B]
+
+    @classmethod
+    def of(cls, t: LogprobsTensors) -> LogprobLists:
+        return cls(t.topk_ids.tolist(), t.topk_logprobs.tolist(), t.chosen_logprobs.tolist(), t.chosen_ranks.tolist())
+
+    def entry(self, row: int, token: int, k: int) -> TokenLogprob:
+        top = list(zip(self.topk_ids[row][:k], self.topk_logprobs[row][:k], strict=True))
+        return TokenLogprob(token, self.chosen_logprobs[row], self.chosen_ranks[row], top)
 
 
 def to_token_logprobs(t: LogprobsTensors, k: int, token_ids: list[int], rows: Sequence[int]) -> list[TokenLogprob]:
