@@ -50,6 +50,9 @@ class Request:
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    # chained hashes of the request's first full blocks, computed once each (kept across preemption and
+    # failed admissions: the tokens and the salt do not change)
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

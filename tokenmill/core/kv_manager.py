@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenmill.core.block_hash import block_hash, chain_hashes
+from tokenmill.core.block_hash import chain_hashes
 from tokenmill.core.block_pool import BlockPool
 
 
@@ -64,14 +64,19 @@ class KVManager:
 
     def find_prefix(self, token_ids: Sequence[int], salt: str | None) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the longest run of leading full blocks of `token_ids`, and their hashes."""
-        blocks: list[int] = []
         hashes = chain_hashes(token_ids, self.block_size, salt)
+        blocks = self.lookup_prefix(hashes)
+        return blocks, hashes[: len(blocks)]
+
+    def lookup_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of leading `hashes` (a chain) found in the cache."""
+        blocks: list[int] = []
         for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
             blocks.append(block)
-        return blocks, hashes[: len(blocks)]
+        return blocks
 
     def adopt_prefix(self, request_id: str, blocks: list[int], hashes: list[bytes]) -> None:
         """Start an empty table with shared cached blocks."""
@@ -86,13 +91,20 @@ class KVManager:
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], salt: str | None) -> None:
         """Hash and cache the request's blocks that `token_ids` (its computed tokens) now fill."""
+        have = self._hashes.get(request_id, [])
+        parent = have[-1] if have else None
+        bs = self.block_size
+        full = len(token_ids) // bs
+        self.cache_blocks(request_id, [*have, *chain_hashes(token_ids[len(have) * bs : full * bs], bs, salt, parent)])
+
+    def cache_blocks(self, request_id: str, hashes: Sequence[bytes]) -> None:
+        """Cache the request's leading blocks under `hashes` (its chain, from its first block), those not
+        cached for it yet."""
         have = self._hashes.setdefault(request_id, [])
         table = self.tables.get(request_id, [])
-        parent = have[-1] if have else None
-        for i in range(len(have), len(token_ids) // self.block_size):
-            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size], salt)
-            self.pool.cache(table[i], parent)
-            have.append(parent)
+        for i in range(len(have), len(hashes)):
+            self.pool.cache(table[i], hashes[i])
+            have.append(hashes[i])
 
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from tokenmill.core.block_hash import chain_hashes
 from tokenmill.core.kv_manager import KVManager
 from tokenmill.outputs import EngineStats, NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.request import Request, RequestStatus
@@ -181,11 +182,24 @@ class Scheduler:
         ):
             return 0
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
-        blocks, hashes = self.kv.find_prefix(request.token_ids(0, max_blocks * self.kv.block_size), request.cache_salt)
+        hashes = self._block_hashes(request, max_blocks)
+        blocks = self.kv.lookup_prefix(hashes)
         if blocks:
-            self.kv.adopt_prefix(request.request_id, blocks, hashes)
+            self.kv.adopt_prefix(request.request_id, blocks, hashes[: len(blocks)])
             request.num_computed_tokens = len(blocks) * self.kv.block_size
         return request.num_computed_tokens
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first `num_blocks` full blocks; each block is hashed once
+        in the request's life (admission lookups, failed admissions and caching share them)."""
+        have = request.block_hashes
+        if len(have) < num_blocks:
+            bs = self.kv.block_size
+            parent = have[-1] if have else None
+            have.extend(
+                chain_hashes(request.token_ids(len(have) * bs, num_blocks * bs), bs, request.cache_salt, parent)
+            )
+        return have[:num_blocks]
 
     def _count_prefix(self, request: Request, hit: int) -> None:
         if not self.kv.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
@@ -232,8 +246,7 @@ class Scheduler:
             if self.kv.enable_prefix_caching:
                 full = request.num_computed_tokens // self.kv.block_size
                 if full > self.kv.num_hashed_blocks(request.request_id):
-                    tokens = request.token_ids(0, full * self.kv.block_size)
-                    self.kv.cache_full_blocks(request.request_id, tokens, request.cache_salt)
+                    self.kv.cache_blocks(request.request_id, self._block_hashes(request, full))
             if not chunk.sample:
                 continue
             if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
