@@ -30,8 +30,9 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start_position: int  # the request's num_computed_tokens before this step
-    block_table: list[int]
+    new_block_ids: list[int]  # blocks its table gained since it was last scheduled (the runner keeps the table)
     sample: bool  # the chunk reaches the request's last token: sample the next one
+    replace_block_table: bool = False  # (re)started (first time, or after preemption): new_block_ids is the table
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Request:
     # chained hashes of the request's first full blocks, computed once each (kept across preemption and
     # failed admissions: the tokens and the salt do not change)
     block_hashes: list[bytes] = field(default_factory=list)
+    num_sent_blocks: int = 0  # blocks of its table the runner has been sent (0: send the whole table)
 
     @property
     def num_prompt_tokens(self) -> int:

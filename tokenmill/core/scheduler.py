@@ -217,17 +217,21 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        table = self.kv.block_table(request.request_id)
+        sent, request.num_sent_blocks = request.num_sent_blocks, len(table)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_ids(start, start + num_new),
             start_position=start,
-            block_table=list(self.kv.block_table(request.request_id)),
+            new_block_ids=table[sent:],  # only what is new: the runner keeps the rest
             sample=start + num_new == request.num_tokens,
+            replace_block_table=sent == 0,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.num_sent_blocks = 0  # readmitted with other blocks: the runner gets its whole table again
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

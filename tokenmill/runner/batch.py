@@ -32,6 +32,7 @@ class ModelInputs:
 
 def prepare_inputs(
     chunks: list[ScheduledChunk],
+    block_tables: list[list[int]],  # each chunk's request's table
     backend: AttentionBackend,
     block_size: int,
     prompt_logprob_targets: dict[str, tuple[int, list[int]]],
@@ -65,7 +66,7 @@ def prepare_inputs(
     metadata = backend.build_metadata(
         [len(c.token_ids) for c in chunks],
         [c.start_position + len(c.token_ids) for c in chunks],
-        [c.block_table for c in chunks],
+        block_tables,
         block_size,
         device,
     )

@@ -36,6 +36,7 @@ class RowState:
     seed: int
     output_token_ids: list[int] = field(default_factory=list)
     next_prompt_logprob: int = 1  # the next prompt position whose logprob is owed
+    block_table: list[int] = field(default_factory=list)  # its KV blocks, as the scheduler's chunks said
 
 
 class InputBatch:

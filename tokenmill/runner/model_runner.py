@@ -41,6 +41,12 @@ class ModelRunner:
         result = StepOutput()
         if not scheduled.chunks:
             return result
+        for c in scheduled.chunks:  # the scheduler sends only new block ids; the tables live here
+            state = self.batch.state(c.request_id)
+            if c.replace_block_table:
+                state.block_table = list(c.new_block_ids)
+            else:
+                state.block_table.extend(c.new_block_ids)
 
         targets = {
             c.request_id: (s.next_prompt_logprob, s.prompt_token_ids)
@@ -48,7 +54,8 @@ class ModelRunner:
             if (s := self.batch.state(c.request_id)).params.prompt_logprobs is not None
             and s.next_prompt_logprob < len(s.prompt_token_ids)
         }
-        inputs = prepare_inputs(scheduled.chunks, self.backend, self.block_size, targets, self.device)
+        tables = [self.batch.state(c.request_id).block_table for c in scheduled.chunks]
+        inputs = prepare_inputs(scheduled.chunks, tables, self.backend, self.block_size, targets, self.device)
         with torch.inference_mode():
             start = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)

@@ -96,7 +96,7 @@ class Worker:
         runner.execute(
             SchedulerOutput(
                 new_requests=[NewRequestData("warm-up", prompt, params, 0)],
-                chunks=[ScheduledChunk("warm-up", prompt, 0, list(range(prompt_blocks)), sample=True)],
+                chunks=[ScheduledChunk("warm-up", prompt, 0, list(range(prompt_blocks)), True, True)],
                 finished_request_ids=[],
             )
         )
@@ -104,7 +104,7 @@ class Worker:
         runner.execute(
             SchedulerOutput(
                 new_requests=[NewRequestData(i, [0], params, 0) for i in ids],
-                chunks=[ScheduledChunk(i, [0], 0, [prompt_blocks + b], sample=True) for b, i in enumerate(ids)],
+                chunks=[ScheduledChunk(i, [0], 0, [prompt_blocks + b], True, True) for b, i in enumerate(ids)],
                 finished_request_ids=["warm-up"],
             )
         )
