@@ -113,16 +113,7 @@ class ChatCompletionRequest(_Request):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def conversation(self) -> list[dict[str, str]]:
-        """The messages as a chat template takes them: role, content as text, and name when given. The
-        "developer" role (OpenAI's newer name for "system") is given as "system", which templates know."""
-        out = []
-        for message in self.messages:
-            role = "system" if message.role == "developer" else message.role
-            entry = {"role": role, "content": message.text}
-            if message.name is not None:
-                entry["name"] = message.name
-            out.append(entry)
-        return out
+        return conversation(self.messages)
 
     def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
         fields = self._common_sampling()
@@ -135,6 +126,19 @@ class ChatCompletionRequest(_Request):
             default_max_tokens,
             {"logprobs": "top_logprobs"},
         )
+
+
+def conversation(messages: list[ChatMessageParam]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: role, content as text, and name when given. The
+    "developer" role (OpenAI's newer name for "system") is given as "system", which templates know."""
+    out = []
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role
+        entry = {"role": role, "content": message.text}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
 
 
 def parse_chat_request(raw: Any, limits: Limits) -> ChatCompletionRequest:

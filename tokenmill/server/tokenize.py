@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.server.chat_protocol import ChatMessageParam
+from tokenmill.server.chat_protocol import ChatMessageParam, conversation
 from tokenmill.server.protocol import TokenId, _Strict
 from tokenmill.server.validation import RequestError, custom_error
 
@@ -50,11 +50,8 @@ class DetokenizeResponse(_Strict):
 
 def tokenize(req: TokenizeRequest, tokenizer: Tokenizer, max_model_len: int) -> dict[str, Any]:
     if req.messages is not None:
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in req.messages
-        ]
         try:
-            ids = tokenizer.apply_chat_template(conversation, req.add_generation_prompt)
+            ids = tokenizer.apply_chat_template(conversation(req.messages), req.add_generation_prompt)
         except ValueError as e:
             raise RequestError(str(e), "messages", "invalid_value") from None
     else:
