@@ -1,5 +1,5 @@
 """Every registered attention backend runs the engine's core cases: the paged forward equals
-transformers (a sliding-window family included), and batched runs with chunked prefill, preemption
+transformers (a sliding-window family and one with q/k norms included; with each LayerOps), and batched runs with chunked prefill, preemption
 and prefix caching equal lone runs token for token."""
 
 from __future__ import annotations
@@ -13,26 +13,29 @@ from tests.helpers import PagedRunner, assert_logits_close
 from tests.test_engine import assert_no_leaks, greedy, prompts, same_up_to_near_tie
 from tokenmill import LLM
 from tokenmill.layers.backends import backend_names, get_attention_backend
+from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
 
-BACKENDS = backend_names()
+BACKENDS = [name for name in backend_names() if name != "auto"]  # auto is one of the others
 
 
 def test_the_registry_names_its_backends_and_refuses_others(tiny_model_dir):
-    assert "torch" in BACKENDS
+    assert {"torch", "cpu"} <= set(BACKENDS)
     for name in BACKENDS:
         assert get_attention_backend(name).name == name
-    with pytest.raises(ValueError, match="attention_backend: expected one of torch"):
+    assert get_attention_backend("auto").name == "cpu"  # the kernels build on the machines tests run on
+    with pytest.raises(ValueError, match="attention_backend: expected one of auto, cpu, torch"):
         get_attention_backend("flash-on-cpu")
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(str(tiny_model_dir("llama")), attention_backend="flash-on-cpu")
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: GQA with a sliding window
-def test_forward_equals_transformers(tiny_model_dir, hf_logits, backend, arch):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])  # mistral: a sliding window; qwen3: q/k norms
+def test_forward_equals_transformers(tiny_model_dir, hf_logits, backend, arch, ops):
     folder = tiny_model_dir(arch)
-    model = load_model(folder, dtype="float32", backend=get_attention_backend(backend))
+    model = load_model(folder, dtype="float32", backend=get_attention_backend(backend), ops=get_layer_ops(ops))
     order = list(range(48))
     random.Random(3).shuffle(order)
     runner = PagedRunner(model, num_blocks=48, block_size=8, block_order=order)

@@ -58,7 +58,7 @@ def test_llm_takes_the_engine_fields_as_keywords_and_names_an_unknown_one():
 
 
 def test_engine_config_checks_every_field_by_its_type():
-    assert EngineConfig(model="m").attention_backend == "torch"
+    assert EngineConfig(model="m").attention_backend == "auto"
     for name, bad in [
         ("max_num_seqs", "8"),
         ("max_model_len", 0),
@@ -120,6 +120,7 @@ def test_each_flag_sets_its_field():
         "seed": 7,
         "enable_prefix_caching": False,
         "attention_backend": "sdpa",
+        "layer_ops": "torch",
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

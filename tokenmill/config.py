@@ -122,7 +122,16 @@ class EngineConfig:
     )
     seed: int = setting(0, "seeds the requests that bring no seed")
     enable_prefix_caching: bool = setting(True, "share the KV of common prompt prefixes across requests")
-    attention_backend: str = setting("torch", "attention backend by name; `torch` is the reference")
+    attention_backend: str = setting(
+        "auto",
+        "attention backend by name: `cpu` (a native paged kernel built for this CPU on first use), `torch` "
+        "(the pure-torch reference), or `auto` (`cpu` where its kernels build, else `torch`)",
+    )
+    layer_ops: str = setting(
+        "auto",
+        "norms, SwiGLU and rotary embeddings: `cpu` (fused native kernels, built on first use), `torch` "
+        "(the reference), or `auto` (`cpu` where the kernels build, else `torch`)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -1,20 +1,24 @@
-"""RMSNorm, computed in float32 and cast back, as the Llama family defines it."""
+"""RMSNorm as a module: its weight and epsilon; the arithmetic is the injected `LayerOps`' (float32
+inside, cast back, as the Llama family defines it)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from tokenmill.layers.ops import LayerOps
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim] -> [..., dim], same dtype
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim], same dtype
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), both [T, dim]; x and residual may be reused."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

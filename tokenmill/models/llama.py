@@ -1,11 +1,13 @@
 """The Llama family forward (Llama 2/3, Mistral, Qwen2, Qwen3), written once.
 
 Owns the modules (fused QKV and gate/up projections, RMSNorm, RoPE, SwiGLU MLP, GQA/MQA attention
-through an injected `AttentionBackend`) and the map from Hugging Face checkpoint tensor names to
-tokenmill's parameters and their shards. Every projection (and an untied lm_head) is a
-`layers.linear` layer whose `LinearMethod` is injected too (default: unquantized). The forward takes
-a flat batch of several sequences' tokens and a paged KV cache per layer; all attention metadata
-comes in as an argument.
+through an injected `AttentionBackend`, elementwise ops through injected `LayerOps`) and the map
+from Hugging Face checkpoint tensor names to tokenmill's parameters and their shards. Every
+projection (and an untied lm_head) is a `layers.linear` layer whose `LinearMethod` is injected too
+(default: unquantized). The forward takes a flat batch of several sequences' tokens and a paged KV
+cache per layer; all attention metadata comes in as an argument. The residual stream is carried
+beside the hidden states: each layer's residual add happens inside the next RMSNorm
+(`RMSNorm.add`), one fused op where the ops allow.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch import nn
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from tokenmill.layers.linear import Linear, LinearMethod, MergedLinear, ShardId, UnquantizedLinearMethod
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.ops import LayerOps, TorchOps
+from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 
 # tokenmill's fused projections -> the checkpoint projections stacked in them, in output order, each
@@ -38,13 +41,19 @@ class WeightTarget:
     shard_id: ShardId
 
 
-def rms_norm(dim: int, eps: float, dtype: torch.dtype) -> RMSNorm:
-    return RMSNorm(dim, eps).to(dtype)
+def rms_norm(dim: int, eps: float, dtype: torch.dtype, ops: LayerOps) -> RMSNorm:
+    return RMSNorm(dim, eps, ops).to(dtype)
 
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, backend: AttentionBackend, method: LinearMethod, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        backend: AttentionBackend,
+        method: LinearMethod,
+        dtype: torch.dtype,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -54,17 +63,17 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, linear_method=method, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
+            self.k_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
         self.sliding_window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,
+        rope: object,  # the step's rotary inputs, from LayerOps.rotary_inputs
         cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
@@ -74,46 +83,56 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         # q and k heads side by side: one rotation for both
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.ops.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, cache, metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethod, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, method: LinearMethod, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.intermediate_size = inter
         shards = {"gate": inter, "up": inter}
         self.gate_up_proj = MergedLinear(h, shards, bias=cfg.mlp_bias, linear_method=method, dtype=dtype)
         self.down_proj = Linear(inter, h, bias=cfg.mlp_bias, linear_method=method, dtype=dtype)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer: int, backend: AttentionBackend, method: LinearMethod, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        backend: AttentionBackend,
+        method: LinearMethod,
+        dtype: torch.dtype,
+        ops: LayerOps,
     ) -> None:
         super().__init__()
-        self.input_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer, backend, method, dtype)
-        self.post_attention_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, method, dtype)
+        self.input_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.self_attn = Attention(cfg, layer, backend, method, dtype, ops)
+        self.post_attention_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.mlp = MLP(cfg, method, dtype, ops)
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before x is added (None: layer 0)
+        rope: object,
         cache: KVCache,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual stream before it
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, cache, metadata), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,14 +149,16 @@ class LlamaForCausalLM(nn.Module):
         *,
         linear_method: LinearMethod | None = None,
         dtype: torch.dtype = torch.float32,
+        ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         method = linear_method or UnquantizedLinearMethod()
+        self.ops = ops = ops or TorchOps()
         table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, method, dtype) for i in range(cfg.num_layers))
-        self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, method, dtype, ops) for i in range(cfg.num_layers))
+        self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, linear_method=method, dtype=dtype)
 
@@ -154,10 +175,13 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.ops.rotary_inputs(self.rotary, positions, x.dtype)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, cache, metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, cache, metadata)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         if self.config.tie_word_embeddings:

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 from tokenmill.layers.linear import LinearBase, LinearMethod, WeightLoadError, WeightShapeError, weight_loader_of
+from tokenmill.layers.ops import LayerOps
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -123,16 +124,18 @@ def load_model(
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
     linear_method: LinearMethod | None = None,
+    ops: LayerOps | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model folder for inference (eval mode, no gradients). `linear_method`
-    holds and applies the projections' weights (None: unquantized, in `dtype`)."""
+    holds and applies the projections' weights (None: unquantized, in `dtype`); `ops` runs the
+    norms, activations and rotary embeddings (None: the torch reference)."""
     folder = Path(folder)
     cfg = load_config(folder)
     torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     attention: AttentionBackend = backend or TorchReferenceBackend()
     with device:  # parameters are allocated uninitialized, in their final dtype, on their device
-        model = LlamaForCausalLM(cfg, attention, linear_method=linear_method, dtype=torch_dtype)
+        model = LlamaForCausalLM(cfg, attention, linear_method=linear_method, dtype=torch_dtype, ops=ops)
     load_weights(model, folder)
     for module in model.modules():
         if isinstance(module, LinearBase):

@@ -18,6 +18,7 @@ import torch
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
 from tokenmill.layers.attention import KVCache, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model, resolve_dtype
@@ -36,7 +37,8 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.backend = get_attention_backend(config.attention_backend)
-        model = load_model(config.model, dtype=config.dtype, device=self.device, backend=self.backend)
+        ops = get_layer_ops(config.layer_ops)
+        model = load_model(config.model, dtype=config.dtype, device=self.device, backend=self.backend, ops=ops)
         self.model_config: ModelConfig = model.config
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         limit = self.model_config.max_position_embeddings
@@ -58,13 +60,14 @@ class Worker:
                 f"{-(-self.max_model_len // self.block_size) * per_block} bytes or lower max_model_len"
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s, %s attention)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s, %s attention, %s layer ops)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
             budget / 2**20,
             self.dtype,
             self.backend.name,
+            ops.name,
         )
         self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
 

@@ -1,17 +1,36 @@
 """The attention backends by name: `attention_backend` in EngineConfig (`--attention-backend`) picks one.
 
-`torch` is the reference (pure torch, runs wherever torch runs). Faster CPU kernels and GPU kernels
-register here beside it; every registered backend runs the engine's core test cases.
+`torch` is the reference (pure torch, runs wherever torch runs). `cpu` reads the paged cache in
+place with a native kernel built for this CPU on first use (`kernels/cpu_build.py`). `auto` (the
+default) is `cpu` where its kernels build and `torch` elsewhere (the log says which and why).
+GPU kernels register here beside them; every registered backend runs the engine's core test cases.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.backends.cpu_paged import CpuPagedBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 
+
+def _cpu() -> AttentionBackend:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise ValueError("attention_backend: 'cpu' needs the native CPU kernels; they did not build here (see the log)")
+    return CpuPagedBackend(kernels)
+
+
+def _auto() -> AttentionBackend:
+    kernels = load_cpu_kernels()  # logs why when it returns None
+    return TorchReferenceBackend() if kernels is None else CpuPagedBackend(kernels)
+
+
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "auto": _auto,
+    "cpu": _cpu,
     "torch": TorchReferenceBackend,
 }
 

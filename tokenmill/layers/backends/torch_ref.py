@@ -126,7 +126,12 @@ class TorchReferenceBackend:
             out[group.rows] = self._decode(q[group.rows], cache, group, scale, sliding_window)
         for seq in md.prefills:
             rows = slice(seq.row_start, seq.row_start + seq.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], cache, seq, scale, sliding_window)
+            if seq.seq_len == seq.query_len:  # nothing cached before this chunk: its own K/V are the context
+                keys, values = k[rows], v[rows]
+            else:
+                keys = cache.k.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]  # [ctx, kv_heads, D]
+                values = cache.v.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]
+            out[rows] = attend_chunk(q[rows], keys, values, scale, sliding_window)
         return out
 
     @staticmethod
@@ -157,40 +162,6 @@ class TorchReferenceBackend:
         )
         return out[:, :, 0].to(q.dtype)
 
-    @staticmethod
-    def _prefill(
-        q: torch.Tensor,  # [L, heads, D]: the chunk's queries
-        k: torch.Tensor,  # [L, kv_heads, D]: the chunk's fresh keys and values
-        v: torch.Tensor,
-        cache: KVCache,
-        seq: PrefillSequence,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:  # [L, heads, D]
-        length, ctx = seq.query_len, seq.seq_len
-        if ctx == length:  # nothing cached before this chunk: its own K/V are the whole context
-            keys, values = k, v
-        else:
-            keys = cache.k.index_select(0, seq.block_table).flatten(0, 1)[:ctx]  # [ctx, kv_heads, D]
-            values = cache.v.index_select(0, seq.block_table).flatten(0, 1)[:ctx]
-        mask = None
-        if sliding_window is not None or ctx != length:
-            q_pos = torch.arange(ctx - length, ctx, device=q.device)[:, None]  # [L, 1]
-            key_pos = torch.arange(ctx, device=q.device)  # [ctx]
-            mask = key_pos <= q_pos  # [L, ctx]
-            if sliding_window is not None:
-                mask &= key_pos > q_pos - sliding_window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].float(),  # [1, heads, L, D]
-            keys.transpose(0, 1)[None].float(),  # [1, kv_heads, ctx, D]
-            values.transpose(0, 1)[None].float(),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1).to(q.dtype)
-
 
 def _decode_group(
     members: list[int],
@@ -209,3 +180,31 @@ def _decode_group(
         block_tables=tensor([(tables[b] + [0] * blocks)[:blocks] for b in members]),
         max_seq_len=longest,
     )
+
+
+def attend_chunk(
+    q: torch.Tensor,  # [L, heads, D]: the chunk's queries, the last L of its sequence's ctx tokens
+    keys: torch.Tensor,  # [ctx, kv_heads, D]: every key of the sequence so far, the chunk's included
+    values: torch.Tensor,  # [ctx, kv_heads, D]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [L, heads, D]
+    """A prompt chunk's queries over its sequence's keys and values, causally (and windowed)."""
+    length, ctx = q.shape[0], keys.shape[0]
+    mask = None
+    if sliding_window is not None or ctx != length:
+        q_pos = torch.arange(ctx - length, ctx, device=q.device)[:, None]  # [L, 1]
+        key_pos = torch.arange(ctx, device=q.device)  # [ctx]
+        mask = key_pos <= q_pos  # [L, ctx]
+        if sliding_window is not None:
+            mask &= key_pos > q_pos - sliding_window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].float(),  # [1, heads, L, D]
+        keys.transpose(0, 1)[None].float(),  # [1, kv_heads, ctx, D]
+        values.transpose(0, 1)[None].float(),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).to(q.dtype)

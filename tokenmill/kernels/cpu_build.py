@@ -1,0 +1,116 @@
+"""Builds and loads tokenmill's native CPU kernels (`csrc/*.cpp`) with `torch.utils.cpp_extension`.
+
+The kernels are compiled for the CPU at hand (`-march=native`, OpenMP through torch's own runtime)
+into a cache folder keyed by everything the binary depends on: the CPU's instruction-set flags, the
+compiler, torch's version, the flags and the sources. A build made on a CPU with other instructions
+(AVX-512 on one machine, AVX2 only on the next) is never loaded; that CPU gets its own build, once
+(about 15 s on 2 cores). The ops register under `torch.ops.tokenmill_cpu`.
+
+If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why once
+per call and returns None; callers then run the torch reference ops. The cache lives in
+`$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+SOURCES = ("attention.cpp", "layer_ops.cpp")
+HEADERS = ("convert.h",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20")
+LIBRARY = "tokenmill_cpu"
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded ops (`torch.ops.tokenmill_cpu`) and the folder their build lives in."""
+
+    ops: Any
+    build_dir: Path
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (Linux: /proc/cpuinfo), or the best description there is."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _compiler_version() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    return result.stdout.splitlines()[0] if result.stdout else compiler
+
+
+def build_key(csrc: Path) -> str:
+    """Hash of what the binary depends on; a different CPU, compiler, torch or source gets a new build."""
+    h = hashlib.sha256()
+    for part in (cpu_flags(), _compiler_version(), torch.__version__, " ".join(CFLAGS)):
+        h.update(part.encode() + b"\0")
+    for name in SOURCES + HEADERS:
+        h.update((csrc / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill")) / "kernels"
+
+
+def _ops_loaded() -> bool:
+    return hasattr(torch.ops, LIBRARY) and hasattr(getattr(torch.ops, LIBRARY), "paged_attention")
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The native CPU kernels for this CPU, built on first use; None (logged) when they cannot be built."""
+    csrc = Path(__file__).with_name("csrc")
+    try:
+        build_dir = cache_root() / build_key(csrc)
+        if _ops_loaded():  # registered once per process; the registry is torch's, not ours
+            return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        library = build_dir / f"{LIBRARY}.so"
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(csrc, build_dir)
+        return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
+    except Exception as exc:  # any failure means: run the reference ops, and say so
+        logger.warning(
+            "native CPU kernels unavailable (%s: %s); running the torch reference ops", type(exc).__name__, exc
+        )
+        return None
+
+
+def _build(csrc: Path, build_dir: Path) -> None:
+    from torch.utils import cpp_extension
+
+    logger.info("building the native CPU kernels for this CPU into %s (once)", build_dir)
+    # ninja from this environment's bin folder (the `ninja` package) when it is not on PATH already
+    env_bin = str(Path(sys.executable).parent)
+    if env_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(
+        name=LIBRARY,
+        sources=[str(csrc / name) for name in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(csrc)],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )

@@ -1,0 +1,282 @@
+// Paged attention on the CPU for sequences with a few new tokens each (decodes, speculative
+// verification), reading K and V where they lie in the paged cache, and the KV-cache write.
+//
+// Cache layout (one layer): K and V each [num_blocks, num_kv_heads, block_size * head_dim], one
+// contiguous chunk per (block, KV head): K's chunk is [head_dim, block_size] (a block's keys side
+// by side, so a query's scores against them are block_size-wide vector FMAs, no horizontal sums),
+// V's is [block_size, head_dim] (each value row added whole). One work item per (sequence, KV head): its queries (query_len x the query heads that share the
+// KV head) walk the sequence's blocks once, each key and value read once for all of them, with an
+// online softmax (running max and sum) so no score row is ever stored. Query i of a sequence with
+// L tokens in the cache sits at position L - query_len + i and sees keys at positions <= its own
+// (and > its own - window with a sliding window). Arithmetic in float32 whatever the cache dtype.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "convert.h"
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kTile = 16;  // keys scored at once: one 16-lane float vector
+constexpr int64_t kQueries = 4;  // queries sharing each loaded key and value (a GQA group, or query tokens)
+
+// Up to kTile keys and values of one (block, KV head) chunk, as float32, head_dim padded with zeros
+// to `width` (a multiple of kTile). keys: [width, kTile] with row stride key_stride; values: `count`
+// rows, value_stride apart. The chunk itself for a float32 cache whose blocks are whole tiles and
+// whose head_dim is a multiple of kTile; else a zero-padded copy.
+struct Tile {
+  const float* keys;
+  int64_t key_stride;
+  const float* values;
+  int64_t value_stride;
+  int64_t count;
+};
+
+template <typename T>
+Tile load_tile(const T* k_chunk, const T* v_chunk, int64_t block_size, int64_t first, int64_t count, int64_t dim,
+               int64_t width, float* kbuf, float* vbuf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (count == kTile && block_size % kTile == 0 && dim == width) {
+      return {k_chunk + first, block_size, v_chunk + first * dim, dim, count};
+    }
+  }
+  for (int64_t d = 0; d < width; ++d) {
+    for (int64_t t = 0; t < kTile; ++t) {
+      kbuf[d * kTile + t] = (t < count && d < dim) ? static_cast<float>(k_chunk[d * block_size + first + t]) : 0.f;
+    }
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    to_float(v_chunk + (first + t) * dim, vbuf + t * width, dim);
+    for (int64_t d = dim; d < width; ++d) vbuf[t * width + d] = 0.f;
+  }
+  return {kbuf, kTile, vbuf, width, count};
+}
+
+// The online softmax of kQueries queries [kQueries, dim] (dim: the padded width) over one tile:
+// scores, then running max/sum and the accumulators [kQueries, dim] rescaled and advanced by P x V.
+// visible[j] = [lo, hi) within the tile.
+void attend_tile(const Tile& tile, const float* qs, int64_t dim, const int64_t (*visible)[2], float* run_max,
+                 float* run_sum, float* acc) {
+  float s[kQueries][kTile] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    const float* kd = tile.keys + d * tile.key_stride;
+    for (int64_t j = 0; j < kQueries; ++j) {
+      const float qd = qs[j * dim + d];
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t) s[j][t] += qd * kd[t];
+    }
+  }
+  float p[kQueries][kTile];
+  float correction[kQueries];
+  for (int64_t j = 0; j < kQueries; ++j) {
+    const int64_t lo = visible[j][0], hi = visible[j][1];
+    float tile_max = kNegInf;
+    for (int64_t t = lo; t < hi; ++t) tile_max = std::max(tile_max, s[j][t]);
+    if (lo >= hi) {  // nothing visible to this query here
+      correction[j] = 1.f;
+      for (int64_t t = 0; t < kTile; ++t) p[j][t] = 0.f;
+      continue;
+    }
+    const float new_max = std::max(run_max[j], tile_max);
+    correction[j] = exp_nonpositive(run_max[j] - new_max);  // ~0 on the first visible tile (acc is 0 then)
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < kTile; ++t) {
+      const float e = exp_nonpositive(s[j][t] - new_max);
+      p[j][t] = (t >= lo && t < hi) ? e : 0.f;
+      sum += p[j][t];
+    }
+    run_max[j] = new_max;
+    run_sum[j] = run_sum[j] * correction[j] + sum;
+  }
+  for (int64_t d0 = 0; d0 < dim; d0 += kTile) {  // dim is a multiple of kTile
+    float a[kQueries][kTile];
+    for (int64_t j = 0; j < kQueries; ++j) {
+#pragma omp simd
+      for (int64_t e = 0; e < kTile; ++e) a[j][e] = acc[j * dim + d0 + e] * correction[j];
+    }
+    for (int64_t t = 0; t < tile.count; ++t) {
+      const float* vt = tile.values + t * tile.value_stride + d0;
+      for (int64_t j = 0; j < kQueries; ++j) {
+        const float pj = p[j][t];
+#pragma omp simd
+        for (int64_t e = 0; e < kTile; ++e) a[j][e] += pj * vt[e];
+      }
+    }
+    for (int64_t j = 0; j < kQueries; ++j) {
+#pragma omp simd
+      for (int64_t e = 0; e < kTile; ++e) acc[j * dim + d0 + e] = a[j][e];
+    }
+  }
+}
+
+template <typename T>
+void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+            const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), chunk = block_size * dim;
+  const int64_t group = heads / kv_heads;
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t table_row = block_tables.stride(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* qlens = query_lens.data_ptr<int32_t>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = (dim + kTile - 1) / kTile * kTile;  // head_dim padded to whole vectors
+    std::vector<float> qs, acc, run_max, run_sum, kbuf(width * kTile), vbuf(kTile * width);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t first_row = starts[b], qlen = qlens[b], len = lens[b];
+      const int64_t nq = qlen * group;  // query j: token first_row + j / group, head h * group + j % group
+      const int64_t padded = (nq + kQueries - 1) / kQueries * kQueries;
+      qs.assign(padded * width, 0.f);
+      acc.assign(padded * width, 0.f);
+      run_max.assign(padded, kNegInf);
+      run_sum.assign(padded, 0.f);
+      for (int64_t j = 0; j < nq; ++j) {
+        const T* src = qp + (first_row + j / group) * q_row + (h * group + j % group) * q_head;
+        to_float(src, qs.data() + j * width, dim);
+        for (int64_t d = 0; d < dim; ++d) qs[j * width + d] *= sc;
+      }
+      const int64_t first_pos = len - qlen;  // position of the first query
+      const int64_t lo = window ? std::max<int64_t>(0, first_pos - *window + 1) : 0;
+      for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
+        const int64_t at_chunk = (static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads + h) * chunk;
+        const int64_t in_block = std::min(block_size, len - blk * block_size);
+        for (int64_t first = 0; first < in_block; first += kTile) {
+          const int64_t t0 = blk * block_size + first;  // position of the tile's first key
+          const Tile tile = load_tile(kp + at_chunk, vp + at_chunk, block_size, first,
+                                      std::min(kTile, in_block - first), dim, width, kbuf.data(), vbuf.data());
+          for (int64_t j0 = 0; j0 < padded; j0 += kQueries) {
+            int64_t visible[kQueries][2];
+            for (int64_t j = 0; j < kQueries; ++j) {
+              const int64_t pos = first_pos + (j0 + j) / group;
+              const int64_t from = window ? std::max<int64_t>(0, pos - *window + 1 - t0) : 0;
+              const int64_t to = j0 + j < nq ? std::min(tile.count, pos - t0 + 1) : 0;  // padding sees nothing
+              visible[j][0] = from;
+              visible[j][1] = to;
+            }
+            attend_tile(tile, qs.data() + j0 * width, width, visible, run_max.data() + j0, run_sum.data() + j0,
+                        acc.data() + j0 * width);
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        T* dst = op + (first_row + j / group) * o_row + (h * group + j % group) * o_head;
+        const float inv = 1.f / run_sum[j];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(acc[j * width + d] * inv);
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size, int64_t dim) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, kv_heads, block_size * head_dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must match");
+  TORCH_CHECK(block_size > 0 && k_cache.size(2) == block_size * dim, "cache chunks must hold block_size * head_dim");
+}
+
+// out[T, heads, D] = attention of q[T, heads, D] (rows of a flat batch; the last dim contiguous)
+// over each sequence's cached K/V, for the B sequences whose queries are rows
+// [query_starts[b], query_starts[b] + query_lens[b]) of q; block_tables [B, max_blocks], seq_lens,
+// query_starts and query_lens [B] are int32. Other rows of out are left untouched.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q and out must be [T, heads, D], D contiguous");
+  check_cache(k_cache, v_cache, block_size, q.size(2));
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of the cache's KV heads");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_starts, &query_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, "attention metadata must be int32, contiguous");
+  }
+  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0) && query_starts.size(0) == seq_lens.size(0) &&
+                  query_lens.size(0) == seq_lens.size(0),
+              "block_tables, seq_lens, query_starts and query_lens need one entry per sequence");
+  if (q.scalar_type() == at::kFloat) {
+    attend<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, block_size, scale,
+                  window);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, block_size,
+                          scale, window);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32 and bfloat16 only");
+  }
+}
+
+template <typename T>
+void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+           const at::Tensor& slots, int64_t block_size) {
+  const int64_t n = slots.size(0), kv_heads = k.size(1), dim = k.size(2), chunk = block_size * dim;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = sp[i] / block_size, t = sp[i] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* src_k = kp + i * k.stride(0) + h * k.stride(1);
+      T* dst_k = kc + (block * kv_heads + h) * chunk + t;  // column t of [dim, block_size]
+      for (int64_t d = 0; d < dim; ++d) dst_k[d * block_size] = src_k[d];
+      std::memcpy(vc + (block * kv_heads + h) * chunk + t * dim, vp + i * v.stride(0) + h * v.stride(1),
+                  dim * sizeof(T));  // row t of [block_size, dim]
+    }
+  }
+}
+
+// The first slots.size(0) rows of k and v [T, kv_heads, D] (the last dim contiguous) into the
+// caches at flat slots (block_id * block_size + offset), int64.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots, int64_t block_size) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(),
+              "k and v must be [T, kv_heads, D]");
+  check_cache(k_cache, v_cache, block_size, k.size(2));
+  TORCH_CHECK(k.size(1) == k_cache.size(1), "k does not match the cache's KV heads");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) <= k.size(0),
+              "slots must be int64, one per real token");
+  if (k.scalar_type() == at::kFloat) {
+    write<float>(k, v, k_cache, v_cache, slots, block_size);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    write<c10::BFloat16>(k, v, k_cache, v_cache, slots, block_size);
+  } else {
+    TORCH_CHECK(false, "write_kv: float32 and bfloat16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_starts, Tensor query_lens, int block_size, float scale, int? window) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int block_size) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+}

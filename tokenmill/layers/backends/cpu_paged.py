@@ -1,0 +1,134 @@
+"""The `cpu` attention backend: a native kernel that attends over the paged KV cache in place.
+
+Sequences with up to `MAX_KERNEL_QUERY` new tokens (decodes, speculative verification) go to
+`torch.ops.tokenmill_cpu.paged_attention` (kernels/csrc/attention.cpp): one pass per (sequence, KV
+head) over the sequence's own blocks, no gather into a contiguous tensor, no padding to the longest
+context, no conversion of the whole context to float32. Longer prompt chunks, where the work is a
+matrix product, go through the reference backend's SDPA path (`attend_chunk`). The new tokens' K/V
+are written by one native call per layer.
+
+Cache layout, per layer: K and V of [num_blocks, num_kv_heads, block_size * head_dim], one
+contiguous chunk per (block, KV head); K's chunk is [head_dim, block_size] (keys side by side: a
+query's scores against a block are vector FMAs), V's is [block_size, head_dim] (see attention.cpp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.kernels.cpu_build import CpuKernels
+from tokenmill.layers.attention import KVCache, check_batch
+from tokenmill.layers.backends.torch_ref import PrefillSequence, attend_chunk
+
+# Sequences with at most this many new tokens run through the native kernel; longer chunks through
+# SDPA (a matrix product wins once a sequence brings many queries for the same keys).
+MAX_KERNEL_QUERY = 16
+
+
+@dataclass
+class CpuMetadata:
+    num_actual_tokens: int  # tokens [0, n) of the batch are real; the rest is padding
+    block_size: int
+    slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
+    # The sequences the kernel attends (int32, one entry each):
+    block_tables: torch.Tensor  # [S, max blocks], shorter tables padded with block 0 (never read)
+    seq_lens: torch.Tensor  # [S]
+    query_starts: torch.Tensor  # [S]: first row of each sequence's queries in the flat batch
+    query_lens: torch.Tensor  # [S]
+    prefills: list[PrefillSequence]  # sequences with more new tokens: SDPA, one call each
+
+
+class CpuPagedBackend:
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.ops = kernels.ops
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size * head_dim)
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> CpuMetadata:
+        check_batch(query_lens, seq_lens, block_tables, block_size)
+        slots: list[int] = []
+        kernel: list[int] = []
+        prefills: list[PrefillSequence] = []
+        start = 0
+        for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s - q, s))
+            if q <= MAX_KERNEL_QUERY:
+                kernel.append(b)
+            else:
+                blocks = torch.tensor(table[: -(-s // block_size)], dtype=torch.int64, device=device)
+                prefills.append(PrefillSequence(start, q, s, blocks))
+            start += q
+        starts = [0]
+        for q in query_lens[:-1]:
+            starts.append(starts[-1] + q)
+        width = max((-(-seq_lens[b] // block_size) for b in kernel), default=0)
+        flat: list[int] = []
+        for b in kernel:
+            used = block_tables[b][: -(-seq_lens[b] // block_size)]
+            flat.extend(used)
+            flat.extend([0] * (width - len(used)))
+
+        def int32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return CpuMetadata(
+            num_actual_tokens=start,
+            block_size=block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=int32(flat).view(len(kernel), width),
+            seq_lens=int32([seq_lens[b] for b in kernel]),
+            query_starts=int32([starts[b] for b in kernel]),
+            query_lens=int32([query_lens[b] for b in kernel]),
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, D]
+        k: torch.Tensor,  # [T, kv_heads, D]
+        v: torch.Tensor,
+        cache: KVCache,
+        metadata: CpuMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, heads, D]
+        md = metadata
+        n = md.num_actual_tokens
+        self.ops.write_kv(k, v, cache.k, cache.v, md.slot_mapping, md.block_size)  # the real tokens only
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out.shape[0] > n:
+            out[n:] = 0  # padding rows
+        if md.seq_lens.numel():
+            self.ops.paged_attention(
+                out, q, cache.k, cache.v, md.block_tables, md.seq_lens, md.query_starts, md.query_lens,
+                md.block_size, scale, sliding_window,
+            )  # fmt: skip
+        for seq in md.prefills:
+            rows = slice(seq.row_start, seq.row_start + seq.query_len)
+            if seq.seq_len == seq.query_len:  # nothing cached before this chunk: its own K/V are the context
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = self._gather(cache, seq, md.block_size, k.shape[1], k.shape[2])
+            out[rows] = attend_chunk(q[rows], keys, values, scale, sliding_window)
+        return out
+
+    @staticmethod
+    def _gather(
+        cache: KVCache, seq: PrefillSequence, block_size: int, kv_heads: int, dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values [seq_len, kv_heads, D]
+        blocks = seq.block_table.numel()
+        k = cache.k.index_select(0, seq.block_table).view(blocks, kv_heads, dim, block_size).permute(0, 3, 1, 2)
+        v = cache.v.index_select(0, seq.block_table).view(blocks, kv_heads, block_size, dim).transpose(1, 2)
+        return k.reshape(-1, kv_heads, dim)[: seq.seq_len], v.reshape(-1, kv_heads, dim)[: seq.seq_len]
