@@ -4,7 +4,7 @@ native one (`cpu` attention: the paged kernel; `cpu` layer ops: fused norms, Swi
 
 - the decode step at batch 32 with contexts drawn uniformly from 512-2,048 tokens (seeded), and the
   ratio reference / native per repeat;
-- the batch-1 step (context 128) and where its time goes: the weight matrices (every `Linear`
+- the batch-1 step (context 128), and where both steps' time goes: the weight matrices (every `Linear`
   layer and the logits), attention (the backend's `forward`, KV write included), and the rest
   (embedding, norms, rotary, activations, Python) — timed by wrapping those calls, which adds a few
   microseconds per call to "the rest";
@@ -80,8 +80,8 @@ def time_steps(d: Decoder, lens: list[int], steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def time_split(d: Decoder, steps: int) -> dict[str, float]:
-    """ms per batch-1 step in the matrices, in attention, and in the rest."""
+def time_split(d: Decoder, lens: list[int], steps: int) -> dict[str, float]:
+    """ms per decode step in the matrices, in attention, and in the rest."""
     spent = {"matrices": 0.0, "attention": 0.0}
 
     def timed(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
@@ -103,7 +103,7 @@ def time_split(d: Decoder, steps: int) -> dict[str, float]:
     if d.model.config.tie_word_embeddings:  # the logits are a plain F.linear then; else lm_head is timed above
         d.model.compute_logits = timed(compute_logits, "matrices")  # type: ignore[method-assign]
     try:
-        d.setup([128], steps + 1)
+        d.setup(lens, steps + 1)
         d.step()
         spent.update(matrices=0.0, attention=0.0)
         t = time.perf_counter()
@@ -159,18 +159,22 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             decoders = {p: Decoder(folder, dtype, p) for p in PATHS}
             samples: dict[str, dict[str, list[float]]] = {p: {"b32": [], "b1": []} for p in PATHS}
-            splits: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
+            splits: dict[str, dict[str, list[dict[str, float]]]] = {p: {"b32": [], "b1": []} for p in PATHS}
             for _ in range(args.repeats):  # interleaved
                 for p, d in decoders.items():
                     samples[p]["b32"].append(time_steps(d, long_lens, args.steps))
                     samples[p]["b1"].append(time_steps(d, [128], args.steps * 4))
-                    splits[p].append(time_split(d, args.steps * 4))
+                    splits[p]["b32"].append(time_split(d, long_lens, args.steps))
+                    splits[p]["b1"].append(time_split(d, [128], args.steps * 4))
             entry: dict[str, Any] = {}
             for p, d in decoders.items():
                 entry[p] = {
                     "decode_b32_ctx512_2048_ms": spread(samples[p]["b32"]),
                     "decode_b1_ctx128_ms": spread(samples[p]["b1"]),
-                    "b1_split_ms": {k: spread([s[k] for s in splits[p]]) for k in splits[p][0]},
+                    **{
+                        f"{key}_split_ms": {k: spread([s[k] for s in splits[p][key]]) for k in splits[p][key][0]}
+                        for key in ("b32", "b1")
+                    },
                     "ops_per_layer": ops_per_layer(d),
                 }
             ref, nat = samples["reference"], samples["native"]
@@ -185,9 +189,11 @@ def main() -> None:
                 s = entry["speedup"][key]
                 print(f"{label:30}{text[0]:>24}{text[1]:>24}  {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]")
             for p in PATHS:
-                split = entry[p]["b1_split_ms"]
-                parts = ", ".join(f"{k} {split[k]['median']:.2f}" for k in ("matrices", "attention", "rest", "total"))
-                print(f"  b=1 split, {p}: {parts} ms; {entry[p]['ops_per_layer']:.1f} torch ops per layer")
+                for key in ("b32", "b1"):
+                    split = entry[p][f"{key}_split_ms"]
+                    parts = ", ".join(f"{k} {split[k]['median']:.2f}" for k in ("matrices", "attention", "rest"))
+                    print(f"  {key} split, {p}: {parts} ms (of {split['total']['median']:.2f})")
+                print(f"  {p}: {entry[p]['ops_per_layer']:.1f} torch ops per layer per decode step")
             del decoders
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Every registered attention backend runs the engine's core cases: the paged forward equals
-transformers (a sliding-window family and one with q/k norms included; with each LayerOps), and batched runs with chunked prefill, preemption
-and prefix caching equal lone runs token for token."""
+transformers (a sliding-window family and one with q/k norms included, with each LayerOps), and
+batched runs with chunked prefill, preemption and prefix caching equal lone runs token for token."""
 
 from __future__ import annotations
 

@@ -183,6 +183,13 @@ def test_serve_against_a_tokenmill_server(srv, tok, llama, tmp_path):
     assert sum(r.cached_tokens or 0 for r in run.records) >= 4 * 48  # later requests hit their group's prompt
     s = summarize(run.records, run.duration_s)
     assert s["completed"] == 8 and s["output_throughput"] > 0 and s["itl"] is not None
+    # not streamed: one JSON body each, the same token counts from usage, TTFT = E2E and no gaps
+    whole = run_serve(
+        ServeTarget(srv.base_url, "tiny", timeout_s=60, stream=False), workload, "t", max_concurrency=3, progress=False
+    )
+    assert [r.error for r in whole.records] == [None] * 8
+    assert [r.output_tokens for r in whole.records] == [q.max_tokens for q in workload.requests]
+    assert all(r.ttft_s == r.e2e_s and r.e2e_s > 0 and r.itl_s == [] for r in whole.records)  # type: ignore[operator]
     stats = srv.wait_all_free()
     assert stats.kv_blocks_free == stats.kv_blocks_total
     # the command line: a sweep, the result file, and plots from it
@@ -192,6 +199,8 @@ def test_serve_against_a_tokenmill_server(srv, tok, llama, tmp_path):
     argv += ["--sweep", "max-concurrency=1,2", "--goodput", "ttft:60000", "--cost-per-hour", "1.0", "--no-progress"]
     argv += ["--api-key", "sk-secret"]
     assert main([*argv, "--out", str(out)]) == 0
+    assert main([*argv, "--no-stream", "--out", str(tmp_path / "whole.json")]) == 0
+    assert read_result(tmp_path / "whole.json").config["stream"] is False
     result = read_result(out)
     assert [r.label for r in result.runs] == ["max-concurrency=1", "max-concurrency=2"]
     assert result.command[:3] == ["tokenmill", "bench", "serve"] and "sk-secret" not in json.dumps(result.command)

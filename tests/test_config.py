@@ -121,6 +121,7 @@ def test_each_flag_sets_its_field():
         "enable_prefix_caching": False,
         "attention_backend": "sdpa",
         "layer_ops": "torch",
+        "cpu_threads": 3,
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

@@ -127,6 +127,9 @@ class EngineConfig:
         "attention backend by name: `cpu` (a native paged kernel built for this CPU on first use), `torch` "
         "(the pure-torch reference), or `auto` (`cpu` where its kernels build, else `torch`)",
     )
+    cpu_threads: int | None = setting(
+        None, "torch threads on a CPU device (default: one per physical core this process may use)", minimum=1
+    )
     layer_ops: str = setting(
         "auto",
         "norms, SwiGLU and rotary embeddings: `cpu` (fused native kernels, built on first use), `torch` "

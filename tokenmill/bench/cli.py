@@ -34,6 +34,12 @@ def add_bench_parser(sub: Any) -> None:
         help="model folder: builds the workload in tokens; counts output tokens where a server sends no usage",
     )
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    srv.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="one JSON response per request (TTFT = E2E; no ITL) instead of a stream",
+    )
     srv.add_argument("--sweep", default=None, help="one run per value: max-concurrency=1,2,4 or request-rate=1,2,4")
     srv.add_argument("--cost-per-hour", type=float, default=None, help="price of the server per hour, USD")
     _add_common(srv)
@@ -49,7 +55,7 @@ def add_bench_parser(sub: Any) -> None:
         help="variants of the engine flags, run interleaved (e.g. scheduling=static scheduling=continuous)",
     )
     off.add_argument("--baseline", choices=["hf"], default=None, help="also run transformers generate, padded batches")
-    off.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    off.add_argument("--threads", type=int, default=None, help="torch CPU threads (the same as --cpu-threads)")
     off.add_argument("--warmup", type=int, default=4, help="warm-up requests per variant before timing")
     add_engine_args(off, exclude=("seed",))  # --seed (below) seeds the workload and the engine
     _add_common(off)
@@ -191,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(args.tokenizer)
     workload = build_workload(_spec(args), tokenizer)
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENMILL_API_KEY")
-    target = ServeTarget(args.base_url, args.model, key, args.timeout, args.ignore_eos)
+    target = ServeTarget(args.base_url, args.model, key, args.timeout, args.ignore_eos, args.stream)
     runs = []
     for repeat in range(args.repeats):
         for label, settings, rate, cap in points:
@@ -214,6 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,
         "sweep": args.sweep,
+        "stream": args.stream,
         "ignore_eos": args.ignore_eos,
         "repeats": args.repeats,
         "environment": _environment(),
@@ -234,9 +241,9 @@ def _offline(args: argparse.Namespace) -> int:
 
     out = _check_common(args)
     slos = parse_slos(args.goodput)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     base = engine_config(args, seed=args.seed)
+    if args.threads is not None:  # the engine sets torch's threads from its config
+        base = dataclasses.replace(base, cpu_threads=args.threads)
     variants = [parse_variant(v, base) for v in args.compare] if args.compare else [{}]
     labels = [label_of(v) for v in variants]
     if len(set(labels)) != len(labels):

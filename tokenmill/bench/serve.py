@@ -1,4 +1,5 @@
-"""The HTTP load generator: a workload against any OpenAI-compatible server, streamed, timed per chunk.
+"""The HTTP load generator: a workload against any OpenAI-compatible server, streamed, timed per chunk
+(or, with `--no-stream`, one JSON response per request, timed whole).
 
 Requests go out when due (Poisson arrivals at a request rate, all at once, or a trace's own times),
 under an optional concurrency cap (closed loop when no rate is given); multi-turn turns go out when
@@ -34,6 +35,7 @@ class ServeTarget:
     api_key: str | None = None
     timeout_s: float = 600.0
     ignore_eos: bool = True  # vLLM, llama.cpp and tokenmill accept it; exact output lengths
+    stream: bool = True  # False: one JSON response per request (TTFT = E2E then, as vLLM's bench counts it)
 
     def url(self, endpoint: str) -> str:
         base = self.base_url.rstrip("/")
@@ -47,9 +49,9 @@ def payload(target: ServeTarget, request: BenchRequest) -> tuple[str, dict[str, 
         "model": target.model,
         "max_tokens": request.max_tokens,
         "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if target.stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     if target.ignore_eos:
         body["ignore_eos"] = True
     if request.messages is not None:
@@ -94,11 +96,15 @@ async def send_one(
     tokenizer: BenchTokenizer | None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> None:
-    """Stream one request, filling `record`; never raises for what the server does."""
+    """Send one request (streamed unless the target says not), filling `record`; never raises for
+    what the server does."""
     endpoint, body = payload(target, request)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     start = clock()
     record.start_s = start - t0
+    if not target.stream:
+        await _send_whole(client, target.url(endpoint), body, headers, request, record, start, tokenizer, clock)
+        return
     text, usage, last, done = "", None, start, False
     try:
         async with client.stream("POST", target.url(endpoint), json=body, headers=headers) as resp:
@@ -140,6 +146,42 @@ async def send_one(
         last if record.ttft_s is not None else clock()
     ) - start  # the last token's arrival, as vLLM measures (not the usage chunk or [DONE])
     _count_tokens(record, usage, text, request, tokenizer)
+
+
+async def _send_whole(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    request: BenchRequest,
+    record: RequestRecord,
+    start: float,
+    tokenizer: BenchTokenizer | None,
+    clock: Callable[[], float],
+) -> None:
+    """A non-streamed request: one JSON response; its arrival is both the first and the last token's."""
+    try:
+        resp = await client.post(url, json=body, headers=headers)
+        if resp.status_code != 200:
+            record.error = _error_message(resp.status_code, resp.content)
+            return
+        data = resp.json()
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        record.error = f"{type(e).__name__}: {str(e) or 'no detail'}"[:200]
+        return
+    end = clock()
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        record.error = "the response has no choices"
+        return
+    text = ""
+    for choice in data["choices"]:
+        if isinstance(choice, dict):
+            message = choice.get("message")
+            piece = message.get("content") if isinstance(message, dict) else choice.get("text")
+            text += piece if isinstance(piece, str) else ""
+    record.ttft_s = record.e2e_s = end - start
+    usage = data.get("usage")
+    _count_tokens(record, usage if isinstance(usage, dict) else None, text, request, tokenizer)
 
 
 def _count_tokens(

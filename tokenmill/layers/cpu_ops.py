@@ -2,7 +2,8 @@
 
 Each op is one pass over its rows: RMSNorm, the residual add fused into the following RMSNorm (both
 in place), SiLU-and-mul into a fresh [T, n], and rotary embeddings applied to q and k in place
-inside the QKV projection's output (cos and sin looked up per token from the float32 tables).
+inside the QKV projection's output (cos and sin looked up per token from the float32 tables); the
+sampler's argmax, vectorized and parallel over rows (torch's reads a [32, 32000] batch at half the speed).
 """
 
 from __future__ import annotations
@@ -43,3 +44,10 @@ class CpuOps:
     def rotate(self, qk: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.ops.rotary(qk, *inputs)  # in place
         return qk
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [N, V] float32 -> [N] int64
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            return x.argmax(dim=-1)
+        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        self.ops.argmax_rows(out, x)
+        return out

@@ -1,5 +1,5 @@
 """The per-layer elementwise ops of the Llama family behind one seam: RMSNorm (alone and fused with
-the residual add), SiLU-and-mul, and rotary embeddings.
+the residual add), SiLU-and-mul, rotary embeddings; and the sampler's argmax over the vocabulary.
 
 `LayerOps` is the protocol the model calls; `TorchOps` is the reference (plain torch, runs anywhere,
 several ops and temporaries each); `CpuOps` (layers/cpu_ops.py) runs each as one native pass.
@@ -48,6 +48,10 @@ class LayerOps(Protocol):
         """qk [T, heads, D] (q and k heads side by side) rotated; may rotate it in place."""
         ...
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, V] float32 -> [N] int64: each row's first largest value (NaN counts as largest), as torch."""
+        ...
+
 
 class TorchOps:
     """The reference: the Llama family's definitions in plain torch."""
@@ -76,6 +80,9 @@ class TorchOps:
 
     def rotate(self, qk: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return apply_rotary(qk, *inputs)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=-1)
 
 
 def _cpu() -> LayerOps:

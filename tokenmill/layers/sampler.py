@@ -24,6 +24,7 @@ Semantics follow vLLM, Hugging Face and the OpenAI API:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,17 +175,21 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
 
 
 class Sampler:
-    """Stateless: every call reads only its logits and metadata."""
+    """Stateless: every call reads only its logits and metadata. `argmax` ([N, V] float32 -> [N] int64,
+    torch's semantics) picks the greedy and the noise-divided winners (default: torch.argmax)."""
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] float32 -> the next token of every row, with log-probabilities when asked for."""
         logits = logits.float()
         penalised = metadata.process(logits)  # [B, V]
         if metadata.all_greedy:
-            token_ids = penalised.argmax(dim=-1)  # [B]
+            token_ids = self.argmax(penalised)  # [B]
         else:
             probs = self._probabilities(penalised, metadata)  # [B, V]
-            token_ids = (probs / self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [B]
+            token_ids = self.argmax(probs / self._exponential_noise(probs, metadata))  # [B]
         logprobs = None
         if metadata.logprobs_requested:
             raw = torch.log_softmax(logits, dim=-1)  # [B, V]

@@ -30,7 +30,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.ops.argmax)
         self.batch = InputBatch(64, model.config.vocab_size, self.device)
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:

@@ -24,6 +24,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model, resolve_dtype
 from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.runner.cpu_memory import keep_freed_memory
+from tokenmill.runner.cpu_threads import physical_cores
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ class Worker:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            torch.set_num_threads(config.cpu_threads or physical_cores())
         self.backend = get_attention_backend(config.attention_backend)
         ops = get_layer_ops(config.layer_ops)
         model = load_model(config.model, dtype=config.dtype, device=self.device, backend=self.backend, ops=ops)
@@ -60,7 +62,7 @@ class Worker:
                 f"{-(-self.max_model_len // self.block_size) * per_block} bytes or lower max_model_len"
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s, %s attention, %s layer ops)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s, %s attention, %s layer ops, %d threads)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
@@ -68,6 +70,7 @@ class Worker:
             self.dtype,
             self.backend.name,
             ops.name,
+            torch.get_num_threads(),
         )
         self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
 

@@ -43,6 +43,31 @@ struct Tile {
   int64_t count;
 };
 
+// Two ranges (the next block's K and V chunks) requested one 64-byte line per call of next(), spread
+// through the arithmetic: a burst of a hundred prefetches would stall on the core's miss buffers.
+struct Prefetch {
+  const char* k = nullptr;
+  const char* k_end = nullptr;
+  const char* v = nullptr;
+  const char* v_end = nullptr;
+  Prefetch() = default;
+  template <typename T>
+  Prefetch(const T* k_chunk, const T* v_chunk, int64_t n)
+      : k(reinterpret_cast<const char*>(k_chunk)),
+        k_end(k + n * static_cast<int64_t>(sizeof(T))),
+        v(reinterpret_cast<const char*>(v_chunk)),
+        v_end(v + n * static_cast<int64_t>(sizeof(T))) {}
+  inline void next() {
+    if (k < k_end) {
+      __builtin_prefetch(k);
+      k += 64;
+    } else if (v < v_end) {
+      __builtin_prefetch(v);
+      v += 64;
+    }
+  }
+};
+
 template <typename T>
 Tile load_tile(const T* k_chunk, const T* v_chunk, int64_t block_size, int64_t first, int64_t count, int64_t dim,
                int64_t width, float* kbuf, float* vbuf) {
@@ -50,6 +75,11 @@ Tile load_tile(const T* k_chunk, const T* v_chunk, int64_t block_size, int64_t f
     if (count == kTile && block_size % kTile == 0 && dim == width) {
       return {k_chunk + first, block_size, v_chunk + first * dim, dim, count};
     }
+  }
+  if (count == kTile && block_size == kTile && dim == width) {  // whole chunks: one widening pass each
+    to_float(k_chunk, kbuf, dim * kTile);
+    to_float(v_chunk + first * dim, vbuf, kTile * dim);
+    return {kbuf, kTile, vbuf, width, count};
   }
   for (int64_t d = 0; d < width; ++d) {
     for (int64_t t = 0; t < kTile; ++t) {
@@ -67,9 +97,10 @@ Tile load_tile(const T* k_chunk, const T* v_chunk, int64_t block_size, int64_t f
 // scores, then running max/sum and the accumulators [kQueries, dim] rescaled and advanced by P x V.
 // visible[j] = [lo, hi) within the tile.
 void attend_tile(const Tile& tile, const float* qs, int64_t dim, const int64_t (*visible)[2], float* run_max,
-                 float* run_sum, float* acc) {
+                 float* run_sum, float* acc, Prefetch& ahead) {
   float s[kQueries][kTile] = {};
   for (int64_t d = 0; d < dim; ++d) {
+    ahead.next();
     const float* kd = tile.keys + d * tile.key_stride;
     for (int64_t j = 0; j < kQueries; ++j) {
       const float qd = qs[j * dim + d];
@@ -107,6 +138,7 @@ void attend_tile(const Tile& tile, const float* qs, int64_t dim, const int64_t (
       for (int64_t e = 0; e < kTile; ++e) a[j][e] = acc[j * dim + d0 + e] * correction[j];
     }
     for (int64_t t = 0; t < tile.count; ++t) {
+      ahead.next();
       const float* vt = tile.values + t * tile.value_stride + d0;
       for (int64_t j = 0; j < kQueries; ++j) {
         const float pj = p[j][t];
@@ -163,6 +195,11 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
       const int64_t lo = window ? std::max<int64_t>(0, first_pos - *window + 1) : 0;
       for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
         const int64_t at_chunk = (static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads + h) * chunk;
+        Prefetch ahead;  // the next block's chunks sit on other pages: fetched a line at a time meanwhile
+        if ((blk + 1) * block_size < len) {
+          const int64_t next = (static_cast<int64_t>(tables[b * table_row + blk + 1]) * kv_heads + h) * chunk;
+          ahead = Prefetch(kp + next, vp + next, chunk);
+        }
         const int64_t in_block = std::min(block_size, len - blk * block_size);
         for (int64_t first = 0; first < in_block; first += kTile) {
           const int64_t t0 = blk * block_size + first;  // position of the tile's first key
@@ -178,7 +215,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
               visible[j][1] = to;
             }
             attend_tile(tile, qs.data() + j0 * width, width, visible, run_max.data() + j0, run_sum.data() + j0,
-                        acc.data() + j0 * width);
+                        acc.data() + j0 * width, ahead);
           }
         }
       }

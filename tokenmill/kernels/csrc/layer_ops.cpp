@@ -1,5 +1,5 @@
 // Fused per-layer ops of the Llama family on the CPU: RMSNorm (alone and after the residual add),
-// SiLU-and-mul, and rotary embeddings applied in place. Each is one pass over its rows where torch
+// SiLU-and-mul, rotary embeddings applied in place; and the greedy pick over the logits (argmax). Each is one pass over its rows where torch
 // runs several ops (and allocates between them). Arithmetic in float32; results are rounded to the
 // storage dtype where the torch reference rounds, so bfloat16 outputs match it step for step.
 #include <ATen/Parallel.h>
@@ -199,9 +199,44 @@ void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, co
   dispatch<Rotary>(x.scalar_type(), "rotary", x, positions, cos, sin);
 }
 
+// out [N] int64 = the index of each row's largest value in x [N, V] float32 (the first of equal
+// ones, as torch.argmax; NaN counts as the largest, as there). One pass per row, rows in parallel.
+void argmax_rows(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "argmax_rows: x must be [N, V] float32");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0) && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "argmax_rows: out must be int64 [N]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * x.stride(0);
+      float best = row[0];
+      int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+      for (int64_t i = 0; i < n; ++i) {
+        best = row[i] > best ? row[i] : best;
+        nan |= row[i] != row[i];
+      }
+      // the first index holding it (the first NaN if any): whole vectors compared, then one by one
+      int64_t at = 0;
+      for (; at + 16 <= n; at += 16) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t k = 0; k < 16; ++k) hit |= nan ? row[at + k] != row[at + k] : row[at + k] == best;
+        if (hit) break;
+      }
+      while (nan ? row[at] == row[at] : row[at] != best) ++at;
+      op[r] = at;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
