@@ -64,7 +64,7 @@ def test_rows_joining_leaving_and_moving_sample_as_a_fresh_batch():
         ours, theirs = sampler(logits, persistent), sampler(logits, reference)
         assert torch.equal(ours.token_ids, theirs.token_ids)
         for request_id, token in zip(ids, ours.token_ids.tolist(), strict=True):
-            batch.append_token(request_id, token)
+            batch.append_tokens([request_id], [token])
     assert penalised_at_some_step
     assert sorted(batch.row_of) == ["late", "penalised-sampled", "plain", "sampled"]
     assert sorted(batch.row_of.values()) == [0, 1, 2, 3]  # rows stay dense
@@ -75,7 +75,7 @@ def test_a_removed_rows_state_does_not_leak_into_its_successor():
     batch = InputBatch(capacity=4, vocab_size=VOCAB)
     batch.add(NewRequestData("a", [5, 6], SamplingParams(temperature=0.0, frequency_penalty=2.0), seed=0))
     for token in (7, 7, 8):
-        batch.append_token("a", token)
+        batch.append_tokens(["a"], [token])
     batch.remove("a")
     assert not batch.penalties.active
     batch.add(NewRequestData("b", [9], SamplingParams(temperature=0.0, presence_penalty=1.0), seed=0))

@@ -137,7 +137,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the engine's own list, shared by every output of the request: read-only
     prompt_logprobs: list[TokenLogprob | None] | None  # None for the first prompt token
     outputs: list[CompletionOutput]
     finished: bool

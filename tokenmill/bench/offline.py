@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.records import RequestRecord, Run
 from tokenmill.bench.workloads import BenchRequest, Workload, send_times
+from tokenmill.outputs import OutputKind
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,7 +68,12 @@ def run_offline(
         records[index] = record
         request_id = f"bench-{repeat}-{index}"
         try:
-            engine.add_request(request_id, reqs[index].token_ids(engine.tokenizer), _params(reqs[index], ignore_eos))
+            engine.add_request(
+                request_id,
+                reqs[index].token_ids(engine.tokenizer),
+                _params(reqs[index], ignore_eos),
+                output_kind=OutputKind.DELTA,  # new tokens only: no copy of the whole output each step
+            )
         except ValueError as e:
             record.error = f"refused: {e}"
             ready.extend((d, start) for d in dependents.get(index, []))
@@ -97,18 +103,18 @@ def run_offline(
             full_steps.append((step.total_seconds, step.total_seconds - step.forward_seconds))
         for out in outputs:
             record = in_flight[out.request_id]
-            completion = out.outputs[0]
-            if len(completion.token_ids) > record.output_tokens:  # one arrival, however many tokens
+            completion = out.outputs[0] if out.outputs else None
+            if completion is not None and completion.token_ids:  # one arrival, however many tokens
                 if record.ttft_s is None:
                     record.ttft_s = now - record.start_s
                 else:
                     record.itl_s.append(now - last_token[out.request_id])
                 last_token[out.request_id] = now
-                record.output_tokens = len(completion.token_ids)
+                record.output_tokens += len(completion.token_ids)
             if out.finished:
                 del in_flight[out.request_id]
                 last_token.pop(out.request_id, None)
-                record.ok = completion.finish_reason != "abort"
+                record.ok = completion is not None and completion.finish_reason != "abort"
                 record.error = None if record.ok else "aborted"
                 record.e2e_s = now - record.start_s
                 record.prompt_tokens = len(out.prompt_token_ids)

@@ -301,7 +301,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
-            prompt_token_ids=list(parent.prompt_token_ids),
+            prompt_token_ids=parent.prompt_token_ids,  # shared, not copied each step: read-only to callers
             prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,

@@ -70,11 +70,14 @@ def prepare_inputs(
         block_size,
         device,
     )
+    # one tensor made for the three (each op after a forward runs on caches the weights just evicted)
+    flat = torch.tensor(ids + positions + rows, dtype=torch.int64, device=device)
+    input_ids, positions_t, logits_rows = flat.split([len(ids), len(positions), len(rows)])
     return ModelInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=input_ids,
+        positions=positions_t,
         metadata=metadata,
-        logits_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        logits_rows=logits_rows,
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
     )

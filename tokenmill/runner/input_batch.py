@@ -117,23 +117,34 @@ class InputBatch:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def append_token(self, request_id: str, token: int) -> None:
-        row = self.row_of[request_id]
-        self.rows[row].output_token_ids.append(token)
-        for processor in self.processors:
-            processor.append_token(row, token)
+    def append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
+        """Each request sampled its token. Only active processors hear of it: an inactive one has no
+        rows, so it has nothing to record."""
+        active = [p for p in self.processors if p.active]
+        for request_id, token in zip(request_ids, tokens, strict=True):
+            row = self.row_of[request_id]
+            self.rows[row].output_token_ids.append(token)
+            for processor in active:
+                processor.append_token(row, token)
 
     def sampling_metadata(self, request_ids: list[str]) -> SamplingMetadata:
         """The metadata of the logits rows of these requests, in this order (one position each)."""
         rows = [self.row_of[i] for i in request_ids]
         states = [self.rows[r] for r in rows]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         requested = [s.params.logprobs for s in states if s.params.logprobs is not None]
+        if rows == list(range(len(rows))):  # the usual decode step: rows in order, so views, no copies
+            n = len(rows)
+            index = torch.arange(n, device=self.device)
+            temperature, top_k, top_p, min_p = self.temperature[:n], self.top_k[:n], self.top_p[:n], self.min_p[:n]
+        else:
+            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            temperature, top_k = self.temperature.index_select(0, index), self.top_k.index_select(0, index)
+            top_p, min_p = self.top_p.index_select(0, index), self.min_p.index_select(0, index)
         return SamplingMetadata(
-            temperature=self.temperature.index_select(0, index),
-            top_k=self.top_k.index_select(0, index),
-            top_p=self.top_p.index_select(0, index),
-            min_p=self.min_p.index_select(0, index),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             seeds=[s.seed for s in states],
             output_positions=[len(s.output_token_ids) for s in states],
             max_num_logprobs=max(requested, default=0),

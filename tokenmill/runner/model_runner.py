@@ -87,13 +87,14 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         out = self.sampler(logits, metadata)
         tokens = out.token_ids.tolist()
-        lists = LogprobLists.of(out.logprobs) if out.logprobs is not None else None  # one conversion a step
-        for b, (request_id, token) in enumerate(zip(ids, tokens, strict=True)):
-            self.batch.append_token(request_id, token)
-            result.sampled[request_id] = [token]
-            k = self.batch.state(request_id).params.logprobs
-            if lists is not None and k is not None:
-                result.logprobs[request_id] = [lists.entry(b, token, k)]
+        self.batch.append_tokens(ids, tokens)
+        result.sampled = {request_id: [token] for request_id, token in zip(ids, tokens, strict=True)}
+        if out.logprobs is not None:
+            lists = LogprobLists.of(out.logprobs)  # one conversion a step
+            for b, (request_id, token) in enumerate(zip(ids, tokens, strict=True)):
+                k = self.batch.state(request_id).params.logprobs
+                if k is not None:
+                    result.logprobs[request_id] = [lists.entry(b, token, k)]
 
 
 @dataclass

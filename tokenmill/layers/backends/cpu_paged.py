@@ -80,17 +80,20 @@ class CpuPagedBackend:
             flat.extend(used)
             flat.extend([0] * (width - len(used)))
 
-        def int32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
+        # the four int32 fields made as one tensor (one op, not four), then split into views
+        num = len(kernel)
+        ints = flat + [seq_lens[b] for b in kernel] + [starts[b] for b in kernel] + [query_lens[b] for b in kernel]
+        tables, lens, first_rows, counts = torch.tensor(ints, dtype=torch.int32, device=device).split(
+            [num * width, num, num, num]
+        )
         return CpuMetadata(
             num_actual_tokens=start,
             block_size=block_size,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=int32(flat).view(len(kernel), width),
-            seq_lens=int32([seq_lens[b] for b in kernel]),
-            query_starts=int32([starts[b] for b in kernel]),
-            query_lens=int32([query_lens[b] for b in kernel]),
+            block_tables=tables.view(num, width),
+            seq_lens=lens,
+            query_starts=first_rows,
+            query_lens=counts,
             prefills=prefills,
         )
 
