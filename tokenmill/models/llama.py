@@ -33,6 +33,10 @@ STACKED_PROJECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+# Logits per chunk of `greedy_tokens`: 64K float32 values (256 KB, e.g. [32, 2048]) stay in L2.
+GREEDY_CHUNK_VALUES = 1 << 16
+
+
 @dataclass(frozen=True)
 class WeightTarget:
     """Where a checkpoint tensor goes: shard `shard_id` of tokenmill parameter `param` (None: all of it)."""
@@ -188,6 +192,31 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64
+        """Each row's argmax token without materializing [N, vocab] logits: the output projection in
+        vocabulary chunks of GREEDY_CHUNK_VALUES / N rows, each chunk's maximum taken while its logits
+        are in cache (on CPU that beats one product and an argmax over its spilled output at 32 rows;
+        a single row's logits fit in one chunk). Ties go to the first index, as argmax. None when the
+        head is not one dense matrix (a quantized lm_head): the caller computes logits then."""
+        if self.config.tie_word_embeddings:
+            weight = self.embed_tokens.weight
+        elif isinstance(self.lm_head.linear_method, UnquantizedLinearMethod) and self.lm_head.bias is None:
+            weight = self.lm_head.weight
+        else:
+            return None
+        best_values: torch.Tensor | None = None
+        best_ids = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+        chunk = max(256, GREEDY_CHUNK_VALUES // max(1, hidden.shape[0]))
+        for start in range(0, weight.shape[0], chunk):
+            values, ids = F.linear(hidden, weight[start : start + chunk]).max(dim=-1)  # [N], [N]
+            if best_values is None:
+                best_values, best_ids = values, ids
+            else:
+                better = values > best_values  # strict: an equal later value keeps the earlier index
+                best_values = torch.where(better, values, best_values)
+                best_ids = torch.where(better, ids + start, best_ids)
+        return best_ids
 
     def checkpoint_map(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> the parameter (and shard of it) it fills. Derived from the

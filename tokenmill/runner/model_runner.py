@@ -1,5 +1,6 @@
 """ModelRunner: execute(SchedulerOutput) -> StepOutput. Runs the model and samples; never holds a Request.
 
+A step whose every row is greedy (no processors, no logprobs) may skip the logits: see `greedy_head`.
 Keeps its own per-request state in a persistent batch (`InputBatch`: sampling params as per-row
 tensors, seed, prompt and output ids, how far prompt logprobs got, and the logits processors' rows),
 a row added when the scheduler first sends a request and removed when it reports the id finished.
@@ -17,7 +18,7 @@ from tokenmill.layers.attention import AttentionBackend, KVCache
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
-from tokenmill.runner.batch import prepare_inputs
+from tokenmill.runner.batch import ModelInputs, prepare_inputs
 from tokenmill.runner.input_batch import InputBatch
 
 
@@ -32,6 +33,9 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.sampler = Sampler(model.ops.argmax)
         self.batch = InputBatch(64, model.config.vocab_size, self.device)
+        # Greedy-only steps take their tokens from `model.greedy_tokens` (no logits kept) where the
+        # worker measured it faster than logits + argmax on this machine and dtype.
+        self.greedy_head = False
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
@@ -59,6 +63,12 @@ class ModelRunner:
         with torch.inference_mode():
             start = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            if self.greedy_head and self._argmax_only(inputs):  # greedy tokens from the hidden states
+                tokens = self.model.greedy_tokens(hidden[inputs.logits_rows])
+                if tokens is not None:
+                    result.forward_seconds = time.perf_counter() - start
+                    self._record(list(inputs.sample_rows), tokens.tolist(), None, result)
+                    return result
             logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [R, vocab] float32
             if logits.is_cuda:
                 torch.cuda.synchronize()
@@ -86,15 +96,27 @@ class ModelRunner:
         if rows != list(range(logits.shape[0])):  # prompt-logprob rows are mixed in: pick the sampling ones
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         out = self.sampler(logits, metadata)
-        tokens = out.token_ids.tolist()
+        self._record(ids, out.token_ids.tolist(), out.logprobs, result)
+
+    def _record(self, ids: list[str], tokens: list[int], logprobs: LogprobsTensors | None, result: StepOutput) -> None:
         self.batch.append_tokens(ids, tokens)
         result.sampled = {request_id: [token] for request_id, token in zip(ids, tokens, strict=True)}
-        if out.logprobs is not None:
-            lists = LogprobLists.of(out.logprobs)  # one conversion a step
+        if logprobs is not None:
+            lists = LogprobLists.of(logprobs)  # one conversion a step
             for b, (request_id, token) in enumerate(zip(ids, tokens, strict=True)):
                 k = self.batch.state(request_id).params.logprobs
                 if k is not None:
                     result.logprobs[request_id] = [lists.entry(b, token, k)]
+
+    def _argmax_only(self, inputs: ModelInputs) -> bool:
+        """This step needs nothing from the logits but each row's argmax: every sampling row greedy,
+        no logits processor, no logprobs, no prompt logprobs."""
+        if inputs.prompt_rows or not inputs.sample_rows:
+            return False
+        rows = [self.batch.state(i) for i in inputs.sample_rows]
+        return all(s.params.greedy and s.params.logprobs is None for s in rows) and not any(
+            p.active for p in self.batch.processors
+        )
 
 
 @dataclass
