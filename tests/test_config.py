@@ -122,6 +122,7 @@ def test_each_flag_sets_its_field():
         "attention_backend": "sdpa",
         "layer_ops": "torch",
         "cpu_threads": 3,
+        "greedy_head": "logits",
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

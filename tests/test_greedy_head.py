@@ -34,8 +34,10 @@ def test_the_engine_with_the_greedy_head_matches_the_logits_path(tiny_model_dir,
     monkeypatch.setattr(llama, "GREEDY_CHUNK_VALUES", 4 * 1000)
     model = str(tiny_model_dir("llama"))
     ps = prompts(6, seed=5)
-    head = LLM(model, max_model_len=128, kv_cache_memory=64 * 24576)
-    head.engine.core.worker.runner.greedy_head = True
+    head = LLM(model, max_model_len=128, kv_cache_memory=64 * 24576, greedy_head="head")
+    assert not LLM(
+        model, max_model_len=128, kv_cache_memory=8 * 24576, greedy_head="logits"
+    ).engine.core.worker.runner.greedy_head
     calls = []
     original = head.engine.core.worker.runner.model.greedy_tokens
     head.engine.core.worker.runner.model.greedy_tokens = lambda h: calls.append(h.shape[0]) or original(h)

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+GREEDY_HEAD = ("auto", "head", "logits")
 SCHEDULING = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes
@@ -129,6 +130,12 @@ class EngineConfig:
     )
     cpu_threads: int | None = setting(
         None, "torch threads on a CPU device (default: one per physical core this process may use)", minimum=1
+    )
+    greedy_head: str = setting(
+        "auto",
+        "steps whose rows are all greedy: argmax inside the output projection, chunk by chunk (`head`), "
+        "over full logits (`logits`), or whichever measures faster at start (`auto`)",
+        choices=GREEDY_HEAD,
     )
     layer_ops: str = setting(
         "auto",

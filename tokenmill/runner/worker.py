@@ -75,7 +75,10 @@ class Worker:
             torch.get_num_threads(),
         )
         self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
-        self.runner.greedy_head = self._greedy_head_is_faster(model, config.max_num_seqs)
+        if config.greedy_head == "auto":
+            self.runner.greedy_head = self._greedy_head_is_faster(model, config.max_num_seqs)
+        else:
+            self.runner.greedy_head = config.greedy_head == "head"
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         return self.runner.execute(scheduled)
@@ -97,13 +100,15 @@ class Worker:
         """Whether `greedy_tokens` (the output projection in cache-sized chunks, argmax as it goes)
         beats logits + argmax for `rows` greedy rows here: it depends on the CPU and the dtype (on
         one AVX-512 machine 11% faster at 32 rows in float32, 14% slower in bfloat16). Median of
-        three interleaved timings each, on random hidden states; a few milliseconds at start."""
+        seven interleaved timings each after one untimed call, on random hidden states (a few tenths
+        of a second at start). Within this machine's noise either may win; both pick the argmax."""
         hidden = torch.randn(rows, self.model_config.hidden_size, device=self.device).to(self.dtype)
         with torch.inference_mode():
             if model.greedy_tokens(hidden) is None:
                 return False
             runs: dict[str, list[float]] = {"head": [], "logits": []}
-            for _ in range(3):
+            model.ops.argmax(model.compute_logits(hidden))
+            for _ in range(7):
                 for name, fn in (
                     ("head", lambda: model.greedy_tokens(hidden)),
                     ("logits", lambda: model.ops.argmax(model.compute_logits(hidden))),

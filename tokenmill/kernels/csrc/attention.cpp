@@ -96,8 +96,12 @@ Tile load_tile(const T* k_chunk, const T* v_chunk, int64_t block_size, int64_t f
 // The online softmax of kQueries queries [kQueries, dim] (dim: the padded width) over one tile:
 // scores, then running max/sum and the accumulators [kQueries, dim] rescaled and advanced by P x V.
 // visible[j] = [lo, hi) within the tile.
-void attend_tile(const Tile& tile, const float* qs, int64_t dim, const int64_t (*visible)[2], float* run_max,
+// kDim: the padded head size when it is one the compiler should specialize for (64, 128), else 0
+// and `padded` says it at run time.
+template <int64_t kDim>
+void attend_tile(const Tile& tile, const float* qs, int64_t padded, const int64_t (*visible)[2], float* run_max,
                  float* run_sum, float* acc, Prefetch& ahead) {
+  const int64_t dim = kDim > 0 ? kDim : padded;
   float s[kQueries][kTile] = {};
   for (int64_t d = 0; d < dim; ++d) {
     ahead.next();
@@ -174,10 +178,16 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   const T* vp = v_cache.data_ptr<T>();
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Items differ in length (contexts of 500 and 2,000 tokens side by side): handed out one at a time
+  // to whichever thread is free, torch's thread count and OpenMP runtime.
+  const int64_t items = num_seqs * kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel num_threads(threads)
+  {
     const int64_t width = (dim + kTile - 1) / kTile * kTile;  // head_dim padded to whole vectors
     std::vector<float> qs, acc, run_max, run_sum, kbuf(width * kTile), vbuf(kTile * width);
-    for (int64_t item = begin; item < end; ++item) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const int64_t first_row = starts[b], qlen = qlens[b], len = lens[b];
       const int64_t nq = qlen * group;  // query j: token first_row + j / group, head h * group + j % group
@@ -214,8 +224,9 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
               visible[j][0] = from;
               visible[j][1] = to;
             }
-            attend_tile(tile, qs.data() + j0 * width, width, visible, run_max.data() + j0, run_sum.data() + j0,
-                        acc.data() + j0 * width, ahead);
+            const auto tile_fn = width == 64 ? &attend_tile<64> : width == 128 ? &attend_tile<128> : &attend_tile<0>;
+            tile_fn(tile, qs.data() + j0 * width, width, visible, run_max.data() + j0, run_sum.data() + j0,
+                    acc.data() + j0 * width, ahead);
           }
         }
       }
@@ -225,7 +236,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(acc[j * width + d] * inv);
       }
     }
-  });
+  }
 }
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size, int64_t dim) {
