@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all lint format serve compat bench bench-forward bench-engine bench-prefix bench-serve clean
+.PHONY: install test test-all lint format serve compat bench bench-forward bench-decode bench-engine bench-prefix bench-serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,7 +50,13 @@ serve: $(STAMP)
 	$(BIN)/tokenmill serve
 
 # Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
-bench: bench-forward bench-engine bench-prefix bench-serve
+bench: bench-forward bench-decode bench-engine bench-prefix bench-serve
+
+# the decode step on the reference and the native paths, the time outside the forward, the server at one request
+bench-decode: $(STAMP)
+	$(BIN)/python benchmarks/decode_step.py --repeats 3
+	$(BIN)/python benchmarks/step_overhead.py --repeats 3
+	$(BIN)/python benchmarks/serve_overhead.py --repeats 5
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --dtype float32

@@ -1,5 +1,7 @@
 """Forward benchmark: tokenmill's paged forward beside transformers' own forward and cache.
 
+tokenmill runs as its engine does by default (`auto`: the native attention backend and layer ops
+where they build; `--attention-backend torch --layer-ops torch` for the reference path).
 Measures, on the `small` peer model (shared/PEERS.md) in float32 and bfloat16, in one run with the
 two engines interleaved (median of repeats, spread shown):
 - prefill tokens/s for a 512-token prompt (logits for the last token only, as an engine needs);
@@ -35,6 +37,7 @@ from common import RESULTS, ensure_model
 from tokenmill.bench.metrics import spread
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cpu_memory import keep_freed_memory
@@ -78,9 +81,9 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
 class Tokenmill:
     name = "tokenmill"
 
-    def __init__(self, folder: Path, dtype: torch.dtype) -> None:
-        self.backend = get_attention_backend("torch")
-        self.model = load_model(folder, dtype=dtype, backend=self.backend)
+    def __init__(self, folder: Path, dtype: torch.dtype, backend: str = "auto", ops: str = "auto") -> None:
+        self.backend = get_attention_backend(backend)  # the engine's defaults: native where it builds
+        self.model = load_model(folder, dtype=dtype, backend=self.backend, ops=get_layer_ops(ops))
         self.dtype = dtype
 
     def _fresh(self, batch: int, tokens: int) -> None:
@@ -153,6 +156,10 @@ class HF:
         return setup, step
 
 
+def resolved_backend_name(name: str) -> str:
+    return get_attention_backend(name).name  # auto resolves to what runs
+
+
 def time_once(setup: Callable[[], None] | None, fn: Callable[[], None], calls: int) -> float:
     """Seconds per call of `fn`, after an untimed `setup`."""
     if setup is not None:
@@ -175,6 +182,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "forward.json"))
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--layer-ops", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -192,6 +201,8 @@ def main() -> None:
         "transformers": transformers.__version__,
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
+        "attention_backend": resolved_backend_name(args.attention_backend),
+        "layer_ops": get_layer_ops(args.layer_ops).name,
         "repeats": args.repeats,
         "read_bandwidth_GBps": {k: v / 1e9 for k, v in bandwidths.items()},
         "dtypes": {},
@@ -199,7 +210,7 @@ def main() -> None:
     with torch.inference_mode():
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            engines = [Tokenmill(folder, dtype), HF(folder, dtype)]
+            engines = [Tokenmill(folder, dtype, args.attention_backend, args.layer_ops), HF(folder, dtype)]
             weight_bytes = decode_weight_bytes(engines[0].model)
             floor = weight_bytes / bandwidth
             prompt = torch.randint(0, 32000, (PROMPT,))

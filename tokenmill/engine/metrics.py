@@ -80,21 +80,34 @@ class EngineMetrics:
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._log_mark = (self._clock(), self._last)
+        # The per-step series, labelled once: a `labels()` lookup per series per step cost more than
+        # the rest of a step's bookkeeping on the event loop.
+        m = model_name
+        self._gauges = [(self.running.labels(m), "running"), (self.waiting.labels(m), "waiting")]
+        self._gauges.append((self.kv_usage.labels(m), "kv_cache_usage"))
+        self._counters = [
+            (self.preemptions.labels(m), "preemptions"),
+            (self.prompt_tokens.labels(m), "prompt_tokens"),
+            (self.generation_tokens.labels(m), "generated_tokens"),
+            (self.prefix_queries.labels(m), "prefix_cache_queries"),
+            (self.prefix_hits.labels(m), "prefix_cache_hits"),
+        ]
+        self._itl = self.itl.labels(m)
 
     def observe_step(self, g: EngineStats) -> None:
-        m = self.model_name
-        self.running.labels(m).set(g.running)
-        self.waiting.labels(m).set(g.waiting)
-        self.kv_usage.labels(m).set(g.kv_cache_usage)
-        self.preemptions.labels(m).inc(g.preemptions - self._last.preemptions)
-        self.prompt_tokens.labels(m).inc(g.prompt_tokens - self._last.prompt_tokens)
-        self.generation_tokens.labels(m).inc(g.generated_tokens - self._last.generated_tokens)
-        self.prefix_queries.labels(m).inc(g.prefix_cache_queries - self._last.prefix_cache_queries)
-        self.prefix_hits.labels(m).inc(g.prefix_cache_hits - self._last.prefix_cache_hits)
+        last = self._last
+        for gauge, name in self._gauges:
+            value = getattr(g, name)
+            if value != getattr(last, name):
+                gauge.set(value)
+        for counter, name in self._counters:
+            delta = getattr(g, name) - getattr(last, name)
+            if delta:
+                counter.inc(delta)
         self._last = g
 
     def observe_inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+        self._itl.observe(seconds)
 
     def observe_finished(self, t: RequestMetrics, num_output_tokens: int, finish_reason: str) -> None:
         m = self.model_name

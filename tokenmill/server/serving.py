@@ -262,12 +262,13 @@ class Server:
         prompt_tokens = sum(len(p) for p in job.prompts)
 
         def emit(chunk: ChatCompletionChunk | CompletionStreamResponse) -> str:
+            # pydantic's own JSON writer: one pass per token's chunk, no dict built in between
             if not job.continuous_usage:
-                return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+                return f"data: {chunk.model_dump_json(exclude={'usage'})}\n\n"
             chunk.usage = UsageInfo(
                 prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated
             )
-            return _sse(chunk.model_dump(mode="json"))
+            return f"data: {chunk.model_dump_json()}\n\n"
 
         try:
             if job.chat:
