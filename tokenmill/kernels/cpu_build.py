@@ -29,7 +29,8 @@ logger = logging.getLogger("tokenmill")
 
 SOURCES = ("attention.cpp", "layer_ops.cpp")
 HEADERS = ("convert.h",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20")
+# no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
+CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
 LIBRARY = "tokenmill_cpu"
 
 

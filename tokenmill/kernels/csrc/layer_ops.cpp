@@ -15,11 +15,6 @@
 
 namespace {
 
-template <typename T>
-inline float round_trip(float x) {  // x as the storage dtype holds it
-  return static_cast<float>(from_float<T>(x));
-}
-
 // One row: dst = weight * T(src * rsqrt(mean(src^2) + eps)). dst may alias src.
 template <typename T>
 inline void norm_row(const float* src, const T* weight, T* dst, int64_t n, float eps) {
@@ -82,16 +77,17 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), n = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const int64_t x_row = x.stride(0), out_row = out.stride(0);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(n), u(n);
+    std::vector<float> gate(n), up(n);
     for (int64_t r = begin; r < end; ++r) {
-      to_float(xp + r * x.stride(0), g.data(), n);
-      to_float(xp + r * x.stride(0) + n, u.data(), n);
-      T* dst = op + r * out.stride(0);
-      for (int64_t i = 0; i < n; ++i) {
-        const float silu = round_trip<T>(g[i] / (1.f + std::exp(-g[i])));
-        dst[i] = from_float<T>(silu * u[i]);
-      }
+      float* g = gate.data();
+      const float* u = up.data();
+      to_float(xp + r * x_row, g, n);
+      to_float(xp + r * x_row + n, up.data(), n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) g[i] = round_trip<T>(g[i] * sigmoid(g[i])) * u[i];
+      from_float_row(g, op + r * out_row, n);
     }
   });
 }
