@@ -22,6 +22,7 @@ Usage: python benchmarks/forward.py [--repeats 3] [--threads 2] [--out benchmark
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -98,7 +99,7 @@ class Tokenmill:
         md = self.backend.build_metadata(query_lens, seq_lens, self.tables, BLOCK)
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)])
         hidden = self.model(ids, positions, self.caches, md)
-        last = md.query_start_loc[1:] - 1
+        last = torch.tensor(list(itertools.accumulate(query_lens))) - 1  # each sequence's last token
         return self.model.compute_logits(hidden[last])
 
     def prefill(self, prompt: torch.Tensor) -> Callable[[], None]:
