@@ -85,9 +85,9 @@ def load_cpu_kernels() -> CpuKernels | None:
             return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
         build_dir.mkdir(parents=True, exist_ok=True)
         library = build_dir / f"{LIBRARY}.so"
-        if library.exists():
+        if library.exists() and not (build_dir / "lock").exists():  # built, and no other process building
             torch.ops.load_library(str(library))
-        else:
+        else:  # cpp_extension holds the build folder's lock while it builds (another process waits)
             _build(csrc, build_dir)
         return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
     except Exception as exc:  # any failure means: run the reference ops, and say so
