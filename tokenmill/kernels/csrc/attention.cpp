@@ -126,13 +126,16 @@ void attend_tile(const Tile& tile, const float* qs, int64_t padded, const int64_
     }
     const float new_max = std::max(run_max[j], tile_max);
     correction[j] = exp_nonpositive(run_max[j] - new_max);  // ~0 on the first visible tile (acc is 0 then)
+    // three simple loops, each one vector wide: exp, the visibility mask (32-bit lanes like the
+    // floats'), the sum (one loop doing all three stayed scalar)
+    const int32_t from = static_cast<int32_t>(lo), to = static_cast<int32_t>(hi);
+#pragma omp simd
+    for (int32_t t = 0; t < kTile; ++t) p[j][t] = exp_nonpositive(s[j][t] - new_max);
+#pragma omp simd
+    for (int32_t t = 0; t < kTile; ++t) p[j][t] = (t >= from && t < to) ? p[j][t] : 0.f;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < kTile; ++t) {
-      const float e = exp_nonpositive(s[j][t] - new_max);
-      p[j][t] = (t >= lo && t < hi) ? e : 0.f;
-      sum += p[j][t];
-    }
+    for (int32_t t = 0; t < kTile; ++t) sum += p[j][t];
     run_max[j] = new_max;
     run_sum[j] = run_sum[j] * correction[j] + sum;
   }

@@ -60,7 +60,7 @@ inline float round_trip<c10::BFloat16>(float x) {
 }
 
 // sigmoid(x) = 1 / (1 + exp(-x)) through exp of a non-positive argument only (vectorizable).
-inline float exp_nonpositive(float x);
+__attribute__((always_inline)) inline float exp_nonpositive(float x);
 inline float sigmoid(float x) {
   const float e = exp_nonpositive(x < 0.f ? x : -x);  // exp(-|x|)
   return x < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
@@ -69,7 +69,7 @@ inline float sigmoid(float x) {
 // exp(x) for x <= 0 (softmax terms after subtracting the running max), vectorizable: x = n ln2 + r,
 // exp(r) by a degree-6 polynomial on |r| <= ln2 / 2 (Cephes' coefficients, ~1 ulp), 2^n from the
 // exponent bits. Below -87.3 (and for -inf) it returns ~1e-38 instead of underflowing to 0.
-inline float exp_nonpositive(float x) {
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   const float t = x * 1.44269504088896341f + 0.5f;
   int32_t k = static_cast<int32_t>(t);  // truncates toward zero; floor(t) is one less below zero
