@@ -1,9 +1,9 @@
 """The `cpu` attention backend: a native kernel that attends over the paged KV cache in place.
 
 Sequences with up to `MAX_KERNEL_QUERY` new tokens (decodes, speculative verification) go to
-`torch.ops.tokenmill_cpu.paged_attention` (kernels/csrc/attention.cpp): one pass per (sequence, KV
-head) over the sequence's own blocks, no gather into a contiguous tensor, no padding to the longest
-context, no conversion of the whole context to float32. Longer prompt chunks, where the work is a
+`torch.ops.tokenmill_cpu.paged_attention` (kernels/csrc/attention.cpp): one pass per sequence over
+its own blocks (every KV head of a block in turn), no gather into a contiguous tensor, no padding to
+the longest context, no conversion of the whole context to float32. Longer prompt chunks, where the work is a
 matrix product, go through the reference backend's SDPA path (`attend_chunk`). The new tokens' K/V
 are written by one native call per layer.
 
