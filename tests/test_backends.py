@@ -73,3 +73,16 @@ def test_engine_core_cases(tiny_model_dir, backend):
         assert same_up_to_near_tie(b, a)
     for llm in (tight, roomy, off):
         assert_no_leaks(llm)
+
+
+def test_auto_runs_the_reference_where_the_native_kernels_do_not_and_cpu_says_so(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    llm = LLM(model, dtype="float16", max_model_len=64, kv_cache_memory=16 * 12288)  # the kernels: fp32, bf16
+    worker = llm.engine.core.worker
+    assert worker.backend.name == "torch" and worker.runner.model.ops.name == "torch"
+    assert len(llm.generate([[5, 6, 7]], greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    for field in ("attention_backend", "layer_ops"):
+        with pytest.raises(ValueError, match=f"{field}: 'cpu' runs float32 and bfloat16 on a CPU device, not"):
+            LLM(model, dtype="float16", max_model_len=64, kv_cache_memory=16 * 12288, **{field: "cpu"})
+    native = LLM(model, max_model_len=64, kv_cache_memory=16 * 24576).engine.core.worker
+    assert native.backend.name == "cpu" and native.runner.model.ops.name == "cpu"

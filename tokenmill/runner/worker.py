@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,7 +22,7 @@ from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, E
 from tokenmill.layers.attention import KVCache, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.models.config import ModelConfig
+from tokenmill.models.config import ModelConfig, load_config
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model, resolve_dtype
 from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
@@ -34,17 +35,32 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger("tokenmill")
 
 
+NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_or_reference(name: str, field: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend (or layer ops) name to build: `auto` means the native CPU kernels only where they
+    run (a CPU device, float32 or bfloat16), the torch reference elsewhere; `cpu` elsewhere is an error."""
+    native = device.type == "cpu" and dtype in NATIVE_CPU_DTYPES
+    if name == "cpu" and not native:
+        raise ValueError(f"{field}: 'cpu' runs float32 and bfloat16 on a CPU device, not {dtype} on {device}")
+    return name if native or name != "auto" else "torch"
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             torch.set_num_threads(config.cpu_threads or physical_cores())
-        self.backend = get_attention_backend(config.attention_backend)
-        ops = get_layer_ops(config.layer_ops)
-        model = load_model(config.model, dtype=config.dtype, device=self.device, backend=self.backend, ops=ops)
+        dtype = resolve_dtype(config.dtype, load_config(Path(config.model)))
+        self.backend = get_attention_backend(
+            native_or_reference(config.attention_backend, "attention_backend", self.device, dtype)
+        )
+        ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
+        model = load_model(config.model, dtype=dtype, device=self.device, backend=self.backend, ops=ops)
         self.model_config: ModelConfig = model.config
-        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.dtype = dtype
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
