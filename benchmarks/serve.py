@@ -34,10 +34,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), "--dtype", "bfloat16"]
-    cmd += ["--max-num-seqs", "32", "--max-model-len", "1024", "--max-waiting", "256", "--log-interval", "600"]
-    cmd += ["--no-enable-prefix-caching"]  # every run sends the same prompts: no run may find them cached
+def start_server(model: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
+    """`tokenmill serve MODEL --port PORT FLAGS...` on loopback; returns once /health answers."""
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -57,7 +56,11 @@ def main() -> None:
     args = parser.parse_args()
     model = ensure_model()
     port = free_port()
-    server = start_server(model, port)
+    server = start_server(
+        model, port, "--dtype", "bfloat16", "--max-num-seqs", "32", "--max-model-len", "1024",
+        "--max-waiting", "256", "--log-interval", "600",
+        "--no-enable-prefix-caching",  # every run sends the same prompts: no run may find them cached
+    )  # fmt: skip
     out = RESULTS / "serve_sweep.json"
     try:
         result = run_bench(

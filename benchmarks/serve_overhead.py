@@ -16,35 +16,15 @@ import argparse
 import json
 import platform
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from common import RESULTS, ensure_model
 from common import bench as run_bench
-from serve import free_port
+from serve import free_port, start_server
 
 from tokenmill.bench.metrics import spread
-
-
-def start(model: Path, port: int) -> subprocess.Popen[bytes]:
-    """`tokenmill serve` on the model in float32, prefix caching off; returns once /health answers."""
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), "--dtype", "float32"]
-    cmd += ["--no-enable-prefix-caching", "--log-interval", "600"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the tokenmill server did not start")
 
 
 def main() -> None:
@@ -57,7 +37,7 @@ def main() -> None:
     workload = ["--workload", "random", "--num-requests", str(args.requests), "--seed", "0"]
     workload += ["--input-len", "128", "--output-len", "128", "--max-concurrency", "1", "--no-progress"]
     port = free_port()
-    server = start(model, port)
+    server = start_server(model, port, "--dtype", "float32", "--no-enable-prefix-caching", "--log-interval", "600")
     scratch = Path(tempfile.mkdtemp(prefix="serve_overhead_"))  # each run's full result; the summary is ours
     tps: dict[str, list[float]] = {"offline": [], "serve_stream": [], "serve_whole": []}
     try:

@@ -4,7 +4,7 @@ Sequences with up to `MAX_KERNEL_QUERY` new tokens (decodes, speculative verific
 `torch.ops.tokenmill_cpu.paged_attention` (kernels/csrc/attention.cpp): one pass per sequence over
 its own blocks (every KV head of a block in turn), no gather into a contiguous tensor, no padding to
 the longest context, no conversion of the whole context to float32. Longer prompt chunks, where the work is a
-matrix product, go through the reference backend's SDPA path (`attend_chunk`). The new tokens' K/V
+matrix product, go through the reference backend's SDPA path (`attend_chunks`). The new tokens' K/V
 are written by one native call per layer.
 
 Cache layout, per layer: K and V of [num_blocks, num_kv_heads, block_size * head_dim], one
@@ -15,12 +15,13 @@ query's scores against a block are vector FMAs), V's is [block_size, head_dim] (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from tokenmill.kernels.cpu_build import CpuKernels
 from tokenmill.layers.attention import KVCache, check_batch
-from tokenmill.layers.backends.torch_ref import PrefillSequence, attend_chunk
+from tokenmill.layers.backends.torch_ref import PrefillSequence, attend_chunks
 
 # Sequences with at most this many new tokens run through the native kernel; longer chunks through
 # SDPA (a matrix product wins once a sequence brings many queries for the same keys).
@@ -118,13 +119,8 @@ class CpuPagedBackend:
                 out, q, cache.k, cache.v, md.block_tables, md.seq_lens, md.query_starts, md.query_lens,
                 md.block_size, scale, sliding_window,
             )  # fmt: skip
-        for seq in md.prefills:
-            rows = slice(seq.row_start, seq.row_start + seq.query_len)
-            if seq.seq_len == seq.query_len:  # nothing cached before this chunk: its own K/V are the context
-                keys, values = k[rows], v[rows]
-            else:
-                keys, values = self._gather(cache, seq, md.block_size, k.shape[1], k.shape[2])
-            out[rows] = attend_chunk(q[rows], keys, values, scale, sliding_window)
+        gather = partial(self._gather, cache, block_size=md.block_size, kv_heads=k.shape[1], dim=k.shape[2])
+        attend_chunks(out, q, k, v, md.prefills, gather, scale, sliding_window)
         return out
 
     @staticmethod

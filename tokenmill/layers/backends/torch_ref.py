@@ -124,14 +124,7 @@ class TorchReferenceBackend:
         out = q.new_zeros(q.shape)  # [T, heads, D]; padding rows stay zero
         for group in md.decode_groups:
             out[group.rows] = self._decode(q[group.rows], cache, group, scale, sliding_window)
-        for seq in md.prefills:
-            rows = slice(seq.row_start, seq.row_start + seq.query_len)
-            if seq.seq_len == seq.query_len:  # nothing cached before this chunk: its own K/V are the context
-                keys, values = k[rows], v[rows]
-            else:
-                keys = cache.k.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]  # [ctx, kv_heads, D]
-                values = cache.v.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]
-            out[rows] = attend_chunk(q[rows], keys, values, scale, sliding_window)
+        attend_chunks(out, q, k, v, md.prefills, lambda seq: _gather(cache, seq), scale, sliding_window)
         return out
 
     @staticmethod
@@ -180,6 +173,31 @@ def _decode_group(
         block_tables=tensor([(tables[b] + [0] * blocks)[:blocks] for b in members]),
         max_seq_len=longest,
     )
+
+
+def _gather(cache: KVCache, seq: PrefillSequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's keys and values [seq_len, kv_heads, D] from the reference layout."""
+    keys = cache.k.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]
+    values = cache.v.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]
+    return keys, values
+
+
+def attend_chunks(
+    out: torch.Tensor,  # [T, heads, D]: each chunk's rows are written
+    q: torch.Tensor,  # [T, heads, D]
+    k: torch.Tensor,  # [T, kv_heads, D]: this step's fresh keys and values
+    v: torch.Tensor,
+    chunks: list[PrefillSequence],
+    gather: Callable[[PrefillSequence], tuple[torch.Tensor, torch.Tensor]],  # a sequence's cached K, V
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Each prompt chunk attended with SDPA, over its own fresh K/V when nothing was cached before it
+    (no gather), else over what `gather` reads from the cache (in the backend's layout)."""
+    for seq in chunks:
+        rows = slice(seq.row_start, seq.row_start + seq.query_len)
+        keys, values = (k[rows], v[rows]) if seq.seq_len == seq.query_len else gather(seq)
+        out[rows] = attend_chunk(q[rows], keys, values, scale, sliding_window)
 
 
 def attend_chunk(
