@@ -97,6 +97,14 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
 
 
+def require_cpu_kernels(field: str) -> CpuKernels:
+    """The kernels, for a setting that asked for them by name (`field`: its name in the error)."""
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise ValueError(f"{field}: 'cpu' needs the native CPU kernels; they did not build here (see the log)")
+    return kernels
+
+
 def _build(csrc: Path, build_dir: Path) -> None:
     from torch.utils import cpp_extension
 

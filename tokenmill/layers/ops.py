@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.kernels.cpu_build import load_cpu_kernels, require_cpu_kernels
 from tokenmill.layers.cpu_ops import CpuOps
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -86,10 +86,7 @@ class TorchOps:
 
 
 def _cpu() -> LayerOps:
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        raise ValueError("layer_ops: 'cpu' needs the native CPU kernels; they did not build here (see the log)")
-    return CpuOps(kernels)
+    return CpuOps(require_cpu_kernels("layer_ops"))
 
 
 def _auto() -> LayerOps:

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.kernels.cpu_build import load_cpu_kernels, require_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.cpu_paged import CpuPagedBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 
 
 def _cpu() -> AttentionBackend:
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        raise ValueError("attention_backend: 'cpu' needs the native CPU kernels; they did not build here (see the log)")
-    return CpuPagedBackend(kernels)
+    return CpuPagedBackend(require_cpu_kernels("attention_backend"))
 
 
 def _auto() -> AttentionBackend:
