@@ -36,8 +36,10 @@ import transformers
 from common import RESULTS, ensure_model
 
 from tokenmill.bench.metrics import spread
+from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
@@ -46,7 +48,7 @@ from tokenmill.runner.cpu_memory import keep_freed_memory
 BLOCK = 16
 PROMPT = 512
 CONTEXT = 128
-BATCHES = (1, 8, 32)
+BATCHES = (1, 4, 8, 32)
 DECODE_STEPS = 16
 
 
@@ -82,9 +84,16 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
 class Tokenmill:
     name = "tokenmill"
 
-    def __init__(self, folder: Path, dtype: torch.dtype, backend: str = "auto", ops: str = "auto") -> None:
+    def __init__(
+        self, folder: Path, dtype: torch.dtype, backend: str = "auto", ops: str = "auto", linear: str = "auto"
+    ) -> None:
         self.backend = get_attention_backend(backend)  # the engine's defaults: native where it builds
-        self.model = load_model(folder, dtype=dtype, backend=self.backend, ops=get_layer_ops(ops))
+        method = get_dense_linear_method(linear)
+        self.model = load_model(folder, dtype=dtype, backend=self.backend, ops=get_layer_ops(ops), linear_method=method)
+        if isinstance(method, CpuLinearMethod) and linear == "auto":  # tuned as the engine tunes it
+            shapes = dense_weight_shapes(self.model, self.model.tied_head())
+            tune_linear(method, shapes, max(BATCHES), Autotuner(torch.device("cpu"), default_cache_path()))
+        self.linear = type(method).__name__ if linear != "auto" else f"auto ({type(method).__name__}, tuned)"
         self.dtype = dtype
 
     def _fresh(self, batch: int, tokens: int) -> None:
@@ -185,6 +194,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "forward.json"))
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--layer-ops", default="auto")
+    parser.add_argument("--linear-backend", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -211,7 +221,9 @@ def main() -> None:
     with torch.inference_mode():
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            engines = [Tokenmill(folder, dtype, args.attention_backend, args.layer_ops), HF(folder, dtype)]
+            tokenmill = Tokenmill(folder, dtype, args.attention_backend, args.layer_ops, args.linear_backend)
+            result["linear_backend"] = tokenmill.linear
+            engines = [tokenmill, HF(folder, dtype)]
             weight_bytes = decode_weight_bytes(engines[0].model)
             floor = weight_bytes / bandwidth
             prompt = torch.randint(0, 32000, (PROMPT,))
@@ -251,6 +263,9 @@ def main() -> None:
                 ratios[f"decode_b{b}_speedup"] = spread([h / t for t, h in pairs])
                 ratios[f"decode_b{b}_vs_floor"] = tm[key]["median"] / (floor * 1e3)
                 ratios[f"decode_b{b}_vs_gemv_fp32_floor"] = tm[key]["median"] / (gemv_floor * 1e3)
+                ratios[f"decode_b{b}_vs_b1"] = spread(
+                    [t / one for t, one in zip(tms[f"decode_b{b}_s"], tms["decode_b1_s"], strict=True)]
+                )
             entry["ratios"] = ratios
             result["dtypes"][dtype_name] = entry  # type: ignore[index]
             print(
@@ -262,9 +277,11 @@ def main() -> None:
             print_row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"], tm, hf)
             for b in BATCHES:
                 print_row(f"decode step b={b}, ms", f"decode_step_ms_b{b}", ratios[f"decode_b{b}_speedup"], tm, hf)
+            b4 = ratios["decode_b4_vs_b1"]
             print(
                 f"decode b=1: {ratios['decode_b1_vs_floor']:.2f}x the floor, "
-                f"{ratios['decode_b1_vs_gemv_fp32_floor']:.2f}x the fp32-GEMV floor"
+                f"{ratios['decode_b1_vs_gemv_fp32_floor']:.2f}x the fp32-GEMV floor; a step at b=4 costs "
+                f"{b4['median']:.2f}x [{b4['min']:.2f}-{b4['max']:.2f}] one at b=1"
             )
             del engines, prefill, decodes
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

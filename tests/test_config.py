@@ -97,7 +97,7 @@ def test_every_engine_field_has_exactly_one_flag_with_its_default_and_help(comma
         assert flag.help.startswith(f.metadata["help"]) and f.metadata["help"]
         assert f.default is None or "(default: " in flag.help
     action = next(a for a in parser._actions if a.dest == "EngineConfig.dtype")
-    assert tuple(action.choices) == ("auto", "float32", "bfloat16", "float16")
+    assert tuple(action.choices) == ("auto", "float32", "bfloat16", "float16", "fastest")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -123,6 +123,7 @@ def test_each_flag_sets_its_field():
         "layer_ops": "torch",
         "cpu_threads": 3,
         "greedy_head": "logits",
+        "linear_backend": "torch",
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]
@@ -197,7 +198,7 @@ def test_generate_and_bench_offline_read_engine_keys_from_config(tmp_path):
         ("bogus-key: 1\n", "bogus-key: unknown key"),
         ("max_num_seqs: 0\n", "max_num_seqs: expected a positive integer, got 0"),
         ("max-num-seqs: many\n", "max_num_seqs: expected a positive integer, got 'many'"),
-        ("dtype: float64\n", "dtype: expected one of auto, float32, bfloat16, float16, got 'float64'"),
+        ("dtype: float64\n", "dtype: expected one of auto, float32, bfloat16, float16, fastest, got 'float64'"),
         ("enable_prefix_caching: maybe\n", "enable_prefix_caching: expected a boolean"),
         ("port: http\n", "port: expected an integer >= 0, got 'http'"),
         ("max_num_seqs: 4\nmax-num-seqs: 8\n", "max-num-seqs: given twice"),

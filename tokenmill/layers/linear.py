@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ShardId = str | None  # None: the layer is not fused; otherwise the name of one of its output shards
+Shape = tuple[int, int]  # a dense weight's (out, in)
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
 
 
@@ -133,6 +134,13 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, cast(torch.Tensor, layer.weight), bias)
+
+    def product(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, shape: Shape | None = None
+    ) -> torch.Tensor:  # x [M, in], weight [out, in] -> [M, out]
+        """x @ weight^T (+ bias) for a dense weight that is not a layer's (a tied embedding table, a
+        slice of the output projection); `shape`: the whole weight's (out, in) when `weight` is a slice."""
+        return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):

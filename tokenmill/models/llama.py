@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
@@ -158,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         method = linear_method or UnquantizedLinearMethod()
+        # products with dense weights outside a layer (a tied head, slices of the head): the same
+        # method when it is a dense one (the CPU plan applies), plain torch otherwise
+        self.dense = method if isinstance(method, UnquantizedLinearMethod) else UnquantizedLinearMethod()
         self.ops = ops = ops or TorchOps()
         table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
@@ -189,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         if self.config.tie_word_embeddings:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return self.dense.product(hidden, self.embed_tokens.weight).float()
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
@@ -209,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
         best_ids = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
         chunk = max(256, GREEDY_CHUNK_VALUES // max(1, hidden.shape[0]))
         for start in range(0, weight.shape[0], chunk):
-            values, ids = F.linear(hidden, weight[start : start + chunk]).max(dim=-1)  # [N], [N]
+            logits = self.dense.product(hidden, weight[start : start + chunk], shape=(weight.shape[0], weight.shape[1]))
+            values, ids = logits.max(dim=-1)  # [N], [N]
             if best_values is None:
                 best_values, best_ids = values, ids
             else:
@@ -217,6 +220,10 @@ class LlamaForCausalLM(nn.Module):
                 best_values = torch.where(better, values, best_values)
                 best_ids = torch.where(better, ids + start, best_ids)
         return best_ids
+
+    def tied_head(self) -> torch.Tensor | None:
+        """The embedding table when it doubles as the output projection (not a layer's weight)."""
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else None
 
     def checkpoint_map(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> the parameter (and shard of it) it fills. Derived from the

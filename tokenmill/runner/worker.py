@@ -12,15 +12,15 @@ nothing else of torch crosses.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
-from tokenmill.layers.attention import KVCache, allocate_kv_cache
+from tokenmill.kernels.autotune import Autotuner, default_cache_path
+from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.config import ModelConfig, load_config
 from tokenmill.models.llama import LlamaForCausalLM
@@ -28,6 +28,7 @@ from tokenmill.models.loader import load_model, resolve_dtype
 from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.cpu_threads import physical_cores
+from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
@@ -53,12 +54,14 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory()
             torch.set_num_threads(config.cpu_threads or physical_cores())
-        dtype = resolve_dtype(config.dtype, load_config(Path(config.model)))
-        self.backend = get_attention_backend(
-            native_or_reference(config.attention_backend, "attention_backend", self.device, dtype)
-        )
-        ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
-        model = load_model(config.model, dtype=dtype, device=self.device, backend=self.backend, ops=ops)
+        self.tuner = Autotuner(self.device, default_cache_path())
+        if config.dtype == "fastest":
+            model, self.backend = self._fastest(config)
+        else:
+            dtype = resolve_dtype(config.dtype, load_config(Path(config.model)))
+            model, self.backend = self._build(config, dtype)
+        dtype = model.embed_tokens.weight.dtype
+        ops = model.ops
         self.model_config: ModelConfig = model.config
         self.dtype = dtype
         limit = self.model_config.max_position_embeddings
@@ -96,6 +99,39 @@ class Worker:
         else:
             self.runner.greedy_head = config.greedy_head == "head"
 
+    def _build(self, config: EngineConfig, dtype: torch.dtype) -> tuple[LlamaForCausalLM, AttentionBackend]:
+        """The model in `dtype` with its attention backend, layer ops and linear method; with
+        `linear_backend` auto, the method's kernel per weight shape and row class tuned here."""
+        backend = get_attention_backend(
+            native_or_reference(config.attention_backend, "attention_backend", self.device, dtype)
+        )
+        ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
+        method = get_dense_linear_method(
+            native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
+        )
+        model = load_model(
+            config.model, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method
+        )
+        if isinstance(method, CpuLinearMethod) and config.linear_backend == "auto":
+            shapes = dense_weight_shapes(model, model.tied_head())
+            plan = tune_linear(method, shapes, config.max_num_seqs, self.tuner)
+            native = sorted(k for k, v in plan.items() if v == "cpu")
+            logger.info(
+                "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
+            )
+        return model, backend
+
+    def _fastest(self, config: EngineConfig) -> tuple[LlamaForCausalLM, AttentionBackend]:
+        built: dict[torch.dtype, tuple[LlamaForCausalLM, AttentionBackend]] = {}
+
+        def build(dtype: torch.dtype) -> tuple[LlamaForCausalLM, AttentionBackend]:
+            built[dtype] = self._build(config, dtype)
+            return built[dtype]
+
+        report = fastest_dtype(build, CANDIDATES, config.max_num_seqs, self.tuner)
+        log_report(report)
+        return built[report.dtype]
+
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         return self.runner.execute(scheduled)
 
@@ -115,28 +151,31 @@ class Worker:
     def _greedy_head_is_faster(self, model: LlamaForCausalLM, rows: int) -> bool:
         """Whether `greedy_tokens` (the output projection in cache-sized chunks, argmax as it goes)
         beats logits + argmax for `rows` greedy rows here: it depends on the CPU and the dtype (on
-        one AVX-512 machine 11% faster at 32 rows in float32, 14% slower in bfloat16). Median of
-        seven interleaved timings each after one untimed call, on random hidden states (a few tenths
-        of a second at start). Within this machine's noise either may win; both pick the argmax."""
-        hidden = torch.randn(rows, self.model_config.hidden_size, device=self.device).to(self.dtype)
+        one AVX-512 machine 11% faster at 32 rows in float32, 14% slower in bfloat16). Timed on random
+        hidden states through the autotune cache. Within this machine's noise either may win; both
+        pick the argmax."""
+        cfg = self.model_config
+        hidden = torch.randn(rows, cfg.hidden_size, device=self.device).to(self.dtype)
         with torch.inference_mode():
             if model.greedy_tokens(hidden) is None:
                 return False
-            runs: dict[str, list[float]] = {"head": [], "logits": []}
-            model.ops.argmax(model.compute_logits(hidden))
-            for _ in range(7):
-                for name, fn in (
-                    ("head", lambda: model.greedy_tokens(hidden)),
-                    ("logits", lambda: model.ops.argmax(model.compute_logits(hidden))),
-                ):
-                    start = time.perf_counter()
-                    fn()
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    runs[name].append(time.perf_counter() - start)
-        faster = statistics.median(runs["head"]) < statistics.median(runs["logits"])
-        logger.info("greedy steps: %s (measured at %d rows)", "argmax in the head" if faster else "logits", rows)
-        return faster
+            shape = f"{rows} rows {self.dtype} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
+            choice = self.tuner.choose(
+                "greedy_head",
+                shape,
+                {
+                    "head": lambda: model.greedy_tokens(hidden),
+                    "logits": lambda: model.ops.argmax(model.compute_logits(hidden)),
+                },
+                repeats=7,
+            )
+        logger.info(
+            "greedy steps: %s (at %d rows: %s)",
+            "argmax in the head" if choice.name == "head" else "logits",
+            rows,
+            ", ".join(f"{n} {t:.2f} ms" for n, t in choice.timings_ms.items()),
+        )
+        return choice.name == "head"
 
     def _warm_up(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
         """One prefill step of the largest chunk, then one step of the most decodes, on a scratch

@@ -1,0 +1,169 @@
+"""The native few-row linear kernel against float64 (float32) and torch's GEMM (bfloat16); the CPU
+linear method's per-shape plan; tuning through the autotune cache (choices pinned by a seeded cache)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.autotune import Autotuner
+from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.layers.cpu_linear import (
+    MAX_NATIVE_ROWS,
+    CpuLinearMethod,
+    dense_weight_shapes,
+    get_dense_linear_method,
+    tune_linear,
+)
+from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.ops import get_layer_ops
+from tokenmill.models.loader import load_model
+from tokenmill.runner.dtype_choice import probe_logits
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels did not build here")
+
+TORCH = get_attention_backend("torch")
+SHAPES = [(1, 64, 32), (3, 37, 100), (4, 64, 48), (5, 5, 33), (8, 130, 96), (13, 16, 64), (64, 24, 40)]
+
+
+@pytest.mark.parametrize(("rows", "out_f", "in_f"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_matches_float64(rows, out_f, in_f, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out_f)
+    x = torch.randn(rows, 2 * in_f, generator=g)[:, 1 : in_f + 1]  # rows with a stride, not contiguous
+    w = torch.randn(out_f, in_f, generator=g)
+    b = torch.randn(out_f, generator=g) if bias else None
+    out = torch.empty(rows, out_f)
+    KERNELS.ops.linear(out, x, w, b)
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    # float32 sums of in_f products: relative error a few ulp of the row's magnitude
+    scale = (x.double().abs() @ w.double().abs().T).max()
+    assert (out.double() - expected).abs().max() <= 1e-6 * scale
+
+
+@pytest.mark.parametrize(("rows", "out_f", "in_f"), SHAPES)
+def test_bfloat16_matches_torch(rows, out_f, in_f):
+    g = torch.Generator().manual_seed(rows + out_f)
+    x = torch.randn(rows, in_f, generator=g).bfloat16()
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    b = torch.randn(out_f, generator=g).bfloat16()
+    out = torch.empty(rows, out_f, dtype=torch.bfloat16)
+    KERNELS.ops.linear(out, x, w, b)
+    exact = x.double() @ w.double().T + b.double()  # the inputs are exact in float64
+    # both sum in float32 and round once: each within one bfloat16 rounding (2^-8 relative) of the exact value
+    tol = 2**-8 * exact.abs() + 1e-4 * (x.double().abs() @ w.double().abs().T)
+    assert ((out.double() - exact).abs() <= tol).all()
+    assert ((F.linear(x, w, b).double() - exact).abs() <= tol).all()
+
+
+def test_bad_inputs_name_what_is_wrong():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        KERNELS.ops.linear(torch.empty(2, 4), x, torch.randn(8, 4).T, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        KERNELS.ops.linear(torch.empty(2, 4), x, w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        KERNELS.ops.linear(torch.empty(2, 4), x, w, torch.randn(3))
+
+
+class CountingOps:
+    """Wraps the kernels' ops, counting native linear calls."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+
+    def linear(self, *args):
+        self.calls += 1
+        return self.ops.linear(*args)
+
+
+def test_the_plan_routes_rows_and_long_inputs_take_torch():
+    method = CpuLinearMethod(KERNELS)
+    method.ops = counting = CountingOps(method.ops)
+    w = torch.randn(32, 16)
+    for rows, native in ((1, True), (MAX_NATIVE_ROWS, True), (MAX_NATIVE_ROWS + 1, False)):
+        before = counting.calls
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(method.product(x, w), F.linear(x, w))
+        assert (counting.calls > before) == native  # a shape outside the plan: native up to MAX_NATIVE_ROWS
+    method.native[(32, 16)] = (False, True) + (False,) * MAX_NATIVE_ROWS  # one row native, the rest torch
+    before = counting.calls
+    method.product(torch.randn(1, 16), w)
+    assert counting.calls == before + 1
+    method.product(torch.randn(2, 16), w)
+    method.product(torch.randn(1, 16), w[:8], shape=(32, 16))  # a slice follows its whole weight's plan
+    assert counting.calls == before + 2
+
+
+def tiny(tiny_model_dir, method, dtype="float32", tied=False):
+    folder = tiny_model_dir("llama", tied=tied)
+    return load_model(folder, dtype=dtype, backend=TORCH, ops=get_layer_ops("torch"), linear_method=method)
+
+
+def test_a_model_on_the_native_kernel_matches_torch(tiny_model_dir, hf_logits):
+    ids = torch.arange(1, 13)  # 12 rows: every projection (and the head) takes the native kernel
+    for tied in (False, True):
+        reference = tiny(tiny_model_dir, None, tied=tied)
+        native = tiny(tiny_model_dir, get_dense_linear_method("cpu"), tied=tied)
+        logits = probe_logits(native, TORCH, ids)
+        torch.testing.assert_close(logits, probe_logits(reference, TORCH, ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, hf_logits(tiny_model_dir("llama", tied=tied), ids), rtol=1e-4, atol=1e-4)
+        hidden = torch.randn(3, reference.config.hidden_size)
+        assert torch.equal(native.greedy_tokens(hidden), reference.compute_logits(hidden).argmax(-1))
+
+
+def test_tuning_fills_the_plan_and_a_seeded_cache_pins_it(tiny_model_dir, tmp_path):
+    path = tmp_path / "autotune.json"
+    method = get_dense_linear_method("cpu")
+    model = tiny(tiny_model_dir, method, tied=True)
+    shapes = dense_weight_shapes(model, model.tied_head())
+    assert (model.config.vocab_size, model.config.hidden_size) in shapes  # the tied head is tuned too
+    summary = tune_linear(method, shapes, 16, Autotuner(torch.device("cpu"), path))
+    assert set(method.native) == set(shapes) and all(len(t) == MAX_NATIVE_ROWS + 1 for t in method.native.values())
+    assert len(summary) == 3 * len(shapes)
+    # a second tuner on the same machine reads every choice back; one seeded to torch pins torch
+    data = json.loads(path.read_text())
+    (key,) = data
+    for entry in data[key].values():
+        entry["choice"] = "torch"
+    path.write_text(json.dumps(data))
+    pinned = get_dense_linear_method("cpu")
+    tuner = Autotuner(torch.device("cpu"), path)
+    tuner.choose = types.MethodType(lambda self, op, shape, c, repeats=5: _cached(self, op, shape, c), tuner)
+    tune_linear(pinned, shapes, 16, tuner)
+    assert not any(any(t) for t in pinned.native.values())
+
+
+def _cached(tuner, op, shape, candidates):
+    choice = Autotuner.choose(tuner, op, shape, candidates)
+    assert choice.cached, f"{op} {shape} was measured again"
+    return choice
+
+
+def test_the_autotuner_measures_once_and_reads_back(tmp_path, caplog):
+    path = tmp_path / "cache" / "autotune.json"
+    calls = {"fast": 0, "slow": 0}
+
+    def fast():
+        calls["fast"] += 1
+
+    def slow():
+        calls["slow"] += 1
+        torch.randn(200, 200) @ torch.randn(200, 200)
+
+    first = Autotuner(torch.device("cpu"), path).choose("op", "shape", {"slow": slow, "fast": fast}, repeats=3)
+    assert first.name == "fast" and not first.cached and calls == {"fast": 4, "slow": 4}
+    again = Autotuner(torch.device("cpu"), path).choose("op", "shape", {"slow": slow, "fast": fast})
+    assert again.name == "fast" and again.cached and calls["fast"] == 4
+    assert again.timings_ms.keys() == {"fast", "slow"}
+    # a cached choice that is no longer a candidate is measured again
+    other = Autotuner(torch.device("cpu"), path).choose("op", "shape", {"slow": slow}, repeats=1)
+    assert other.name == "slow" and not other.cached
+    path.write_text("{not json")
+    assert not Autotuner(torch.device("cpu"), path).choose("op", "shape", {"fast": fast}, repeats=1).cached
+    assert "unreadable" in caplog.text

@@ -1,0 +1,195 @@
+// Linear layers for few rows (decode): y [M, N] = x [M, K] @ w[N, K]^T (+ bias), the weight read once
+// from memory in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM for
+// long prompts). Each thread takes a contiguous range of output rows and walks them R = 4 weight rows
+// at a time; for each group it runs over the x rows MB = 4 at a time with R x MB vector accumulators
+// (16 registers), so the group's weights come from memory once and from L1 for the other x rows.
+// float32 weights: FMA over 16 (AVX-512) or 8 (AVX2) lanes. bfloat16 weights: vdpbf16ps (AVX-512
+// BF16: pairs of bfloat16 products summed into float32 lanes) where the CPU has it, else widened to
+// float32 by a shift. Sums in float32; the output rounded once to its dtype, as torch's GEMM does.
+// Without AVX2 the same loops run on scalars (the build is for the CPU at hand: -march=native).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "convert.h"
+
+namespace {
+
+constexpr int R = 4;   // weight rows per group
+constexpr int MB = 4;  // x rows per pass over a group
+#ifndef PF
+#define PF 1
+#endif
+
+using bf16 = c10::BFloat16;
+
+// Lanes: the widest float32 vector this build has, and the ops the loops need on it.
+#if defined(__AVX512F__)
+struct Lanes {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const bf16* p) {  // 16 bfloat16 -> float32 by a 16-bit shift
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const bf16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+struct Lanes {
+  using V = float;
+  static constexpr int W = 1;
+  static V zero() { return 0.f; }
+  static V load(const float* p) { return *p; }
+  static V load(const bf16* p) { return static_cast<float>(*p); }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static float sum(V v) { return v; }
+};
+#endif
+
+// acc[r][m] = sum over k < K of w[r][k] * x[m][k], for RR weight rows and MM x rows (compile-time
+// counts, so the accumulators stay in registers). Returns the float32 sums in out[r * MB + m].
+template <int RR, int MM, typename T>
+inline void dot_tile(const T* w, int64_t K, const T* x, int64_t x_row, float* out) {
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {  // 32 bfloat16 per step, pairs summed by the instruction
+    __m512 acc[RR][MM];
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+      __m512bh xv[MM];
+      for (int m = 0; m < MM; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * x_row + k);
+      for (int r = 0; r < RR; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PF * R) * K + k), _MM_HINT_T0);  // the next group's
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
+  } else
+#endif
+  {
+    typename Lanes::V acc[RR][MM];
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::zero();
+    for (; k + Lanes::W <= K; k += Lanes::W) {
+      typename Lanes::V xv[MM];
+      for (int m = 0; m < MM; ++m) xv[m] = Lanes::load(x + m * x_row + k);
+      for (int r = 0; r < RR; ++r) {
+        if constexpr (Lanes::W * sizeof(T) >= 32)  // one prefetch per cache line or half line
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + PF * R) * K + k), _MM_HINT_T0);  // the next group's
+        const typename Lanes::V wv = Lanes::load(w + r * K + k);
+        for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m) out[r * MB + m] = Lanes::sum(acc[r][m]);
+  }
+  for (; k < K; ++k)  // the tail shorter than a vector
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m)
+        out[r * MB + m] += static_cast<float>(w[r * K + k]) * static_cast<float>(x[m * x_row + k]);
+}
+
+// One group of RR weight rows against every x row, MB at a time; results (+ bias) stored rounded.
+template <int RR, typename T>
+inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const T* x, int64_t x_row, int64_t M,
+                  T* y, int64_t y_row) {
+  float sums[R * MB];
+  int64_t m0 = 0;
+  const auto store = [&](int mm) {
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < mm; ++m)
+        y[(m0 + m) * y_row + n0 + r] = from_float<T>(sums[r * MB + m] + (bias ? static_cast<float>(bias[n0 + r]) : 0.f));
+  };
+  for (; m0 + MB <= M; m0 += MB) {
+    dot_tile<RR, MB>(w, K, x + m0 * x_row, x_row, sums);
+    store(MB);
+  }
+  switch (M - m0) {
+    case 3: dot_tile<RR, 3>(w, K, x + m0 * x_row, x_row, sums); store(3); break;
+    case 2: dot_tile<RR, 2>(w, K, x + m0 * x_row, x_row, sums); store(2); break;
+    case 1: dot_tile<RR, 1>(w, K, x + m0 * x_row, x_row, sums); store(1); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& b) {
+  const T* bias = b.has_value() ? b->data_ptr<T>() : nullptr;
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* yp = out.data_ptr<T>();
+  const int64_t x_row = x.stride(0), y_row = out.stride(0);
+  const int64_t groups = (N + R - 1) / R;
+  // a thread's share is at least ~64K weights (128-256 KB): below that, forking costs more than it saves
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (R * K));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * R;
+      const T* w = wp + n0 * K;
+      switch (std::min<int64_t>(R, N - n0)) {
+        case 4: group<4>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
+        case 3: group<3>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
+        case 2: group<2>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
+        default: group<1>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
+      }
+    }
+  });
+}
+
+// out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]). x rows contiguous (any row stride),
+// weight contiguous, one dtype (float32 or bfloat16) for x, weight and out.
+void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be [M, K] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "linear: weight must be contiguous [N, K] for x [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "linear: out must be [M, N] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type(), "linear: one dtype");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
+                                     bias->numel() == weight.size(0)),
+              "linear: bias must be contiguous [N] in x's dtype");
+  if (x.scalar_type() == at::kFloat) {
+    linear_impl<float>(out, x, weight, bias);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_impl<bf16>(out, x, weight, bias);
+  } else {
+    TORCH_CHECK(false, "linear: float32 and bfloat16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.impl("linear", c10::DispatchKey::CPU, &linear);
+}

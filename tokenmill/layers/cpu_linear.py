@@ -1,0 +1,150 @@
+"""Dense linear layers on the CPU: the native few-row kernel or torch's GEMM, chosen per weight shape
+and class of row counts by measurement on the CPU at hand.
+
+`CpuLinearMethod` holds the same dense weight as `UnquantizedLinearMethod` (the checkpoint's
+[out, in] layout, nothing repacked) and applies it through `product`: the native kernel
+(`kernels/csrc/linear.cpp`: weights streamed once, vector FMA or AVX-512 BF16 dot products) for
+inputs of few rows, torch's `F.linear` (MKL / oneDNN) for the rest. Which is faster depends on the
+CPU, the dtype, the shape and the row count (on one AVX-512 machine torch's float32 product at 2-8
+rows costs twice its single row; on an AVX2 machine bfloat16 arithmetic is emulated), so
+`tune_linear` times both on the model's own weights for each row class in `ROW_CLASSES` through the
+autotune cache, and the plan it returns says, per (out, in) shape, which rows go native. Inputs
+longer than the last class (prompt chunks) always take torch's GEMM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.autotune import Autotuner
+from tokenmill.kernels.cpu_build import CpuKernels, load_cpu_kernels, require_cpu_kernels
+from tokenmill.layers.linear import LinearBase, Shape, UnquantizedLinearMethod
+
+logger = logging.getLogger("tokenmill")
+
+# Row counts timed apart: one row (a single decode), a few (2-8), a batch (9-64); each class is timed at
+# both of its ends (summed), capped at the engine's max_num_seqs.
+ROW_CLASSES = ((1, 1), (2, 8), (9, 64))
+MAX_NATIVE_ROWS = ROW_CLASSES[-1][1]
+
+
+class CpuLinearMethod(UnquantizedLinearMethod):
+    """Dense weights on the CPU; `native[(out, in)][rows]` says whether `rows` input rows take the
+    native kernel. A shape missing from the plan takes it for every row count up to MAX_NATIVE_ROWS
+    (what `linear_backend="cpu"` pins)."""
+
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.ops = kernels.ops
+        self.native: dict[Shape, tuple[bool, ...]] = {}
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = cast(torch.Tensor, layer.weight)
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    def product(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, shape: Shape | None = None
+    ) -> torch.Tensor:  # x [M, in], weight [out, in] -> [M, out]
+        """x @ weight^T (+ bias) by the kernel the plan gives `shape` (default: weight's own shape;
+        a slice of a larger weight passes the whole weight's) at x's row count."""
+        m = x.shape[0]
+        plan = self.native.get(shape or (weight.shape[0], weight.shape[1]))
+        if m <= MAX_NATIVE_ROWS and (plan is None or plan[m]) and x.dtype in (torch.float32, torch.bfloat16):
+            return self.native_product(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def native_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)  # [M, out]
+        self.ops.linear(out, x, weight, bias)
+        return out
+
+
+def _over(
+    fn: Callable[[torch.Tensor, torch.Tensor], object], inputs: list[torch.Tensor], weights: list[torch.Tensor]
+) -> Callable[[], None]:
+    def run() -> None:
+        for x in inputs:
+            for w in weights:
+                fn(x, w)
+
+    return run
+
+
+def model_weight_shapes(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:
+    """Every dense linear weight of `model` grouped by (out, in), in layer order."""
+    shapes: dict[Shape, list[torch.Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod):
+            weight = cast(torch.Tensor, module.weight)
+            shapes.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
+    return shapes
+
+
+def tune_linear(
+    method: CpuLinearMethod, shapes: dict[Shape, list[torch.Tensor]], max_rows: int, tuner: Autotuner
+) -> dict[str, str]:
+    """Fill `method.native` from timings of both kernels on every weight of each shape in turn (the
+    weights of all layers, so they come from memory as in a step, not from cache) at each row class
+    up to `max_rows`; rows beyond `max_rows` keep the last class's choice. Returns a summary for the log."""
+    summary: dict[str, str] = {}
+    for (out_f, in_f), weights in shapes.items():
+        dtype = weights[0].dtype
+        picks: list[bool] = []
+        for low, high in ROW_CLASSES:
+            if low > max_rows and picks:
+                picks.append(picks[-1])
+                continue
+            ends = sorted({min(low, max_rows), min(high, max_rows)})
+            inputs = [torch.randn(m, in_f).to(dtype) for m in ends]
+            shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} rows {low}-{high} at {ends} x{len(weights)}"
+            native, torch_gemm = _over(method.native_product, inputs, weights), _over(F.linear, inputs, weights)
+            choice = tuner.choose("linear", shape, {"cpu": native, "torch": torch_gemm})
+            picks.append(choice.name == "cpu")
+            summary[f"{out_f}x{in_f} rows {low}-{high}"] = choice.name
+        table = [False]  # index 0: no rows
+        for (low, high), pick in zip(ROW_CLASSES, picks, strict=True):
+            table += [pick] * (high - low + 1)
+        method.native[(out_f, in_f)] = tuple(table)
+    return summary
+
+
+def dense_weight_shapes(model: nn.Module, tied_head: torch.Tensor | None) -> dict[Shape, list[torch.Tensor]]:
+    """`model_weight_shapes` plus a tied output projection (the embedding table) under its own shape."""
+    shapes = model_weight_shapes(model)
+    if tied_head is not None:
+        shapes.setdefault((tied_head.shape[0], tied_head.shape[1]), []).append(tied_head)
+    return shapes
+
+
+def _cpu() -> UnquantizedLinearMethod:
+    return CpuLinearMethod(require_cpu_kernels("linear_backend"))
+
+
+def _auto() -> UnquantizedLinearMethod:
+    kernels = load_cpu_kernels()  # logs why when it returns None
+    return UnquantizedLinearMethod() if kernels is None else CpuLinearMethod(kernels)
+
+
+_METHODS: dict[str, Callable[[], UnquantizedLinearMethod]] = {
+    "auto": _auto,
+    "cpu": _cpu,
+    "torch": UnquantizedLinearMethod,
+}
+
+
+def get_dense_linear_method(name: str) -> UnquantizedLinearMethod:
+    """The dense linear method by name (`linear_backend`); a ValueError lists the names there are."""
+    factory = _METHODS.get(name)
+    if factory is None:
+        raise ValueError(f"linear_backend: expected one of {', '.join(sorted(_METHODS))}, got {name!r}")
+    return factory()
