@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import (
     MAX_NATIVE_ROWS,
     CpuLinearMethod,
@@ -19,7 +20,6 @@ from tokenmill.layers.cpu_linear import (
     get_dense_linear_method,
     tune_linear,
 )
-from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
 from tokenmill.runner.dtype_choice import probe_logits
