@@ -18,8 +18,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, wait
 
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -54,6 +56,7 @@ class AsyncEngine:
         metrics: EngineMetrics,
         max_waiting: int = 256,
         log_interval: float = 10.0,
+        thread: EngineThread | None = None,
     ) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting: expected a positive integer, got {max_waiting}")
@@ -74,14 +77,16 @@ class AsyncEngine:
         self._closed = False  # the core thread has ended (or is ending)
         self._failure: BaseException | None = None
         self._last_log = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        # the core's loop runs on this thread; give the one the core was built on (see engine_thread)
+        self._thread = thread or EngineThread()
+        self._running: Future[None] | None = None
 
     # -- event-loop side -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the core thread; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
 
     def begin_drain(self) -> None:
         """Take no new requests (they get EngineStopped); the open ones run on."""
@@ -97,12 +102,12 @@ class AsyncEngine:
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, stop the core thread and wait for it."""
         self.request_stop()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._running is not None:
+            wait([self._running], timeout)
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and self._failure is None
+        return self._running is not None and not self._running.done() and self._failure is None
 
     @property
     def accepting(self) -> bool:

@@ -23,6 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.engine import engine_limits
+from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import Tokenizer
@@ -47,12 +48,15 @@ def build_server(
     limits: Limits | None = None,
     log_interval: float = 10.0,
 ) -> Server:
-    core = EngineCore(config)
+    thread = EngineThread()  # the core is built on the thread that will step it (see engine_thread)
+    core = thread.run(lambda: EngineCore(config))
     tokenizer = Tokenizer(config.model)
     processor = OutputProcessor(tokenizer, engine_limits(core), seed=config.seed)
     name = served_model_name or Path(config.model).name
     metrics = EngineMetrics(name)
-    async_engine = AsyncEngine(core, processor, metrics, max_waiting=max_waiting, log_interval=log_interval)
+    async_engine = AsyncEngine(
+        core, processor, metrics, max_waiting=max_waiting, log_interval=log_interval, thread=thread
+    )
     return Server(async_engine, tokenizer, name, core.max_model_len, limits or Limits())
 
 
