@@ -4,8 +4,8 @@ A choice (which matrix kernel for a weight shape and a class of row counts, whet
 runs inside the output projection, which dtype is fastest) is measured once on a machine and then
 read back, so a second start on the same machine makes the same choices (reproducible runs), and
 starts fast. Entries are keyed by the machine (the CPU's instruction-set flags, torch's version, the
-device and the thread count: the things a timing depends on) and then by the op and its shape.
-The cache is one JSON file, `$TOKENMILL_CACHE_DIR/autotune.json` (default
+device, the thread count and the native kernels' sources: the things a timing depends on) and then
+by the op and its shape. The cache is one JSON file, `$TOKENMILL_CACHE_DIR/autotune.json` (default
 `~/.cache/tokenmill/autotune.json`), rewritten whole (write, then rename) after each new choice.
 
 A measurement: each candidate runs once untimed, then `repeats` rounds in which every candidate runs
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.cpu_build import cpu_flags
+from tokenmill.kernels.cpu_build import cpu_flags, sources_hash
 
 logger = logging.getLogger("tokenmill")
 
@@ -46,8 +46,9 @@ def default_cache_path() -> Path:
 
 
 def machine_key(device: torch.device) -> str:
-    """What a timing depends on besides the op: CPU flags, torch version, device, threads."""
-    parts = [cpu_flags(), str(torch.__version__), str(device), str(torch.get_num_threads())]
+    """What a timing depends on besides the op: CPU flags, torch version, device, threads, and the
+    native kernels' sources (a changed kernel is timed again)."""
+    parts = [cpu_flags(), str(torch.__version__), str(device), str(torch.get_num_threads()), sources_hash()]
     if device.type == "cuda":
         parts.append(torch.cuda.get_device_name(device))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

@@ -58,13 +58,20 @@ def _compiler_version() -> str:
     return result.stdout.splitlines()[0] if result.stdout else compiler
 
 
+def sources_hash(csrc: Path | None = None) -> str:
+    """Hash of the kernels' sources alone."""
+    csrc = csrc or Path(__file__).with_name("csrc")
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((csrc / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def build_key(csrc: Path) -> str:
     """Hash of what the binary depends on; a different CPU, compiler, torch or source gets a new build."""
     h = hashlib.sha256()
-    for part in (cpu_flags(), _compiler_version(), torch.__version__, " ".join(CFLAGS)):
+    for part in (cpu_flags(), _compiler_version(), torch.__version__, " ".join(CFLAGS), sources_hash(csrc)):
         h.update(part.encode() + b"\0")
-    for name in SOURCES + HEADERS:
-        h.update((csrc / name).read_bytes())
     return h.hexdigest()[:16]
 
 
