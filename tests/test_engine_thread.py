@@ -55,3 +55,42 @@ def test_the_server_steps_its_core_on_the_thread_that_built_it(tiny_model_dir, m
 
     asyncio.run(one())
     assert threads["built"] == threads["stepped"] != threading.get_ident()
+
+
+def test_final_only_requests_are_handed_over_when_done_streamed_ones_every_step(tiny_model_dir, monkeypatch):
+    from tokenmill.engine import async_engine
+    from tokenmill.outputs import OutputKind
+
+    monkeypatch.setattr(async_engine, "OUTPUT_INTERVAL_S", 60.0)  # only urgency hands steps over
+    config = EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=64, kv_cache_memory=16 * 24576)
+    server = build_server(config)
+    engine = server.engine
+    handed: list[int] = []
+    real = engine._on_steps
+    monkeypatch.setattr(engine, "_on_steps", lambda steps: (handed.append(len(steps)), real(steps)))
+
+    async def run(kind, stop=()) -> list:
+        p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop=stop)
+        return [o async for o in engine.generate(f"r{len(handed)}", [5, 6, 7], p, output_kind=kind)]
+
+    async def main() -> tuple[list, list, list]:
+        engine.start()
+        try:
+            final = await run(OutputKind.FINAL_ONLY)
+            final_calls = list(handed)
+            handed.clear()
+            streamed = await run(OutputKind.DELTA)
+            streamed_calls = list(handed)
+            handed.clear()
+            await run(OutputKind.FINAL_ONLY, stop=("zzz-never",))  # stop strings are matched every step
+            return final, (final_calls, streamed_calls, list(handed)), streamed
+        finally:
+            engine.stop()
+
+    final, (final_calls, streamed_calls, stop_calls), streamed = asyncio.run(main())
+    assert final_calls == [6]  # six steps (one prompt, five decodes), handed over once, at the end
+    assert streamed_calls == [1] * 6 and stop_calls == [1] * 6
+    assert len(final) == 1 and final[0].outputs[0].token_ids == [t for o in streamed for t in o.outputs[0].token_ids]
+    assert not engine._eager  # nothing left behind
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
