@@ -7,8 +7,8 @@ repeats, each after an unmeasured pass). tokenmill runs `tokenmill serve` with p
 (`TM_ARGS=--no-enable-prefix-caching`: the load repeats 16 prompts, which the peers do not cache).
 This script needs the peers built first (`PEERS_DIR=DIR bash ../shared/peers/setup.sh`, 10-30 minutes);
 it runs bench.sh, reads its raw results, and writes one JSON with every row, the machine's CPU flags,
-and tokenmill's ratios to the llama.cpp rows (float32 to f32; bfloat16 to f16) and to the best other
-engine at each concurrency.
+and tokenmill's ratios at each concurrency to the peers of its precision (float32: llama.cpp f32,
+vLLM fp32, transformers fp32; bfloat16: llama.cpp f16, vLLM bf16, transformers bf16).
 
 Usage: python benchmarks/peers.py --peers-dir DIR [--engines "cpp_f32 cpp_f16 ..."] [--out FILE]
 """
@@ -32,7 +32,11 @@ from tokenmill.kernels.cpu_build import cpu_flags
 SHARED = ROOT.parent.parent / "shared" / "peers"
 DEFAULT_ENGINES = "hf_fp32 hf_bf16 cpp_f32 cpp_f16 cpp_q8_0 vllm_bf16 vllm_fp32 tokenmill_fp32 tokenmill_bf16"
 SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "avx512_fp16")
-PEER_OF = {"tokenmill_fp32": "cpp_f32", "tokenmill_bf16": "cpp_f16"}
+# each tokenmill row against the peers of its precision: llama.cpp's GGUF of that width, vLLM, transformers
+PEERS_OF = {
+    "tokenmill_fp32": ("cpp_f32", "vllm_fp32", "hf_fp32"),
+    "tokenmill_bf16": ("cpp_f16", "vllm_bf16", "hf_bf16"),
+}
 
 
 def medians(row: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -76,19 +80,17 @@ def main() -> None:
     table = {name: medians(row) for name, row in rows.items()}
     flags = set(cpu_flags().split())
     ratios: dict[str, dict[str, Any]] = {}
-    for ours, peer in PEER_OF.items():
+    for ours, peers_of in PEERS_OF.items():
         if ours not in table:
             continue
-        entry: dict[str, Any] = {}
-        for c, stats in table[ours].items():
-            others = {n: t[c]["median"] for n, t in table.items() if not n.startswith("tokenmill") and c in t}
-            best = max(others, key=lambda n: others[n]) if others else None
-            entry[f"c{c}"] = {
-                f"vs_{peer}": stats["median"] / table[peer][c]["median"] if peer in table else None,
-                "best_other": best,
-                "vs_best_other": stats["median"] / others[best] if best else None,
+        ratios[ours] = {
+            f"c{c}": {
+                f"vs_{peer}": stats["median"] / table[peer][c]["median"]
+                for peer in peers_of
+                if peer in table and c in table[peer]
             }
-        ratios[ours] = entry
+            for c, stats in table[ours].items()
+        }
     out = {
         "workload": "16 prompts x 128 tokens, 128 new tokens (EOS ignored), greedy; out tok/s at c=1/4/16, "
         "median of 3 repeats (bench.sh)",
@@ -107,14 +109,8 @@ def main() -> None:
         cells = "".join(f"{t[c]['median']:>8.1f} [{t[c]['min']:.0f}-{t[c]['max']:.0f}]" for c in t)
         print(f"{name:16}{cells}")
     for ours, entry in ratios.items():
-        print(
-            f"{ours}: "
-            + ", ".join(
-                f"{c} {v[f'vs_{PEER_OF[ours]}'] or 0:.2f}x {PEER_OF[ours]}, "
-                f"{v['vs_best_other'] or 0:.2f}x {v['best_other']}"
-                for c, v in entry.items()
-            )
-        )
+        for c, vs in entry.items():
+            print(f"{ours} {c}: " + ", ".join(f"{r:.2f}x {k.removeprefix('vs_')}" for k, r in vs.items()))
     print(f"wrote {args.out}")
 
 
