@@ -97,15 +97,18 @@ inline __m512 sum16(const __m512* in) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
 }
 
-// out[r * MB + m] = the lane sum of acc[r][m]: the tree for a full tile, one by one otherwise.
+// out[r * MB + m] = the lane sum of acc[r][m]: by the tree where there are 16 or more, one by one otherwise.
 template <int RR, int MM>
 inline void store_sums(const __m512 (&acc)[RR][MM], float* out) {
-  if constexpr (MM == MB && RR * MM >= 16) {  // out's layout is acc's: whole runs of 16 by the tree
+  if constexpr (RR * MM >= 16) {  // whole runs of 16 by the tree, in acc's order
     constexpr int n = RR * MM;
     const __m512* flat = &acc[0][0];
+    float sums[n];
     int i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, sum16(flat + i));
-    for (; i < n; ++i) out[i] = _mm512_reduce_add_ps(flat[i]);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(sums + i, sum16(flat + i));
+    for (; i < n; ++i) sums[i] = _mm512_reduce_add_ps(flat[i]);
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < MM; ++m) out[r * MB + m] = sums[r * MM + m];
   } else {
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < MM; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
@@ -271,7 +274,10 @@ void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+#ifndef TM_LIB
+#define TM_LIB tokenmill_cpu  // another namespace only for side-by-side builds of variants
+#endif
+TORCH_LIBRARY_FRAGMENT(TM_LIB, m) {
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.impl("linear", c10::DispatchKey::CPU, &linear);
 }
