@@ -32,6 +32,7 @@ logger = logging.getLogger("tokenmill")
 # both of its ends (summed), capped at the engine's max_num_seqs.
 ROW_CLASSES = ((1, 1), (2, 8), (9, 64))
 MAX_NATIVE_ROWS = ROW_CLASSES[-1][1]
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuLinearMethod(UnquantizedLinearMethod):
@@ -42,11 +43,13 @@ class CpuLinearMethod(UnquantizedLinearMethod):
     name = "cpu"
 
     def __init__(self, kernels: CpuKernels) -> None:
-        self.ops = kernels.ops
+        self._linear = kernels.ops.linear.default  # the overload itself: no lookup per call
         self.native: dict[Shape, tuple[bool, ...]] = {}
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = cast(torch.Tensor, layer.weight)
+        if x.dim() == 2:  # [M, in]: the common case, no reshaping
+            return self.product(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
         return self.product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
@@ -56,16 +59,17 @@ class CpuLinearMethod(UnquantizedLinearMethod):
         """x @ weight^T (+ bias) by the kernel the plan gives `shape` (default: weight's own shape;
         a slice of a larger weight passes the whole weight's) at x's row count."""
         m = x.shape[0]
-        plan = self.native.get(shape or (weight.shape[0], weight.shape[1]))
-        if m <= MAX_NATIVE_ROWS and (plan is None or plan[m]) and x.dtype in (torch.float32, torch.bfloat16):
-            return self.native_product(x, weight, bias)
+        if m <= MAX_NATIVE_ROWS and x.dtype in NATIVE_DTYPES:
+            plan = self.native.get(shape or cast(Shape, weight.shape))  # torch.Size hashes as the tuple it is
+            if plan is None or plan[m]:
+                return self.native_product(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def native_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)  # [M, out]
-        self.ops.linear(out, x, weight, bias)
+        self._linear(out, x, weight, bias)
         return out
 
 
