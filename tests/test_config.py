@@ -124,6 +124,7 @@ def test_each_flag_sets_its_field():
         "cpu_threads": 3,
         "greedy_head": "logits",
         "linear_backend": "torch",
+        "fused_decode": False,
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

@@ -148,6 +148,11 @@ class EngineConfig:
         "torch's GEMM above), `torch` (torch's GEMM), or `auto` (per weight shape and row count, whichever "
         "measures faster at start; torch where the kernels do not build)",
     )
+    fused_decode: bool = setting(
+        True,
+        "run each decoder layer of a step without prompt chunks as one native call where the native attention, "
+        "layer ops and dense weights run (the same kernels, no Python between them)",
+    )
     layer_ops: str = setting(
         "auto",
         "norms, SwiGLU and rotary embeddings: `cpu` (fused native kernels, built on first use), `torch` "

@@ -58,12 +58,16 @@ class CpuLinearMethod(UnquantizedLinearMethod):
     ) -> torch.Tensor:  # x [M, in], weight [out, in] -> [M, out]
         """x @ weight^T (+ bias) by the kernel the plan gives `shape` (default: weight's own shape;
         a slice of a larger weight passes the whole weight's) at x's row count."""
-        m = x.shape[0]
-        if m <= MAX_NATIVE_ROWS and x.dtype in NATIVE_DTYPES:
-            plan = self.native.get(shape or cast(Shape, weight.shape))  # torch.Size hashes as the tuple it is
-            if plan is None or plan[m]:
-                return self.native_product(x, weight, bias)
+        if self.takes_native(weight, x.shape[0], shape):
+            return self.native_product(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def takes_native(self, weight: torch.Tensor, rows: int, shape: Shape | None = None) -> bool:
+        """Whether `rows` input rows against `weight` (planned as `shape`) take the native kernel."""
+        if rows > MAX_NATIVE_ROWS or weight.dtype not in NATIVE_DTYPES:
+            return False
+        plan = self.native.get(shape or cast(Shape, weight.shape))  # torch.Size hashes as the tuple it is
+        return plan is None or plan[rows]
 
     def native_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:

@@ -13,6 +13,7 @@ beside the hidden states: each layer's residual add happens inside the next RMSN
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tokenmill.layers.fused_decode import FusedDecode
 
 # tokenmill's fused projections -> the checkpoint projections stacked in them, in output order, each
 # with the shard id its weight loader takes
@@ -160,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         # products with dense weights outside a layer (a tied head, slices of the head): the same
         # method when it is a dense one (the CPU plan applies), plain torch otherwise
         self.dense = method if isinstance(method, UnquantizedLinearMethod) else UnquantizedLinearMethod()
+        # decoder layers as one native call each where it applies (set by the worker; None: the modules)
+        self.fused_decode: FusedDecode | None = None
         self.ops = ops = ops or TorchOps()
         table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
@@ -183,8 +189,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.ops.rotary_inputs(self.rotary, positions, x.dtype)
         residual = None
+        fused = self.fused_decode
+        native = fused.plan(self.layers[0], x, metadata) if fused is not None and len(self.layers) else None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, cache, metadata)
+            if fused is not None and native is not None:  # one native call a layer (same kernels, no Python between)
+                x, residual = fused(layer, x, residual, rope, cache, metadata, native)  # type: ignore[arg-type]
+            else:
+                x, residual = layer(x, residual, rope, cache, metadata)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add(x, residual)[0]

@@ -18,9 +18,11 @@ import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
+from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
+from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.config import ModelConfig, load_config
 from tokenmill.models.llama import LlamaForCausalLM
@@ -119,6 +121,9 @@ class Worker:
             logger.info(
                 "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
             )
+        if config.fused_decode and FusedDecode.supports(model):
+            kernels = load_cpu_kernels()  # built already: the native attention and ops run
+            model.fused_decode = FusedDecode(kernels) if kernels is not None else None
         return model, backend
 
     def _fastest(self, config: EngineConfig) -> tuple[LlamaForCausalLM, AttentionBackend]:

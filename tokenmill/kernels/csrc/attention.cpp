@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "ops.h"
 
 namespace {
 
@@ -267,6 +268,11 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t b
 // over each sequence's cached K/V, for the B sequences whose queries are rows
 // [query_starts[b], query_starts[b] + query_lens[b]) of q; block_tables [B, max_blocks], seq_lens,
 // query_starts and query_lens [B] are int32. Other rows of out are left untouched.
+}  // namespace
+
+// The ops' entry points, also called from decode_layer.cpp (declared in ops.h).
+namespace tokenmill {
+
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window) {
@@ -334,13 +340,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   }
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_starts, Tensor query_lens, int block_size, float scale, int? window) -> ()");
-  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.impl("paged_attention", c10::DispatchKey::CPU, &tokenmill::paged_attention);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int block_size) -> ()");
-  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+  m.impl("write_kv", c10::DispatchKey::CPU, &tokenmill::write_kv);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "ops.h"
 
 namespace {
 
@@ -157,6 +158,11 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1, name, " must be 2-D or 3-D, last dim contiguous");
 }
 
+}  // namespace
+
+// The ops' entry points, also called from decode_layer.cpp (declared in ops.h).
+namespace tokenmill {
+
 // out = RMSNorm(x) * weight; out may be x itself (in place). x and out [N, n] or [N, M, n].
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
@@ -228,17 +234,17 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
   });
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
-  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &tokenmill::argmax_rows);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &tokenmill::rms_norm);
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &tokenmill::add_rms_norm);
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &tokenmill::silu_and_mul);
   m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
-  m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+  m.impl("rotary", c10::DispatchKey::CPU, &tokenmill::rotary);
 }

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "convert.h"
+#include "ops.h"
 
 namespace {
 
@@ -251,6 +252,11 @@ void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   });
 }
 
+}  // namespace
+
+// The ops' entry points, also called from decode_layer.cpp (declared in ops.h).
+namespace tokenmill {
+
 // out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]). x rows contiguous (any row stride),
 // weight contiguous, one dtype (float32 or bfloat16) for x, weight and out.
 void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -272,12 +278,12 @@ void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const
   }
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 #ifndef TM_LIB
 #define TM_LIB tokenmill_cpu  // another namespace only for side-by-side builds of variants
 #endif
 TORCH_LIBRARY_FRAGMENT(TM_LIB, m) {
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-  m.impl("linear", c10::DispatchKey::CPU, &linear);
+  m.impl("linear", c10::DispatchKey::CPU, &tokenmill::linear);
 }

@@ -1,0 +1,25 @@
+// The native ops' entry points (each registered under torch.ops.tokenmill_cpu by its own file), for
+// C++ callers in this library: decode_layer.cpp chains them without a trip through Python.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace tokenmill {
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots, int64_t block_size);
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void silu_and_mul(at::Tensor out, const at::Tensor& x);
+void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+void argmax_rows(at::Tensor out, const at::Tensor& x);
+void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+}  // namespace tokenmill
