@@ -50,7 +50,7 @@ def main() -> None:
         raise SystemExit("the native kernels did not build here")
     register_fakes()
     folder = Path(args.model) if args.model else ensure_model()
-    tm = Tokenmill(folder, getattr(torch, args.dtype))
+    tm = Tokenmill(folder, getattr(torch, args.dtype), fused=False)  # the modules: what compile would trace
     model = tm.model
     eager = model.forward
     compiled = torch.compile(eager, dynamic=False)

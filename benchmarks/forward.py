@@ -1,7 +1,9 @@
 """Forward benchmark: tokenmill's paged forward beside transformers' own forward and cache.
 
-tokenmill runs as its engine does by default (`auto`: the native attention backend and layer ops
-where they build; `--attention-backend torch --layer-ops torch` for the reference path).
+tokenmill runs as its engine does by default (`auto`: the native attention backend, layer ops and
+linear kernel where they build, tuned, and decoder layers fused into one native call a layer for
+decode steps; `--attention-backend torch --layer-ops torch --linear-backend torch` for the reference
+path).
 Measures, on the `small` peer model (shared/PEERS.md) in float32 and bfloat16, in one run with the
 two engines interleaved (median of repeats, spread shown):
 - prefill tokens/s for a 512-token prompt (logits for the last token only, as an engine needs);
@@ -37,9 +39,11 @@ from common import RESULTS, ensure_model
 
 from tokenmill.bench.metrics import spread
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
+from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
+from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
@@ -85,7 +89,13 @@ class Tokenmill:
     name = "tokenmill"
 
     def __init__(
-        self, folder: Path, dtype: torch.dtype, backend: str = "auto", ops: str = "auto", linear: str = "auto"
+        self,
+        folder: Path,
+        dtype: torch.dtype,
+        backend: str = "auto",
+        ops: str = "auto",
+        linear: str = "auto",
+        fused: bool = True,
     ) -> None:
         self.backend = get_attention_backend(backend)  # the engine's defaults: native where it builds
         method = get_dense_linear_method(linear)
@@ -94,6 +104,9 @@ class Tokenmill:
             shapes = dense_weight_shapes(self.model, self.model.tied_head())
             tune_linear(method, shapes, max(BATCHES), Autotuner(torch.device("cpu"), default_cache_path()))
         self.linear = type(method).__name__ if linear != "auto" else f"auto ({type(method).__name__}, tuned)"
+        kernels = load_cpu_kernels()
+        if fused and kernels is not None and FusedDecode.supports(self.model):  # as the engine sets it
+            self.model.fused_decode = FusedDecode(kernels)
         self.dtype = dtype
 
     def _fresh(self, batch: int, tokens: int) -> None:
@@ -195,6 +208,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--layer-ops", default="auto")
     parser.add_argument("--linear-backend", default="auto")
+    parser.add_argument("--no-fused-decode", action="store_true", help="run the decoder layers as modules")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -221,7 +235,10 @@ def main() -> None:
     with torch.inference_mode():
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            tokenmill = Tokenmill(folder, dtype, args.attention_backend, args.layer_ops, args.linear_backend)
+            tokenmill = Tokenmill(
+                folder, dtype, args.attention_backend, args.layer_ops, args.linear_backend, not args.no_fused_decode
+            )
+            result["fused_decode"] = tokenmill.model.fused_decode is not None
             result["linear_backend"] = tokenmill.linear
             engines = [tokenmill, HF(folder, dtype)]
             weight_bytes = decode_weight_bytes(engines[0].model)
