@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all lint format serve compat bench bench-forward bench-decode bench-engine bench-prefix bench-serve clean
+.PHONY: install test test-all lint format serve compat bench bench-forward bench-decode bench-engine bench-prefix bench-serve bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,9 +52,12 @@ serve: $(STAMP)
 # Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
 bench: bench-forward bench-decode bench-engine bench-prefix bench-serve
 
-# the decode step on the reference and the native paths, the time outside the forward, the server at one request
+# the decode step on the reference and the native paths, the fused decode layer against the modules,
+# torch.compile of the step, the time outside the forward, the server at one request
 bench-decode: $(STAMP)
 	$(BIN)/python benchmarks/decode_step.py --repeats 3
+	$(BIN)/python benchmarks/fused_decode.py --repeats 5
+	$(BIN)/python benchmarks/compile_probe.py
 	$(BIN)/python benchmarks/step_overhead.py --repeats 3
 	$(BIN)/python benchmarks/serve_overhead.py --repeats 5
 
@@ -71,6 +74,11 @@ bench-prefix: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/serve.py
+
+# tokenmill against llama.cpp, vLLM's CPU build and transformers: needs the peers built first,
+# PEERS_DIR=DIR bash ../shared/peers/setup.sh (10-30 minutes), then make bench-peers PEERS_DIR=DIR
+bench-peers: $(STAMP)
+	$(BIN)/python benchmarks/peers.py --peers-dir $(PEERS_DIR)
 
 clean:
 	rm -rf $(VENV) $(COMPAT) .pytest_cache .ruff_cache .mypy_cache

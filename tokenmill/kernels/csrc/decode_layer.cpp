@@ -3,8 +3,8 @@
 // projection, rotary embeddings, the KV write, paged attention, the output projection, the second
 // norm, gate/up, SiLU-and-mul, down), chained here in the same order on the same kernels, so the
 // result is the same to the bit. What it saves is Python: ~20 torch calls and ~10 module calls per
-// layer, about 1 ms of a 3.6 ms bfloat16 step at one sequence on a 2-core machine. Each projection
-// takes the native few-row kernel or torch's GEMM as the caller's plan says (`*_native`).
+// layer (the step 1.04-1.09x faster at 1-16 sequences on a 2-core machine: benchmarks/fused_decode.py).
+// Each projection takes the native few-row kernel or torch's GEMM as the caller's plan says (`native`).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -173,9 +173,10 @@ inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const T* x, 
   float sums[R * MB];
   int64_t m0 = 0;
   const auto store = [&](int mm) {
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < mm; ++m)
-        y[(m0 + m) * y_row + n0 + r] = from_float<T>(sums[r * MB + m] + (bias ? static_cast<float>(bias[n0 + r]) : 0.f));
+    for (int r = 0; r < RR; ++r) {
+      const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
+      for (int m = 0; m < mm; ++m) y[(m0 + m) * y_row + n0 + r] = from_float<T>(sums[r * MB + m] + b);
+    }
   };
   for (; m0 + MB <= M; m0 += MB) {
     dot_tile<RR, MB>(w, K, x + m0 * x_row, x_row, sums);
