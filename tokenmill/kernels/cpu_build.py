@@ -19,9 +19,10 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -110,6 +111,34 @@ def require_cpu_kernels(field: str) -> CpuKernels:
     if kernels is None:
         raise ValueError(f"{field}: 'cpu' needs the native CPU kernels; they did not build here (see the log)")
     return kernels
+
+
+T = TypeVar("T")
+
+
+def native_choices(
+    field: str, native: Callable[[CpuKernels], T], reference: Callable[[], T]
+) -> dict[str, Callable[[], T]]:
+    """The names a native-or-reference setting (`field`) takes: `cpu` (the native one; where the
+    kernels do not build, a ValueError naming `field`), `torch` (the reference), `auto` (native where
+    they build, else the reference, logged)."""
+
+    def cpu() -> T:
+        return native(require_cpu_kernels(field))
+
+    def auto() -> T:
+        kernels = load_cpu_kernels()  # logs why when it returns None
+        return reference() if kernels is None else native(kernels)
+
+    return {"auto": auto, "cpu": cpu, "torch": reference}
+
+
+def choose(field: str, choices: Mapping[str, Callable[[], T]], name: str) -> T:
+    """`choices[name]()`; an unknown name is a ValueError naming `field` and listing the names there are."""
+    factory = choices.get(name)
+    if factory is None:
+        raise ValueError(f"{field}: expected one of {', '.join(sorted(choices))}, got {name!r}")
+    return factory()
 
 
 def _build(csrc: Path, build_dir: Path) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.autotune import Autotuner
-from tokenmill.kernels.cpu_build import CpuKernels, load_cpu_kernels, require_cpu_kernels
+from tokenmill.kernels.cpu_build import CpuKernels, choose, native_choices
 from tokenmill.layers.linear import LinearBase, Shape, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
@@ -134,25 +134,11 @@ def dense_weight_shapes(model: nn.Module, tied_head: torch.Tensor | None) -> dic
     return shapes
 
 
-def _cpu() -> UnquantizedLinearMethod:
-    return CpuLinearMethod(require_cpu_kernels("linear_backend"))
-
-
-def _auto() -> UnquantizedLinearMethod:
-    kernels = load_cpu_kernels()  # logs why when it returns None
-    return UnquantizedLinearMethod() if kernels is None else CpuLinearMethod(kernels)
-
-
-_METHODS: dict[str, Callable[[], UnquantizedLinearMethod]] = {
-    "auto": _auto,
-    "cpu": _cpu,
-    "torch": UnquantizedLinearMethod,
-}
+_METHODS: dict[str, Callable[[], UnquantizedLinearMethod]] = native_choices(
+    "linear_backend", CpuLinearMethod, UnquantizedLinearMethod
+)
 
 
 def get_dense_linear_method(name: str) -> UnquantizedLinearMethod:
     """The dense linear method by name (`linear_backend`); a ValueError lists the names there are."""
-    factory = _METHODS.get(name)
-    if factory is None:
-        raise ValueError(f"linear_backend: expected one of {', '.join(sorted(_METHODS))}, got {name!r}")
-    return factory()
+    return choose("linear_backend", _METHODS, name)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.cpu_build import load_cpu_kernels, require_cpu_kernels
+from tokenmill.kernels.cpu_build import choose, native_choices
 from tokenmill.layers.cpu_ops import CpuOps
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -85,16 +85,7 @@ class TorchOps:
         return x.argmax(dim=-1)
 
 
-def _cpu() -> LayerOps:
-    return CpuOps(require_cpu_kernels("layer_ops"))
-
-
-def _auto() -> LayerOps:
-    kernels = load_cpu_kernels()  # logs why when it returns None
-    return TorchOps() if kernels is None else CpuOps(kernels)
-
-
-_OPS: dict[str, Callable[[], LayerOps]] = {"auto": _auto, "cpu": _cpu, "torch": TorchOps}
+_OPS: dict[str, Callable[[], LayerOps]] = native_choices("layer_ops", CpuOps, TorchOps)
 
 
 def layer_ops_names() -> list[str]:
@@ -103,7 +94,4 @@ def layer_ops_names() -> list[str]:
 
 def get_layer_ops(name: str) -> LayerOps:
     """The layer ops by name; a ValueError lists the names there are."""
-    factory = _OPS.get(name)
-    if factory is None:
-        raise ValueError(f"layer_ops: expected one of {', '.join(layer_ops_names())}, got {name!r}")
-    return factory()
+    return choose("layer_ops", _OPS, name)

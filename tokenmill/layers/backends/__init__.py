@@ -10,26 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenmill.kernels.cpu_build import load_cpu_kernels, require_cpu_kernels
+from tokenmill.kernels.cpu_build import choose, native_choices
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.cpu_paged import CpuPagedBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 
-
-def _cpu() -> AttentionBackend:
-    return CpuPagedBackend(require_cpu_kernels("attention_backend"))
-
-
-def _auto() -> AttentionBackend:
-    kernels = load_cpu_kernels()  # logs why when it returns None
-    return TorchReferenceBackend() if kernels is None else CpuPagedBackend(kernels)
-
-
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "auto": _auto,
-    "cpu": _cpu,
-    "torch": TorchReferenceBackend,
-}
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = native_choices(
+    "attention_backend", CpuPagedBackend, TorchReferenceBackend
+)
 
 
 def backend_names() -> list[str]:
@@ -38,7 +26,4 @@ def backend_names() -> list[str]:
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """A new backend instance by name; a ValueError lists the names there are."""
-    factory = _BACKENDS.get(name)
-    if factory is None:
-        raise ValueError(f"attention_backend: expected one of {', '.join(backend_names())}, got {name!r}")
-    return factory()
+    return choose("attention_backend", _BACKENDS, name)
