@@ -143,7 +143,8 @@ def main() -> None:
     torch.manual_seed(0)
     keep_freed_memory()
     folder = ensure_model()
-    long_lens = [random.Random(0).randint(512, 2048) for _ in range(32)]
+    rng = random.Random(0)  # one generator: a new one per draw gave every sequence the same context
+    long_lens = [rng.randint(512, 2048) for _ in range(32)]
     result: dict[str, Any] = {
         "model": "make-model --arch llama --size small --seed 0 (54.9M parameters)",
         "torch": torch.__version__,
