@@ -39,15 +39,14 @@ from common import RESULTS, ensure_model
 
 from tokenmill.bench.metrics import spread
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
-from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
-from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.cpu_linear import get_dense_linear_method
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
 from tokenmill.runner.cpu_memory import keep_freed_memory
+from tokenmill.runner.worker import prepare_native
 
 BLOCK = 16
 PROMPT = 512
@@ -100,13 +99,9 @@ class Tokenmill:
         self.backend = get_attention_backend(backend)  # the engine's defaults: native where it builds
         method = get_dense_linear_method(linear)
         self.model = load_model(folder, dtype=dtype, backend=self.backend, ops=get_layer_ops(ops), linear_method=method)
-        if isinstance(method, CpuLinearMethod) and linear == "auto":  # tuned as the engine tunes it
-            shapes = dense_weight_shapes(self.model, self.model.tied_head())
-            tune_linear(method, shapes, max(BATCHES), Autotuner(torch.device("cpu"), default_cache_path()))
+        tuner = Autotuner(torch.device("cpu"), default_cache_path())
+        prepare_native(self.model, tuner, max(BATCHES), tune=linear == "auto", fused=fused)  # as the engine does
         self.linear = type(method).__name__ if linear != "auto" else f"auto ({type(method).__name__}, tuned)"
-        kernels = load_cpu_kernels()
-        if fused and kernels is not None and FusedDecode.supports(self.model):  # as the engine sets it
-            self.model.fused_decode = FusedDecode(kernels)
         self.dtype = dtype
 
     def _fresh(self, batch: int, tokens: int) -> None:

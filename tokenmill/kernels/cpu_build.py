@@ -33,6 +33,7 @@ HEADERS = ("convert.h", "ops.h")
 # no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
 CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
 LIBRARY = "tokenmill_cpu"
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what every native kernel runs
 
 
 @dataclass(frozen=True)

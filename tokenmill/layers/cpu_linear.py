@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.autotune import Autotuner
-from tokenmill.kernels.cpu_build import CpuKernels, choose, native_choices
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, choose, native_choices
 from tokenmill.layers.linear import LinearBase, Shape, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
@@ -32,7 +32,6 @@ logger = logging.getLogger("tokenmill")
 # both of its ends (summed), capped at the engine's max_num_seqs.
 ROW_CLASSES = ((1, 1), (2, 8), (9, 64))
 MAX_NATIVE_ROWS = ROW_CLASSES[-1][1]
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuLinearMethod(UnquantizedLinearMethod):
@@ -88,16 +87,6 @@ def _over(
     return run
 
 
-def model_weight_shapes(model: nn.Module) -> dict[Shape, list[torch.Tensor]]:
-    """Every dense linear weight of `model` grouped by (out, in), in layer order."""
-    shapes: dict[Shape, list[torch.Tensor]] = {}
-    for module in model.modules():
-        if isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod):
-            weight = cast(torch.Tensor, module.weight)
-            shapes.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
-    return shapes
-
-
 def tune_linear(
     method: CpuLinearMethod, shapes: dict[Shape, list[torch.Tensor]], max_rows: int, tuner: Autotuner
 ) -> dict[str, str]:
@@ -127,8 +116,13 @@ def tune_linear(
 
 
 def dense_weight_shapes(model: nn.Module, tied_head: torch.Tensor | None) -> dict[Shape, list[torch.Tensor]]:
-    """`model_weight_shapes` plus a tied output projection (the embedding table) under its own shape."""
-    shapes = model_weight_shapes(model)
+    """Every dense linear weight of `model` grouped by (out, in), in layer order, and a tied output
+    projection (the embedding table) under its own shape."""
+    shapes: dict[Shape, list[torch.Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod):
+            weight = cast(torch.Tensor, module.weight)
+            shapes.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
     if tied_head is not None:
         shapes.setdefault((tied_head.shape[0], tied_head.shape[1]), []).append(tied_head)
     return shapes

@@ -98,7 +98,8 @@ def fastest_dtype(
     mean_kl: dict[str, float] = {}
     max_kl: dict[str, float] = {}
     for dtype, (model, backend) in models.items():
-        kl = next_token_kl(reference, probe_logits(model, backend, ids))
+        logits = reference if dtype == torch.float32 else probe_logits(model, backend, ids)
+        kl = next_token_kl(reference, logits)
         mean_kl[_name(dtype)], max_kl[_name(dtype)] = float(kl.mean()), float(kl.max())
     shapes = dense_weight_shapes(reference_model, reference_model.tied_head())
     signature = " ".join(f"{o}x{i}*{len(ws)}" for (o, i), ws in sorted(shapes.items()))

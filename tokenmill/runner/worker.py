@@ -18,7 +18,7 @@ import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
-from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
@@ -38,16 +38,30 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger("tokenmill")
 
 
-NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def native_or_reference(name: str, field: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend (or layer ops) name to build: `auto` means the native CPU kernels only where they
     run (a CPU device, float32 or bfloat16), the torch reference elsewhere; `cpu` elsewhere is an error."""
-    native = device.type == "cpu" and dtype in NATIVE_CPU_DTYPES
+    native = device.type == "cpu" and dtype in NATIVE_DTYPES
     if name == "cpu" and not native:
         raise ValueError(f"{field}: 'cpu' runs float32 and bfloat16 on a CPU device, not {dtype} on {device}")
     return name if native or name != "auto" else "torch"
+
+
+def prepare_native(model: LlamaForCausalLM, tuner: Autotuner, max_rows: int, *, tune: bool, fused: bool) -> None:
+    """What the engine does to a loaded model beyond loading it: with `tune`, the native linear
+    method's kernel per weight shape and row class up to `max_rows` (through `tuner`); with `fused`,
+    the decoder layers as one native call each where that applies."""
+    method = model.dense
+    if tune and isinstance(method, CpuLinearMethod):
+        plan = tune_linear(method, dense_weight_shapes(model, model.tied_head()), max_rows, tuner)
+        native = sorted(k for k, v in plan.items() if v == "cpu") or ["none"]
+        dtype = model.embed_tokens.weight.dtype
+        logger.info(
+            "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
+        )
+    kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
+    if kernels is not None:
+        model.fused_decode = FusedDecode(kernels)
 
 
 class Worker:
@@ -114,16 +128,13 @@ class Worker:
         model = load_model(
             config.model, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method
         )
-        if isinstance(method, CpuLinearMethod) and config.linear_backend == "auto":
-            shapes = dense_weight_shapes(model, model.tied_head())
-            plan = tune_linear(method, shapes, config.max_num_seqs, self.tuner)
-            native = sorted(k for k, v in plan.items() if v == "cpu")
-            logger.info(
-                "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
-            )
-        if config.fused_decode and FusedDecode.supports(model):
-            kernels = load_cpu_kernels()  # built already: the native attention and ops run
-            model.fused_decode = FusedDecode(kernels) if kernels is not None else None
+        prepare_native(
+            model,
+            self.tuner,
+            config.max_num_seqs,
+            tune=config.linear_backend == "auto",
+            fused=config.fused_decode,
+        )
         return model, backend
 
     def _fastest(self, config: EngineConfig) -> tuple[LlamaForCausalLM, AttentionBackend]:
