@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = {name: build(name, flags) for name, flags in json.loads(args.variants).items()}
-    result: dict[str, dict[str, dict[str, float]]] = {}
+    result: dict[str, dict[str, dict[str, float]]] = {}  # dtype -> rows -> variant -> ms
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         weights = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
@@ -101,7 +101,13 @@ def main() -> None:
                 flush=True,
             )
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        record = {
+            "variants": json.loads(args.variants),
+            "threads": args.threads,
+            "weights": f"{LAYERS} x {list(SHAPES)} + {list(HEAD)}",
+            "median_ms": result,
+        }
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

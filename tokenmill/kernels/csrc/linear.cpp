@@ -198,9 +198,10 @@ inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const T* x, 
 
 // Few x rows (M <= seq_rows): one weight row at a time against all of them, so each thread reads its
 // weights as one sequential stream. Four interleaved row streams (the 4-row tile) defeat the hardware
-// prefetcher on short rows: the model's bfloat16 weights at one row read 22-25 GB/s that way, 32-36
-// this way, at 4 and 8 rows 20 against 24-26 (2-core AVX-512 machine). With float32's longer rows the
-// tile keeps up, and at 4 rows its fewer loads per FMA win (7.8 against 8.4-9.3 ms): one row only.
+// prefetcher on short rows: the peer model's bfloat16 weights at 1 / 4 / 8 rows read 17 / 15 / 17 GB/s
+// that way, 25 / 17 / 22 this way; float32 at one row 23 against 28, at 4 and 8 rows alike
+// (benchmarks/linear_variants.py, results/linear_variants.json, 2-core AVX-512 machine): float32 takes
+// the tile from 2 rows on.
 template <typename T>
 constexpr int64_t seq_rows = sizeof(T) == 2 ? 8 : 1;
 
