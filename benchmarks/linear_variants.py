@@ -8,7 +8,7 @@ of distinct weights plus the output projection, so they come from memory as in a
 
 Usage:
   python benchmarks/linear_variants.py '{"now": [], "pf2": ["-DSOME_FLAG=2"], "old": ["src=/tmp/old/linear.cpp"]}' \\
-      --rows 1,4,16 --dtypes float32,bfloat16 [--out FILE]
+      --rows 1,4,16 --dtypes float32,bfloat16 [--torch] [--out FILE]
 (a flag `src=PATH` takes the source from PATH; its folder must hold convert.h and ops.h as csrc/ does)
 """
 
@@ -29,7 +29,7 @@ from torch.utils import cpp_extension
 from tokenmill.kernels.cpu_build import CFLAGS
 
 CSRC = Path(__file__).resolve().parent.parent / "tokenmill" / "kernels" / "csrc"
-SHAPES = ((1536, 512), (512, 512), (2752, 512), (512, 1376))  # the peer model's layer: qkv, o, gate_up, down
+SHAPES = ((768, 512), (512, 512), (2752, 512), (512, 1376))  # the peer model's layer: qkv, o, gate_up, down
 HEAD = (32000, 512)
 LAYERS = 8
 
@@ -64,12 +64,23 @@ def stack(
     return go
 
 
+def torch_stack(weights: list[torch.Tensor], outs: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> Callable[[], None]:
+    """Every weight once through torch's own linear (MKL / oneDNN), for reference."""
+
+    def go() -> None:
+        for w, out in zip(weights, outs, strict=True):
+            torch.nn.functional.linear(inputs[w.shape[1]], w, out=out)
+
+    return go
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", help='JSON: {"name": [compile flags or "src=PATH"], ...}')
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--torch", action="store_true", help="time torch.nn.functional.linear beside them")
     parser.add_argument("--out", default=None, help="write the medians here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,6 +96,8 @@ def main() -> None:
             outs = [torch.empty(m, w.shape[0], dtype=dtype) for w in weights]
 
             fns = {name: stack(ops, weights, outs, inputs) for name, ops in variants.items()}
+            if args.torch:
+                fns["torch"] = torch_stack(weights, outs, inputs)
             times: dict[str, list[float]] = {name: [] for name in fns}
             for fn in fns.values():
                 fn()
@@ -104,6 +117,7 @@ def main() -> None:
         record = {
             "variants": json.loads(args.variants),
             "threads": args.threads,
+            "torch_linear": args.torch,
             "weights": f"{LAYERS} x {list(SHAPES)} + {list(HEAD)}",
             "median_ms": result,
         }

@@ -2,11 +2,12 @@
 // from memory in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM for
 // long prompts). Each thread takes a contiguous range of output rows and walks them R = 4 weight rows
 // at a time; for each group it runs over the x rows MB at a time with R x MB vector accumulators, so
-// the group's weights come from memory once and from L1 for the other x rows. Up to 8 bfloat16 rows
-// (1 float32 row) take one weight row at a time instead (`rows_one_by_one`, below).
+// the group's weights come from memory once and from L1 for the other x rows. Up to 8 rows take one
+// weight row at a time instead (`rows_one_by_one`, below).
 // float32 weights: FMA over 16 (AVX-512) or 8 (AVX2) lanes. bfloat16 weights: vdpbf16ps (AVX-512
 // BF16: pairs of bfloat16 products summed into float32 lanes) where the CPU has it, else widened to
-// float32 by a shift. Sums in float32; the output rounded once to its dtype, as torch's GEMM does.
+// float32 by a shift against x widened once per call. Sums in float32; the output rounded once to its
+// dtype, as torch's GEMM does.
 // Without AVX2 the same loops run on scalars (the build is for the CPU at hand: -march=native).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,6 +17,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "convert.h"
 #include "ops.h"
@@ -31,8 +33,15 @@ constexpr int MB = 6;
 #else
 constexpr int MB = 3;
 #endif
-// weights are prefetched this many row groups ahead (0, 1, 2, 4 and 8 measured alike within noise)
-constexpr int PREFETCH_GROUPS = 1;
+// weights are prefetched this many row groups ahead (0, 1, 2, 4 and 8 measured alike within noise),
+// with this hint. Both macros exist only for side-by-side builds (benchmarks/linear_variants.py).
+#ifndef TM_PREFETCH_GROUPS
+#define TM_PREFETCH_GROUPS 1
+#endif
+#ifndef TM_PREFETCH_HINT
+#define TM_PREFETCH_HINT _MM_HINT_T0
+#endif
+constexpr int PREFETCH_GROUPS = TM_PREFETCH_GROUPS;
 
 using bf16 = c10::BFloat16;
 
@@ -43,6 +52,7 @@ struct Lanes {
   static constexpr int W = 16;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V load(const bf16* p) {  // 16 bfloat16 -> float32 by a 16-bit shift
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -56,6 +66,7 @@ struct Lanes {
   static constexpr int W = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V load(const bf16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -74,6 +85,7 @@ struct Lanes {
   static constexpr int W = 1;
   static V zero() { return 0.f; }
   static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
   static V load(const bf16* p) { return static_cast<float>(*p); }
   static V fma(V a, V b, V c) { return a * b + c; }
   static float sum(V v) { return v; }
@@ -82,7 +94,7 @@ struct Lanes {
 
 #if defined(__AVX512F__)
 // The 16 lane sums of in[0..15] as one vector (in order), by a shuffle tree: ~3 instructions a sum
-// where one reduction each takes ~8.
+// where one reduction each takes ~8 (at 16-64 float32 rows 4-9% faster).
 inline __m512 sum16(const __m512* in) {
   __m512 v[8], w[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) of a = in[2i], b = in[2i+1]
@@ -97,32 +109,50 @@ inline __m512 sum16(const __m512* in) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
 }
 
-// out[r * MB + m] = the lane sum of acc[r][m]: by the tree where there are 16 or more, one by one otherwise.
+#define TM_TREE sum16
+#elif defined(__AVX2__) && defined(__FMA__)
+// The 8 lane sums of in[0..7] as one vector (in order): 6 horizontal adds, 2 lane swaps and an add
+// where one reduction each takes 5 instructions.
+inline __m256 sum8(const __m256* in) {
+  // per 128-bit half: the half's four sums of in[0..3] (ab) and of in[4..7] (cd)
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(in[0], in[1]), _mm256_hadd_ps(in[2], in[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(in[4], in[5]), _mm256_hadd_ps(in[6], in[7]));
+  // low halves + high halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+#define TM_TREE sum8
+#endif
+
+#if defined(TM_TREE)
+// out[r * MB + m] = the lane sum of acc[r][m]: whole runs of Lanes::W by the shuffle tree (in acc's
+// order), the rest one by one.
 template <int RR, int MM>
-inline void store_sums(const __m512 (&acc)[RR][MM], float* out) {
-  if constexpr (RR * MM >= 16) {  // whole runs of 16 by the tree, in acc's order
-    constexpr int n = RR * MM;
-    const __m512* flat = &acc[0][0];
-    float sums[n];
-    int i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(sums + i, sum16(flat + i));
-    for (; i < n; ++i) sums[i] = _mm512_reduce_add_ps(flat[i]);
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < MM; ++m) out[r * MB + m] = sums[r * MM + m];
-  } else {
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < MM; ++m) out[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
-  }
+inline void store_sums(const typename Lanes::V (&acc)[RR][MM], float* out) {
+  constexpr int n = RR * MM;
+  const typename Lanes::V* flat = &acc[0][0];
+  float sums[n];
+  int i = 0;
+  for (; i + Lanes::W <= n; i += Lanes::W) Lanes::store(sums + i, TM_TREE(flat + i));
+  for (; i < n; ++i) sums[i] = Lanes::sum(flat[i]);
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < MM; ++m) out[r * MB + m] = sums[r * MM + m];
+}
+#else
+template <int RR, int MM>
+inline void store_sums(const typename Lanes::V (&acc)[RR][MM], float* out) {
+  for (int r = 0; r < RR; ++r)
+    for (int m = 0; m < MM; ++m) out[r * MB + m] = Lanes::sum(acc[r][m]);
 }
 #endif
 
 // acc[r][m] = sum over k < K of w[r][k] * x[m][k], for RR weight rows and MM x rows (compile-time
 // counts, so the accumulators stay in registers). Returns the float32 sums in out[r * MB + m].
-template <int RR, int MM, typename T>
-inline void dot_tile(const T* w, int64_t K, const T* x, int64_t x_row, float* out) {
+// x is in the weights' dtype T, or float32 (bfloat16 weights without the BF16 dot instruction).
+template <int RR, int MM, typename T, typename X>
+inline void dot_tile(const T* w, int64_t K, const X* x, int64_t x_row, float* out) {
   int64_t k = 0;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {  // 32 bfloat16 per step, pairs summed by the instruction
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<X, bf16>) {  // 32 bfloat16 per step, pairs summed by the instruction
     __m512 acc[RR][MM];
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -131,7 +161,7 @@ inline void dot_tile(const T* w, int64_t K, const T* x, int64_t x_row, float* ou
       for (int m = 0; m < MM; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * x_row + k);
       for (int r = 0; r < RR; ++r) {
         // the same place in the next group's rows (a prefetch past the end is a hint, not an access)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * K + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * K + k), TM_PREFETCH_HINT);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
         for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
       }
@@ -150,17 +180,12 @@ inline void dot_tile(const T* w, int64_t K, const T* x, int64_t x_row, float* ou
         // the same place in the next group's rows, once per cache line or half line (a prefetch past
         // the end is a hint, not an access)
         if constexpr (Lanes::W * sizeof(T) >= 32)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * K + k), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * K + k), TM_PREFETCH_HINT);
         const typename Lanes::V wv = Lanes::load(w + r * K + k);
         for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);
       }
     }
-#if defined(__AVX512F__)
     store_sums<RR, MM>(acc, out);
-#else
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < MM; ++m) out[r * MB + m] = Lanes::sum(acc[r][m]);
-#endif
   }
   for (; k < K; ++k)  // the tail shorter than a vector
     for (int r = 0; r < RR; ++r)
@@ -169,8 +194,8 @@ inline void dot_tile(const T* w, int64_t K, const T* x, int64_t x_row, float* ou
 }
 
 // One group of RR weight rows against every x row, MB at a time; results (+ bias) stored rounded.
-template <int RR, typename T>
-inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const T* x, int64_t x_row, int64_t M,
+template <int RR, typename T, typename X>
+inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const X* x, int64_t x_row, int64_t M,
                   T* y, int64_t y_row) {
   float sums[R * MB];
   int64_t m0 = 0;
@@ -198,15 +223,17 @@ inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const T* x, 
 
 // Few x rows (M <= seq_rows): one weight row at a time against all of them, so each thread reads its
 // weights as one sequential stream. Four interleaved row streams (the 4-row tile) defeat the hardware
-// prefetcher on short rows: the peer model's bfloat16 weights at 1 / 4 / 8 rows read 17 / 15 / 17 GB/s
-// that way, 25 / 17 / 22 this way; float32 at one row 23 against 28, at 4 and 8 rows alike
-// (benchmarks/linear_variants.py, results/linear_variants.json, 2-core AVX-512 machine): float32 takes
-// the tile from 2 rows on.
-template <typename T>
-constexpr int64_t seq_rows = sizeof(T) == 2 ? 8 : 1;
+// prefetcher on short rows: on a 2-core AVX-512 machine the peer model's bfloat16 weights at 1 / 4 / 8
+// rows read 17 / 15 / 17 GB/s that way, 25 / 17 / 22 this way, float32 at 4 and 8 rows alike; on a
+// 2-core AVX2 machine (Zen 3) float32 at 2 / 4 / 8 rows 15 / 17 / 12 GB/s that way, 18 / 19 / 15 this
+// way (benchmarks/linear_variants.py, results/linear_variants*.json).
+#ifndef TM_SEQ_ROWS
+#define TM_SEQ_ROWS 8  // another value only for side-by-side builds (benchmarks/linear_variants.py)
+#endif
+constexpr int64_t seq_rows = TM_SEQ_ROWS;
 
-template <int MM, typename T>
-inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows, int64_t K, const T* x,
+template <int MM, typename T, typename X>
+inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows, int64_t K, const X* x,
                             int64_t x_row, T* y, int64_t y_row) {
   float sums[R * MB > MM ? R * MB : MM];
   for (int64_t r = 0; r < rows; ++r) {
@@ -216,19 +243,20 @@ inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows,
   }
 }
 
-template <typename T>
-void linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& b) {
+// x [M, K] (row stride x_row) in X, weight [N, K] and out in T.
+template <typename T, typename X>
+void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const at::Tensor& weight,
+                 const c10::optional<at::Tensor>& b) {
   const T* bias = b.has_value() ? b->data_ptr<T>() : nullptr;
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const T* xp = x.data_ptr<T>();
+  const int64_t K = weight.size(1), N = weight.size(0);
   const T* wp = weight.data_ptr<T>();
   T* yp = out.data_ptr<T>();
-  const int64_t x_row = x.stride(0), y_row = out.stride(0);
+  const int64_t y_row = out.stride(0);
   const int64_t groups = (N + R - 1) / R;
   // a thread's share is at least ~64K weights (128-256 KB): below that, forking costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (R * K));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    if (M <= seq_rows<T>) {
+    if (M <= seq_rows) {
       const int64_t n0 = begin * R, rows = std::min<int64_t>(end * R, N) - n0;
       const T* w = wp + n0 * K;
       switch (M) {
@@ -273,10 +301,19 @@ void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
                                      bias->numel() == weight.size(0)),
               "linear: bias must be contiguous [N] in x's dtype");
+  const int64_t M = x.size(0), K = x.size(1);
   if (x.scalar_type() == at::kFloat) {
-    linear_impl<float>(out, x, weight, bias);
+    linear_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, weight, bias);
   } else if (x.scalar_type() == at::kBFloat16) {
-    linear_impl<bf16>(out, x, weight, bias);
+#if defined(__AVX512BF16__)
+    linear_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, weight, bias);
+#else
+    // no bfloat16 dot instruction: x widened to float32 once here rather than once per weight group
+    std::vector<float> xf(M * K);
+    const bf16* xp = x.data_ptr<bf16>();
+    for (int64_t m = 0; m < M; ++m) to_float(xp + m * x.stride(0), xf.data() + m * K, K);
+    linear_impl<bf16>(out, xf.data(), K, M, weight, bias);
+#endif
   } else {
     TORCH_CHECK(false, "linear: float32 and bfloat16 only");
   }
