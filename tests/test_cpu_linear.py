@@ -14,7 +14,6 @@ from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import (
-    MAX_NATIVE_ROWS,
     CpuLinearMethod,
     dense_weight_shapes,
     get_dense_linear_method,
@@ -82,22 +81,25 @@ class Counting:
         return self.fn(*args)
 
 
-def test_the_plan_routes_rows_and_long_inputs_take_torch():
+def test_the_plan_routes_rows():
     method = CpuLinearMethod(KERNELS)
     method._linear = counting = Counting(method._linear)
     w = torch.randn(32, 16)
-    for rows, native in ((1, True), (MAX_NATIVE_ROWS, True), (MAX_NATIVE_ROWS + 1, False)):
+    for rows in (1, 64, 300):  # a shape outside the plan: native at every row count, prompt chunks too
         before = counting.calls
         x = torch.randn(rows, 16)
         torch.testing.assert_close(method.product(x, w), F.linear(x, w))
-        assert (counting.calls > before) == native  # a shape outside the plan: native up to MAX_NATIVE_ROWS
-    method.native[(32, 16)] = (False, True) + (False,) * MAX_NATIVE_ROWS  # one row native, the rest torch
+        assert counting.calls == before + 1
+    method.native[(32, 16)] = (False, True, False, False, True)  # 1 row native, 2-3 torch, 4 and more native
     before = counting.calls
     method.product(torch.randn(1, 16), w)
     assert counting.calls == before + 1
     method.product(torch.randn(2, 16), w)
     method.product(torch.randn(1, 16), w[:8], shape=(32, 16))  # a slice follows its whole weight's plan
     assert counting.calls == before + 2
+    method.product(torch.randn(3, 16), w)
+    method.product(torch.randn(100, 16), w)  # past the table: its last entry
+    assert counting.calls == before + 3
 
 
 def tiny(tiny_model_dir, method, dtype="float32", tied=False):
@@ -123,9 +125,13 @@ def test_tuning_fills_the_plan_and_a_seeded_cache_pins_it(tiny_model_dir, tmp_pa
     model = tiny(tiny_model_dir, method, tied=True)
     shapes = dense_weight_shapes(model, model.tied_head())
     assert (model.config.vocab_size, model.config.hidden_size) in shapes  # the tied head is tuned too
-    summary = tune_linear(method, shapes, 16, Autotuner(torch.device("cpu"), path))
-    assert set(method.native) == set(shapes) and all(len(t) == MAX_NATIVE_ROWS + 1 for t in method.native.values())
-    assert len(summary) == 3 * len(shapes)
+    head = (model.config.vocab_size, model.config.hidden_size)
+    rows = {shape: 80 for shape in shapes} | {head: 16}  # prompt chunks of 80 rows; the head up to 16
+    summary = tune_linear(method, shapes, rows, Autotuner(torch.device("cpu"), path))
+    assert set(method.native) == set(shapes)
+    assert all(len(t) == rows[shape] + 1 for shape, t in method.native.items())
+    assert len(summary) == 4 * len(shapes) - 1  # every class up to 80 rows; the head's up to 16
+    assert f"{head[0]}x{head[1]} rows 65-512" not in summary
     # a second tuner on the same machine reads every choice back; one seeded to torch pins torch
     data = json.loads(path.read_text())
     (key,) = data
@@ -135,7 +141,7 @@ def test_tuning_fills_the_plan_and_a_seeded_cache_pins_it(tiny_model_dir, tmp_pa
     pinned = get_dense_linear_method("cpu")
     tuner = Autotuner(torch.device("cpu"), path)
     tuner.choose = types.MethodType(lambda self, op, shape, c, repeats=5: _cached(self, op, shape, c), tuner)
-    tune_linear(pinned, shapes, 16, tuner)
+    tune_linear(pinned, shapes, rows, tuner)
     assert not any(any(t) for t in pinned.native.values())
 
 

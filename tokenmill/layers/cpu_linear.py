@@ -4,12 +4,12 @@ and class of row counts by measurement on the CPU at hand.
 `CpuLinearMethod` holds the same dense weight as `UnquantizedLinearMethod` (the checkpoint's
 [out, in] layout, nothing repacked) and applies it through `product`: the native kernel
 (`kernels/csrc/linear.cpp`: weights streamed once, vector FMA or AVX-512 BF16 dot products) for
-inputs of few rows, torch's `F.linear` (MKL / oneDNN) for the rest. Which is faster depends on the
+decode batches and prompt chunks, or torch's `F.linear` (MKL / oneDNN). Which is faster depends on the
 CPU, the dtype, the shape and the row count (on one AVX-512 machine torch's float32 product at 2-8
-rows costs twice its single row; on an AVX2 machine bfloat16 arithmetic is emulated), so
-`tune_linear` times both on the model's own weights for each row class in `ROW_CLASSES` through the
-autotune cache, and the plan it returns says, per (out, in) shape, which rows go native. Inputs
-longer than the last class (prompt chunks) always take torch's GEMM.
+rows costs twice its single row; on an AVX2 machine torch's bfloat16 GEMM runs at a sixth of the
+native kernel's speed even on 512-row prompt chunks, while its float32 GEMM beats the native kernel
+there), so `tune_linear` times both on the model's own weights for each row class in `ROW_CLASSES`
+through the autotune cache, and the plan it returns says, per (out, in) shape, which rows go native.
 """
 
 from __future__ import annotations
@@ -28,16 +28,24 @@ from tokenmill.layers.linear import LinearBase, Shape, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
 
-# Row counts timed apart: one row (a single decode), a few (2-8), a batch (9-64); each class is timed at
-# both of its ends (summed), capped at the engine's max_num_seqs.
-ROW_CLASSES = ((1, 1), (2, 8), (9, 64))
-MAX_NATIVE_ROWS = ROW_CLASSES[-1][1]
+# Row counts timed apart: one row (a single decode), a few (2-8), a batch (9-64), prompt chunks (65 and
+# more); each class is timed at both of its ends (summed), capped at the rows the weight can see (the
+# engine's max_num_batched_tokens; max_num_seqs for the output projection) and at LONGEST_TIMED. Row
+# counts past the last class take its choice.
+ROW_CLASSES = ((1, 1), (2, 8), (9, 64), (65, 512))
+# Prompt chunks are arithmetic, not weight reads: timed at 65 and 256 rows (the native kernel's float32
+# GEMM ties torch's at 128 rows and loses at 512 on an AVX2 machine), on the first PROMPT_WEIGHTS
+# weights of a shape only (which weights come from memory no longer matters; this keeps a slow
+# candidate, torch's emulated bfloat16 GEMM, to about a second of start-up).
+LONGEST_TIMED = 256
+PROMPT_WEIGHTS = 2
+MAX_DECODE_ROWS = 64  # the classes up to here are timed on every weight
 
 
 class CpuLinearMethod(UnquantizedLinearMethod):
     """Dense weights on the CPU; `native[(out, in)][rows]` says whether `rows` input rows take the
-    native kernel. A shape missing from the plan takes it for every row count up to MAX_NATIVE_ROWS
-    (what `linear_backend="cpu"` pins)."""
+    native kernel (row counts past the table: its last entry). A shape missing from the plan takes it
+    at every row count (what `linear_backend="cpu"` pins)."""
 
     name = "cpu"
 
@@ -63,10 +71,10 @@ class CpuLinearMethod(UnquantizedLinearMethod):
 
     def takes_native(self, weight: torch.Tensor, rows: int, shape: Shape | None = None) -> bool:
         """Whether `rows` input rows against `weight` (planned as `shape`) take the native kernel."""
-        if rows > MAX_NATIVE_ROWS or weight.dtype not in NATIVE_DTYPES:
+        if weight.dtype not in NATIVE_DTYPES:
             return False
         plan = self.native.get(shape or cast(Shape, weight.shape))  # torch.Size hashes as the tuple it is
-        return plan is None or plan[rows]
+        return plan is None or plan[min(rows, len(plan) - 1)]
 
     def native_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
@@ -88,29 +96,31 @@ def _over(
 
 
 def tune_linear(
-    method: CpuLinearMethod, shapes: dict[Shape, list[torch.Tensor]], max_rows: int, tuner: Autotuner
+    method: CpuLinearMethod, shapes: dict[Shape, list[torch.Tensor]], max_rows: dict[Shape, int], tuner: Autotuner
 ) -> dict[str, str]:
-    """Fill `method.native` from timings of both kernels on every weight of each shape in turn (the
-    weights of all layers, so they come from memory as in a step, not from cache) at each row class
-    up to `max_rows`; rows beyond `max_rows` keep the last class's choice. Returns a summary for the log."""
+    """Fill `method.native` from timings of both kernels on the weights of each shape in turn (for
+    decode classes every layer's, so they come from memory as in a step, not from cache) at each row
+    class up to the shape's `max_rows` (default: the largest there); rows past it keep the last class's
+    choice. Returns a summary for the log."""
     summary: dict[str, str] = {}
     for (out_f, in_f), weights in shapes.items():
         dtype = weights[0].dtype
+        most = max_rows.get((out_f, in_f), max(max_rows.values()))
         picks: list[bool] = []
         for low, high in ROW_CLASSES:
-            if low > max_rows and picks:
-                picks.append(picks[-1])
-                continue
-            ends = sorted({min(low, max_rows), min(high, max_rows)})
+            if low > most and picks:
+                break
+            ends = sorted({min(low, most, LONGEST_TIMED), min(high, most, LONGEST_TIMED)})
+            timed = weights if low <= MAX_DECODE_ROWS else weights[:PROMPT_WEIGHTS]
             inputs = [torch.randn(m, in_f).to(dtype) for m in ends]
-            shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} rows {low}-{high} at {ends} x{len(weights)}"
-            native, torch_gemm = _over(method.native_product, inputs, weights), _over(F.linear, inputs, weights)
+            shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} rows {low}-{high} at {ends} x{len(timed)}"
+            native, torch_gemm = _over(method.native_product, inputs, timed), _over(F.linear, inputs, timed)
             choice = tuner.choose("linear", shape, {"cpu": native, "torch": torch_gemm})
             picks.append(choice.name == "cpu")
             summary[f"{out_f}x{in_f} rows {low}-{high}"] = choice.name
         table = [False]  # index 0: no rows
-        for (low, high), pick in zip(ROW_CLASSES, picks, strict=True):
-            table += [pick] * (high - low + 1)
+        for (low, high), pick in zip(ROW_CLASSES, picks, strict=False):
+            table += [pick] * (min(high, most) - low + 1)
         method.native[(out_f, in_f)] = tuple(table)
     return summary
 

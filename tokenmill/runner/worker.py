@@ -47,13 +47,19 @@ def native_or_reference(name: str, field: str, device: torch.device, dtype: torc
     return name if native or name != "auto" else "torch"
 
 
-def prepare_native(model: LlamaForCausalLM, tuner: Autotuner, max_rows: int, *, tune: bool, fused: bool) -> None:
+def prepare_native(
+    model: LlamaForCausalLM, tuner: Autotuner, max_seqs: int, max_tokens: int, *, tune: bool, fused: bool
+) -> None:
     """What the engine does to a loaded model beyond loading it: with `tune`, the native linear
-    method's kernel per weight shape and row class up to `max_rows` (through `tuner`); with `fused`,
-    the decoder layers as one native call each where that applies."""
+    method's kernel per weight shape and row class (through `tuner`: up to `max_tokens` rows, prompt
+    chunks included; up to `max_seqs` for the output projection, which sees one row a sequence); with
+    `fused`, the decoder layers as one native call each where that applies."""
     method = model.dense
     if tune and isinstance(method, CpuLinearMethod):
-        plan = tune_linear(method, dense_weight_shapes(model, model.tied_head()), max_rows, tuner)
+        shapes = dense_weight_shapes(model, model.tied_head())
+        rows = {shape: max_tokens for shape in shapes}
+        rows[(model.config.vocab_size, model.config.hidden_size)] = min(max_seqs, max_tokens)
+        plan = tune_linear(method, shapes, rows, tuner)
         native = sorted(k for k, v in plan.items() if v == "cpu") or ["none"]
         dtype = model.embed_tokens.weight.dtype
         logger.info(
@@ -132,6 +138,7 @@ class Worker:
             model,
             self.tuner,
             config.max_num_seqs,
+            config.max_num_batched_tokens,
             tune=config.linear_backend == "auto",
             fused=config.fused_decode,
         )
