@@ -28,11 +28,14 @@ constexpr int R = 4;   // weight rows per group
 // x rows per pass over a group. AVX-512: 4 x 6 accumulators + 6 x vectors + 1 weight vector fill the
 // 32 registers; at 16-64 rows 8-12% faster than 4 x 4 (fewer loads per FMA). AVX2 has 16 registers:
 // 4 x 3 + 3 + 1 (not measured on an AVX2 machine yet).
+#ifndef TM_MB
 #if defined(__AVX512F__)
-constexpr int MB = 6;
+#define TM_MB 6
 #else
-constexpr int MB = 3;
+#define TM_MB 3
 #endif
+#endif
+constexpr int MB = TM_MB;
 // weights are prefetched this many row groups ahead (0, 1, 2, 4 and 8 measured alike within noise),
 // with this hint. Both macros exist only for side-by-side builds (benchmarks/linear_variants.py).
 #ifndef TM_PREFETCH_GROUPS
@@ -149,7 +152,7 @@ inline void store_sums(const typename Lanes::V (&acc)[RR][MM], float* out) {
 // counts, so the accumulators stay in registers). Returns the float32 sums in out[r * MB + m].
 // x is in the weights' dtype T, or float32 (bfloat16 weights without the BF16 dot instruction).
 template <int RR, int MM, typename T, typename X>
-inline void dot_tile(const T* w, int64_t K, const X* x, int64_t x_row, float* out) {
+inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x_row, float* out) {
   int64_t k = 0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<X, bf16>) {  // 32 bfloat16 per step, pairs summed by the instruction
@@ -161,8 +164,8 @@ inline void dot_tile(const T* w, int64_t K, const X* x, int64_t x_row, float* ou
       for (int m = 0; m < MM; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * x_row + k);
       for (int r = 0; r < RR; ++r) {
         // the same place in the next group's rows (a prefetch past the end is a hint, not an access)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * K + k), TM_PREFETCH_HINT);
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * w_row + k), TM_PREFETCH_HINT);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * w_row + k);
         for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
       }
     }
@@ -173,51 +176,118 @@ inline void dot_tile(const T* w, int64_t K, const X* x, int64_t x_row, float* ou
     typename Lanes::V acc[RR][MM];
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::zero();
-    for (; k + Lanes::W <= K; k += Lanes::W) {
+    // one step: W lanes of k against every row of the tile
+    const auto step = [&](int64_t kk) {
       typename Lanes::V xv[MM];
-      for (int m = 0; m < MM; ++m) xv[m] = Lanes::load(x + m * x_row + k);
+      for (int m = 0; m < MM; ++m) xv[m] = Lanes::load(x + m * x_row + kk);
+#ifdef TM_PIN_X
+      for (int m = 0; m < MM; ++m) asm volatile("" : "+x"(xv[m]));
+#endif
       for (int r = 0; r < RR; ++r) {
-        // the same place in the next group's rows, once per cache line or half line (a prefetch past
-        // the end is a hint, not an access)
-        if constexpr (Lanes::W * sizeof(T) >= 32)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * K + k), TM_PREFETCH_HINT);
-        const typename Lanes::V wv = Lanes::load(w + r * K + k);
+        const typename Lanes::V wv = Lanes::load(w + r * w_row + kk);
         for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);
       }
+    };
+#ifdef TM_PREFETCH_EVERY_STEP
+    constexpr int64_t per_line = 1;
+#else
+    constexpr int64_t per_line = std::max<int64_t>(1, 64 / (Lanes::W * sizeof(T)));  // steps per weight cache line
+#endif
+    for (; k + per_line * Lanes::W <= K; k += per_line * Lanes::W) {
+      // the same place in the next group's rows, once per cache line (a prefetch past the end is a
+      // hint, not an access)
+      for (int r = 0; r < RR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * w_row + k), TM_PREFETCH_HINT);
+      for (int64_t u = 0; u < per_line; ++u) step(k + u * Lanes::W);
     }
+    for (; k + Lanes::W <= K; k += Lanes::W) step(k);
     store_sums<RR, MM>(acc, out);
   }
   for (; k < K; ++k)  // the tail shorter than a vector
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < MM; ++m)
-        out[r * MB + m] += static_cast<float>(w[r * K + k]) * static_cast<float>(x[m * x_row + k]);
+        out[r * MB + m] += static_cast<float>(w[r * w_row + k]) * static_cast<float>(x[m * x_row + k]);
 }
 
-// One group of RR weight rows against every x row, MB at a time; results (+ bias) stored rounded.
-template <int RR, typename T, typename X>
-inline void group(const T* w, const T* bias, int64_t n0, int64_t K, const X* x, int64_t x_row, int64_t M,
-                  T* y, int64_t y_row) {
+// More than seq_rows x rows: arithmetic more than weight reads, so the loops keep each operand in
+// the cache level it is reused from. A thread's weight rows go NB at a time (the block stays in L2:
+// NB x KC weights); for each K slice of KC, x goes MC rows at a time (a slice of them stays in L1), and
+// each group of R weight rows of the block meets those x rows MB at a time in registers. The float32
+// partial sums of the block live in `acc` [M, NB] until the last K slice. Unblocked, every tile
+// re-read x and the weight group from L2 (together past L1's 32 KB at 16 rows and more), which held
+// float32 at 16-64 rows to about half the FMA peak.
+#ifndef TM_KC
+#define TM_KC 512  // the block sizes are macros only for side-by-side builds (benchmarks/linear_variants.py)
+#endif
+#ifndef TM_NB
+#define TM_NB 64
+#endif
+#ifndef TM_MC
+#define TM_MC (2 * MB)
+#endif
+constexpr int64_t KC = TM_KC, NB = TM_NB, MC = TM_MC;
+static_assert(NB % R == 0, "weight blocks hold whole row groups");
+
+// acc[m * acc_row + r] += the tile's sums, for rr weight rows and mm x rows (run-time counts, one
+// compiled tile per pair).
+template <typename T, typename X>
+inline void add_tile(int rr, int mm, const T* w, int64_t w_row, int64_t K, const X* x, int64_t x_row, float* acc,
+                     int64_t acc_row) {
   float sums[R * MB];
-  int64_t m0 = 0;
-  const auto store = [&](int mm) {
-    for (int r = 0; r < RR; ++r) {
-      const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
-      for (int m = 0; m < mm; ++m) y[(m0 + m) * y_row + n0 + r] = from_float<T>(sums[r * MB + m] + b);
+  // the tile for (RR, MM) at compile time
+  const auto run = [&]<int RR, int MM>() {
+    dot_tile<RR, MM>(w, w_row, K, x, x_row, sums);
+    for (int m = 0; m < MM; ++m)
+      for (int r = 0; r < RR; ++r) acc[m * acc_row + r] += sums[r * MB + m];
+  };
+  const auto rows = [&]<int RR>() {
+    switch (mm) {  // mm <= MB
+      case 6: if constexpr (MB >= 6) run.template operator()<RR, 6>(); break;
+      case 5: if constexpr (MB >= 5) run.template operator()<RR, 5>(); break;
+      case 4: if constexpr (MB >= 4) run.template operator()<RR, 4>(); break;
+      case 3: if constexpr (MB >= 3) run.template operator()<RR, 3>(); break;
+      case 2: run.template operator()<RR, 2>(); break;
+      default: run.template operator()<RR, 1>(); break;
     }
   };
-  for (; m0 + MB <= M; m0 += MB) {
-    dot_tile<RR, MB>(w, K, x + m0 * x_row, x_row, sums);
-    store(MB);
+  switch (rr) {
+    case 4: rows.template operator()<4>(); break;
+    case 3: rows.template operator()<3>(); break;
+    case 2: rows.template operator()<2>(); break;
+    default: rows.template operator()<1>(); break;
   }
-  switch (M - m0) {
-#if defined(__AVX512F__)
-    case 5: dot_tile<RR, 5>(w, K, x + m0 * x_row, x_row, sums); store(5); break;
-    case 4: dot_tile<RR, 4>(w, K, x + m0 * x_row, x_row, sums); store(4); break;
-#endif
-    case 3: dot_tile<RR, 3>(w, K, x + m0 * x_row, x_row, sums); store(3); break;
-    case 2: dot_tile<RR, 2>(w, K, x + m0 * x_row, x_row, sums); store(2); break;
-    case 1: dot_tile<RR, 1>(w, K, x + m0 * x_row, x_row, sums); store(1); break;
-    default: break;
+}
+
+// y[:, n_begin:n_end] for x [M, K] (M > seq_rows), blocked as above.
+template <typename T, typename X>
+void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, int64_t K, const X* x,
+                  int64_t x_row, int64_t M, T* y, int64_t y_row) {
+  std::vector<float> acc(M * NB);  // [M, nn] for the block at hand
+  for (int64_t nb = n_begin; nb < n_end; nb += NB) {
+    const int64_t nn = std::min(NB, n_end - nb);
+    std::fill(acc.begin(), acc.begin() + M * nn, 0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      for (int64_t mc = 0; mc < M; mc += MC) {
+        const int64_t m_end = std::min(M, mc + MC);
+        for (int64_t j = 0; j < nn; j += R) {
+          const int rr = static_cast<int>(std::min<int64_t>(R, nn - j));
+          // x rows MB at a time; a remainder past MB split in two (16 rows on AVX2: 3+3+3+3+2+2, not
+          // ... +3+1, whose one-row tile does four FMAs per five loads)
+          for (int64_t m0 = mc; m0 < m_end;) {
+            const int64_t left = m_end - m0;
+            const int mm = static_cast<int>(left > 2 * MB ? MB : left > MB ? (left + 1) / 2 : left);
+            add_tile(rr, mm, wp + (nb + j) * K + k0, K, kc, x + m0 * x_row + k0, x_row, acc.data() + m0 * nn + j, nn);
+            m0 += mm;
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < nn; ++j) {
+        const float b = bias ? static_cast<float>(bias[nb + j]) : 0.f;
+        y[m * y_row + nb + j] = from_float<T>(acc[m * nn + j] + b);
+      }
   }
 }
 
@@ -237,7 +307,7 @@ inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows,
                             int64_t x_row, T* y, int64_t y_row) {
   float sums[R * MB > MM ? R * MB : MM];
   for (int64_t r = 0; r < rows; ++r) {
-    dot_tile<1, MM>(w + r * K, K, x, x_row, sums);
+    dot_tile<1, MM>(w + r * K, K, K, x, x_row, sums);
     const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
     for (int m = 0; m < MM; ++m) y[m * y_row + n0 + r] = from_float<T>(sums[m] + b);
   }
@@ -271,16 +341,7 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
       }
       return;
     }
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * R;
-      const T* w = wp + n0 * K;
-      switch (std::min<int64_t>(R, N - n0)) {
-        case 4: group<4>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
-        case 3: group<3>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
-        case 2: group<2>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
-        default: group<1>(w, bias, n0, K, xp, x_row, M, yp, y_row); break;
-      }
-    }
+    rows_blocked(wp, bias, begin * R, std::min<int64_t>(end * R, N), K, xp, x_row, M, yp, y_row);
   });
 }
 
