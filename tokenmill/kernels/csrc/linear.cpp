@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "linear_broadcast.h"
 #include "ops.h"
 
 namespace {
@@ -322,6 +323,15 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
   const T* wp = weight.data_ptr<T>();
   T* yp = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);
+#if defined(TM_BROADCAST_TILES)
+  if constexpr (std::is_same_v<T, float>) {
+    if (M >= tm_broadcast::MP) {  // AVX2, 16 float32 rows and more: outer-product tiles (linear_broadcast.h)
+      const int64_t done = tm_broadcast::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
+      if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a tile
+      return;
+    }
+  }
+#endif
   const int64_t groups = (N + R - 1) / R;
   // a thread's share is at least ~64K weights (128-256 KB): below that, forking costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (R * K));
