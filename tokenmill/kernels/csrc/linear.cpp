@@ -324,8 +324,8 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
   T* yp = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);
 #if defined(TM_BROADCAST_TILES)
-  if constexpr (std::is_same_v<T, float>) {
-    if (M >= tm_broadcast::MP) {  // AVX2, 16 float32 rows and more: outer-product tiles (linear_broadcast.h)
+  if constexpr (std::is_same_v<X, float>) {  // on AVX2, bfloat16 x comes widened: always
+    if (M >= tm_broadcast::MP) {  // AVX2, 16 rows and more: outer-product tiles (linear_broadcast.h)
       const int64_t done = tm_broadcast::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
       if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a tile
       return;

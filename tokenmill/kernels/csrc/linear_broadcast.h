@@ -1,24 +1,27 @@
-// Linear layers for 16 float32 rows and more on AVX2 without AVX-512: y [M, N] = x [M, K] @ w[N, K]^T
-// (+ bias) as outer products, which need no horizontal sums and fewer loads per FMA than linear.cpp's
-// dot-product tiles. x is packed once per call into panels of 16 rows, k-major ([K][16] each, zeros past
-// M). A tile holds 6 weight rows x 16 x rows in 12 vector accumulators: for each k, one weight of each
-// row is broadcast against the panel's two vectors, 12 FMAs per 2 vector loads and 6 broadcasts. A
-// last panel of at most 8 real rows runs the one-vector tile (6 accumulators). The weights stay in
-// their checkpoint layout: each of a tile's rows is a sequential stream of scalars. The accumulators
-// are named variables, not an array (GCC kept an array of them on the stack, stored on every step), and
+// Linear layers for 16 rows and more on AVX2 without AVX-512: y [M, N] = x [M, K] @ w[N, K]^T (+ bias)
+// as outer products, which need no horizontal sums and fewer loads per FMA than linear.cpp's dot-product
+// tiles. x (float32; bfloat16 x comes widened) is packed once per call into panels of 16 rows, k-major
+// ([K][16] each, zeros past M). A tile holds 6 weight rows x 16 x rows in 12 vector accumulators: for
+// each k, one weight of each row is broadcast (bfloat16: 16 bits into every half-lane, shifted into
+// float32 lanes) against the panel's two vectors, 12 FMAs per 2 vector loads and 6 broadcasts. A last
+// panel of at most 8 real rows runs the one-vector tile (6 accumulators). The weights stay in their
+// checkpoint layout: each of a tile's rows is a sequential stream of scalars. The accumulators are
+// named variables, not an array (GCC kept an array of them on the stack, stored on every step), and
 // the k loop is not unrolled (unrolled, GCC's register allocation chained FMAs through temporaries).
-// On a 2-core Zen 3 machine, the peer model's float32 weights at 16 / 32 / 256 rows: 14.1 / 24.0 / 167
-// ms as dot-product tiles, 9.5 / 16.9 / 121 ms this way (torch's GEMM 137 at 256). bfloat16 weights
-// (a broadcast of 16 bits and a shift each) measured alike either way, so they keep the dot tiles
-// (benchmarks/linear_variants.py, results/linear_variants_avx2.json).
+// On a 2-core Zen 3 machine, the peer model's weights at 16 / 32 / 256 rows, dot-product tiles -> this:
+// float32 14.7 / 25.0 / 176 -> 11.2 / 17.5 / 126 ms (torch's GEMM 146 at 256), bfloat16 15.5 / 30.4 /
+// 228 -> 11.2 / 19.9 / 147 ms (benchmarks/linear_variants.py, results/linear_variants_avx2.json).
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "convert.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(TM_NO_BROADCAST)
 #define TM_BROADCAST_TILES 1
@@ -46,14 +49,21 @@ inline void pack_x(const float* x, int64_t x_row, int64_t M, int64_t K, float* p
 }
 
 // out[r][i] (+ bias) for the tile's rows r < NR and panel rows i < rows.
-inline void store(const __m256* acc, int nv, int64_t rows, float* y, int64_t y_row, const float* bias) {
+template <typename T>
+inline void store(const __m256* acc, int nv, int64_t rows, T* y, int64_t y_row, const T* bias) {
   for (int r = 0; r < NR; ++r) {
     alignas(32) float sums[MP];
     _mm256_store_ps(sums, acc[r * 2]);
     if (nv == 2) _mm256_store_ps(sums + 8, acc[r * 2 + 1]);
-    const float b = bias ? bias[r] : 0.f;
-    for (int64_t i = 0; i < rows; ++i) y[i * y_row + r] = sums[i] + b;
+    const float b = bias ? static_cast<float>(bias[r]) : 0.f;
+    for (int64_t i = 0; i < rows; ++i) y[i * y_row + r] = from_float<T>(sums[i] + b);
   }
+}
+
+// One weight broadcast to 8 float32 lanes (bfloat16: 16 bits into every half-lane, shifted into place).
+inline __m256 bcast(const float* w) { return _mm256_broadcast_ss(w); }
+inline __m256 bcast(const c10::BFloat16* w) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16(static_cast<short>(w->x)), 16));
 }
 
 #define TM_ROW2(r, b)                               \
@@ -63,24 +73,23 @@ inline void store(const __m256* acc, int nv, int64_t rows, float* y, int64_t y_r
 // every row of the tile at k (x0, x1: the panel's vectors at k)
 #define TM_ROWS(ROW, k)                                                              \
   {                                                                                  \
-    __m256 b = _mm256_broadcast_ss(w0 + (k));                                                      \
-    ROW(0, b) b = _mm256_broadcast_ss(w1 + (k));                                                   \
-    ROW(1, b) b = _mm256_broadcast_ss(w2 + (k));                                                   \
-    ROW(2, b) b = _mm256_broadcast_ss(w3 + (k));                                                   \
-    ROW(3, b) b = _mm256_broadcast_ss(w4 + (k));                                                   \
-    ROW(4, b) b = _mm256_broadcast_ss(w5 + (k));                                                   \
+    __m256 b = bcast(w0 + (k));                                                      \
+    ROW(0, b) b = bcast(w1 + (k));                                                   \
+    ROW(1, b) b = bcast(w2 + (k));                                                   \
+    ROW(2, b) b = bcast(w3 + (k));                                                   \
+    ROW(3, b) b = bcast(w4 + (k));                                                   \
+    ROW(4, b) b = bcast(w5 + (k));                                                   \
     ROW(5, b)                                                                        \
   }
 
 // y[i, r] for the 6 weight rows from w (row stride K) and a panel (rows of its 16 real); NV = 2: both
 // vectors, NV = 1: the first only (at most 8 real rows).
-template <int NV>
-inline void tile(const float* w, int64_t K, const float* panel, int64_t rows, float* y, int64_t y_row,
-                 const float* bias) {
-  const float *w0 = w, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K, *w4 = w3 + K, *w5 = w4 + K;
+template <int NV, typename T>
+inline void tile(const T* w, int64_t K, const float* panel, int64_t rows, T* y, int64_t y_row, const T* bias) {
+  const T *w0 = w, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K, *w4 = w3 + K, *w5 = w4 + K;
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  constexpr int64_t line = 16;  // weights per cache line
+  constexpr int64_t line = 64 / sizeof(T);  // weights per cache line
   int64_t k = 0;
   for (; k + line <= K; k += line) {
     // the next tile's rows, one line ahead of their first use (a prefetch past the end is a hint)
@@ -117,8 +126,9 @@ inline void tile(const float* w, int64_t K, const float* panel, int64_t rows, fl
 // y[:, :n_full] for x [M, K] (row stride x_row) and w [N, K], n_full = N rounded down to whole tiles
 // (returned; the caller computes the rest): weight rows in tiles of NR split between the threads, each
 // tile against every panel in turn (its rows from L1 after the first).
-inline int64_t linear(const float* x, int64_t x_row, int64_t M, const float* w, int64_t N, int64_t K,
-                      const float* bias, float* y, int64_t y_row) {
+template <typename T>
+int64_t linear(const float* x, int64_t x_row, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* y,
+               int64_t y_row) {
   const int64_t count = (M + MP - 1) / MP, tiles = N / NR;
   std::vector<float> panels(count * K * MP);
   pack_x(x, x_row, M, K, panels.data());
@@ -126,11 +136,11 @@ inline int64_t linear(const float* x, int64_t x_row, int64_t M, const float* w, 
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR;
-      const float* bt = bias ? bias + n0 : nullptr;
+      const T* bt = bias ? bias + n0 : nullptr;
       for (int64_t p = 0; p < count; ++p) {
         const int64_t rows = std::min<int64_t>(MP, M - p * MP);
         const float* panel = panels.data() + p * K * MP;
-        float* yt = y + p * MP * y_row + n0;
+        T* yt = y + p * MP * y_row + n0;
         if (rows > 8)
           tile<2>(w + n0 * K, K, panel, rows, yt, y_row, bt);
         else
