@@ -28,7 +28,7 @@ namespace {
 constexpr int R = 4;   // weight rows per group
 // x rows per pass over a group. AVX-512: 4 x 6 accumulators + 6 x vectors + 1 weight vector fill the
 // 32 registers; at 16-64 rows 8-12% faster than 4 x 4 (fewer loads per FMA). AVX2 has 16 registers:
-// 4 x 3 + 3 + 1 (not measured on an AVX2 machine yet).
+// 4 x 3 + 3 + 1; on the Zen 3 machine 4 x 2 was 5-20% slower at 16-256 rows.
 #ifndef TM_MB
 #if defined(__AVX512F__)
 #define TM_MB 6
@@ -181,9 +181,6 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
     const auto step = [&](int64_t kk) {
       typename Lanes::V xv[MM];
       for (int m = 0; m < MM; ++m) xv[m] = Lanes::load(x + m * x_row + kk);
-#ifdef TM_PIN_X
-      for (int m = 0; m < MM; ++m) asm volatile("" : "+x"(xv[m]));
-#endif
       for (int r = 0; r < RR; ++r) {
         const typename Lanes::V wv = Lanes::load(w + r * w_row + kk);
         for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);
@@ -210,13 +207,14 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
         out[r * MB + m] += static_cast<float>(w[r * w_row + k]) * static_cast<float>(x[m * x_row + k]);
 }
 
-// More than seq_rows x rows: arithmetic more than weight reads, so the loops keep each operand in
-// the cache level it is reused from. A thread's weight rows go NB at a time (the block stays in L2:
-// NB x KC weights); for each K slice of KC, x goes MC rows at a time (a slice of them stays in L1), and
-// each group of R weight rows of the block meets those x rows MB at a time in registers. The float32
-// partial sums of the block live in `acc` [M, NB] until the last K slice. Unblocked, every tile
-// re-read x and the weight group from L2 (together past L1's 32 KB at 16 rows and more), which held
-// float32 at 16-64 rows to about half the FMA peak.
+// More than seq_rows x rows (AVX2: up to 15; the outer-product tiles of linear_broadcast.h take 16 and
+// more): arithmetic more than weight reads, so the loops keep each operand in the cache level it is
+// reused from. A thread's weight rows go NB at a time (the block stays in L2: NB x KC weights); for
+// each K slice of KC, x goes MC rows at a time (a slice of them stays in L1), and each group of R
+// weight rows of the block meets those x rows MB at a time in registers. The float32 partial sums of
+// the block live in `acc` [M, NB] until the last K slice. Against the unblocked loops, on the AVX2
+// machine: alike at 16-64 rows, 8% faster at 256 (the tile's own loop, not the caches, holds it at
+// about half the FMA peak there); not yet timed on an AVX-512 machine.
 #ifndef TM_KC
 #define TM_KC 512  // the block sizes are macros only for side-by-side builds (benchmarks/linear_variants.py)
 #endif
