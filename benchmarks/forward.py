@@ -100,7 +100,9 @@ class Tokenmill:
         method = get_dense_linear_method(linear)
         self.model = load_model(folder, dtype=dtype, backend=self.backend, ops=get_layer_ops(ops), linear_method=method)
         tuner = Autotuner(torch.device("cpu"), default_cache_path())
-        prepare_native(self.model, tuner, max(BATCHES), PROMPT, tune=linear == "auto", fused=fused)  # as the engine does
+        prepare_native(
+            self.model, tuner, max(BATCHES), PROMPT, tune=linear == "auto", fused=fused
+        )  # as the engine does
         self.linear = type(method).__name__ if linear != "auto" else f"auto ({type(method).__name__}, tuned)"
         self.dtype = dtype
 

@@ -64,7 +64,9 @@ def stack(
     return go
 
 
-def torch_stack(weights: list[torch.Tensor], outs: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> Callable[[], None]:
+def torch_stack(
+    weights: list[torch.Tensor], outs: list[torch.Tensor], inputs: dict[int, torch.Tensor]
+) -> Callable[[], None]:
     """Every weight once through torch's own linear (MKL / oneDNN), for reference."""
 
     def go() -> None:

@@ -27,7 +27,18 @@ KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels did not build here")
 
 TORCH = get_attention_backend("torch")
-SHAPES = [(1, 64, 32), (3, 37, 100), (4, 64, 48), (5, 5, 33), (8, 130, 96), (11, 7, 33), (13, 16, 64), (20, 13, 33), (37, 50, 130), (64, 24, 40)]
+SHAPES = [
+    (1, 64, 32),
+    (3, 37, 100),
+    (4, 64, 48),
+    (5, 5, 33),
+    (8, 130, 96),
+    (11, 7, 33),
+    (13, 16, 64),
+    (20, 13, 33),
+    (37, 50, 130),
+    (64, 24, 40),
+]
 
 
 @pytest.mark.parametrize(("rows", "out_f", "in_f"), SHAPES)
