@@ -6,8 +6,8 @@ and class of row counts by measurement on the CPU at hand.
 (`kernels/csrc/linear.cpp`: weights streamed once, vector FMA or AVX-512 BF16 dot products) for
 decode batches and prompt chunks, or torch's `F.linear` (MKL / oneDNN). Which is faster depends on the
 CPU, the dtype, the shape and the row count (on one AVX-512 machine torch's float32 product at 2-8
-rows costs twice its single row; on an AVX2 machine torch's bfloat16 GEMM runs at a sixth of the
-native kernel's speed even on 512-row prompt chunks, while its float32 GEMM beats the native kernel
+rows costs twice its single row; on an AVX2 machine torch's bfloat16 GEMM runs at a fifth of the
+native kernel's speed even on prompt chunks, while its float32 GEMM is faster than the native kernel
 there), so `tune_linear` times both on the model's own weights for each row class in `ROW_CLASSES`
 through the autotune cache, and the plan it returns says, per (out, in) shape, which rows go native.
 """
@@ -33,10 +33,10 @@ logger = logging.getLogger("tokenmill")
 # engine's max_num_batched_tokens; max_num_seqs for the output projection) and at LONGEST_TIMED. Row
 # counts past the last class take its choice.
 ROW_CLASSES = ((1, 1), (2, 8), (9, 64), (65, 512))
-# Prompt chunks are arithmetic, not weight reads: timed at 65 and 256 rows (the native kernel's float32
-# GEMM ties torch's at 128 rows and loses at 512 on an AVX2 machine), on the first PROMPT_WEIGHTS
+# Prompt chunks are arithmetic, not weight reads: timed at 65 and 256 rows, on the first PROMPT_WEIGHTS
 # weights of a shape only (which weights come from memory no longer matters; this keeps a slow
-# candidate, torch's emulated bfloat16 GEMM, to about a second of start-up).
+# candidate, torch's emulated bfloat16 GEMM, to about a second of start-up). On the AVX2 machine
+# torch's float32 GEMM wins this class by 10-70% and its bfloat16 GEMM loses it by 4-5x.
 LONGEST_TIMED = 256
 PROMPT_WEIGHTS = 2
 MAX_DECODE_ROWS = 64  # the classes up to here are timed on every weight
