@@ -177,15 +177,17 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
     typename Lanes::V acc[RR][MM];
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::zero();
-    // one step: W lanes of k against every row of the tile
-    const auto step = [&](int64_t kk) {
-      typename Lanes::V xv[MM];
-      for (int m = 0; m < MM; ++m) xv[m] = Lanes::load(x + m * x_row + kk);
-      for (int r = 0; r < RR; ++r) {
-        const typename Lanes::V wv = Lanes::load(w + r * w_row + kk);
-        for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);
-      }
-    };
+    // one step: W lanes of k against every row of the tile (a macro, not a lambda capturing acc: see
+    // linear_broadcast.h for what GCC made of that there)
+#define TM_DOT_STEP(kk)                                                                     \
+  {                                                                                         \
+    typename Lanes::V xv[MM];                                                               \
+    for (int m = 0; m < MM; ++m) xv[m] = Lanes::load(x + m * x_row + (kk));                 \
+    for (int r = 0; r < RR; ++r) {                                                          \
+      const typename Lanes::V wv = Lanes::load(w + r * w_row + (kk));                       \
+      for (int m = 0; m < MM; ++m) acc[r][m] = Lanes::fma(wv, xv[m], acc[r][m]);            \
+    }                                                                                       \
+  }
 #ifdef TM_PREFETCH_EVERY_STEP
     constexpr int64_t per_line = 1;
 #else
@@ -196,9 +198,10 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
       // hint, not an access)
       for (int r = 0; r < RR; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_GROUPS * R) * w_row + k), TM_PREFETCH_HINT);
-      for (int64_t u = 0; u < per_line; ++u) step(k + u * Lanes::W);
+      for (int64_t u = 0; u < per_line; ++u) TM_DOT_STEP(k + u * Lanes::W)
     }
-    for (; k + Lanes::W <= K; k += Lanes::W) step(k);
+    for (; k + Lanes::W <= K; k += Lanes::W) TM_DOT_STEP(k)
+#undef TM_DOT_STEP
     store_sums<RR, MM>(acc, out);
   }
   for (; k < K; ++k)  // the tail shorter than a vector
