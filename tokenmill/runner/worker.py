@@ -60,7 +60,7 @@ def prepare_native(
         rows = {shape: max_tokens for shape in shapes}
         rows[(model.config.vocab_size, model.config.hidden_size)] = min(max_seqs, max_tokens)
         plan = tune_linear(method, shapes, rows, tuner)
-        native = sorted(k for k, v in plan.items() if v == "cpu") or ["none"]
+        native = sorted(k for k, v in plan.items() if v == "cpu")
         dtype = model.embed_tokens.weight.dtype
         logger.info(
             "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"

@@ -1,9 +1,9 @@
-// Linear layers for few rows (decode): y [M, N] = x [M, K] @ w[N, K]^T (+ bias), the weight read once
-// from memory in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM for
-// long prompts). Each thread takes a contiguous range of output rows and walks them R = 4 weight rows
-// at a time; for each group it runs over the x rows MB at a time with R x MB vector accumulators, so
-// the group's weights come from memory once and from L1 for the other x rows. Up to 8 rows take one
-// weight row at a time instead (`rows_one_by_one`, below).
+// Linear layers on the CPU: y [M, N] = x [M, K] @ w[N, K]^T (+ bias), decode batches and prompt chunks,
+// the weight read in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM
+// where the tuned plan prefers it). Each thread takes a contiguous range of output rows. Up to 8 x
+// rows walk them one weight row at a time (`rows_one_by_one`: one sequential weight stream a
+// thread); more rows run R x MB dot-product tiles, cache-blocked (`rows_blocked`), except on AVX2
+// from 16 rows on, where the outer-product tiles of linear_broadcast.h run instead.
 // float32 weights: FMA over 16 (AVX-512) or 8 (AVX2) lanes. bfloat16 weights: vdpbf16ps (AVX-512
 // BF16: pairs of bfloat16 products summed into float32 lanes) where the CPU has it, else widened to
 // float32 by a shift against x widened once per call. Sums in float32; the output rounded once to its
@@ -297,7 +297,7 @@ void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, in
 // weights as one sequential stream. Four interleaved row streams (the 4-row tile) defeat the hardware
 // prefetcher on short rows: on a 2-core AVX-512 machine the peer model's bfloat16 weights at 1 / 4 / 8
 // rows read 17 / 15 / 17 GB/s that way, 25 / 17 / 22 this way, float32 at 4 and 8 rows alike; on a
-// 2-core AVX2 machine (Zen 3) float32 at 2 / 4 / 8 rows 15 / 17 / 12 GB/s that way, 18 / 19 / 15 this
+// 2-core AVX2 machine (Zen 3) float32 at 2 / 4 / 8 rows 18 / 16 / 13 GB/s that way, 20 / 16 / 15 this
 // way (benchmarks/linear_variants.py, results/linear_variants*.json).
 #ifndef TM_SEQ_ROWS
 #define TM_SEQ_ROWS 8  // another value only for side-by-side builds (benchmarks/linear_variants.py)
