@@ -1,4 +1,4 @@
-"""The decode step with each decoder layer as one native call (`FusedDecode`) against the layers'
+"""The decode step with the decoder layers as one native call (`FusedDecode`) against the layers'
 modules, on the same model object and cache contents, interleaved.
 
 The `small` peer model (or --model), tokenmill's default kernels (native attention, layer ops and

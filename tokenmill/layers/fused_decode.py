@@ -1,10 +1,10 @@
-"""Decoder layers as one native call each, for steps without prompt chunks on the CPU kernels.
+"""Every decoder layer as one native call, for steps without prompt chunks on the CPU kernels.
 
-`FusedDecode` runs a `DecoderLayer` through `kernels/csrc/decode_layer.cpp`, which chains the same
-native ops the layer's modules call one by one (norms, projections, rotary, KV write, paged
+`FusedDecode` runs the model's `DecoderLayer`s through `kernels/csrc/decode_layer.cpp`, which chains
+the same native ops the layers' modules call one by one (norms, projections, rotary, KV write, paged
 attention, SwiGLU) in the same order, so its outputs equal the modules' to the bit; what it removes
-is the Python between them (~20 torch calls and ~10 module calls a layer: the decode step 1.04-1.09x
-faster at 1-16 sequences on a 2-core machine, `benchmarks/fused_decode.py`). It applies where every piece is the
+is the Python between them (~20 torch calls and ~10 module calls a layer, then the call a layer
+itself: see `benchmarks/fused_decode.py`). It applies where every piece is the
 native one (the `cpu` attention backend and layer ops, dense weights), to steps whose every
 sequence the paged kernel attends (no prompt chunk for SDPA) and without padding rows; each
 projection keeps its linear method's choice of kernel for the step's row count. Anything else
@@ -29,8 +29,22 @@ if TYPE_CHECKING:
 
 
 class FusedDecode:
-    def __init__(self, kernels: CpuKernels) -> None:
-        self._op = kernels.ops.decode_layer.default
+    """The decoder layers of one model as one native call a decode step (`decode_stack`): each layer's
+    tensors gathered once here, so a step passes only what changes (hidden states, rotary inputs,
+    caches, attention metadata). Build it once the weights are final: it keeps references to them."""
+
+    def __init__(self, kernels: CpuKernels, model: LlamaForCausalLM) -> None:
+        self._op = kernels.ops.decode_stack.default
+        layers = cast("list[DecoderLayer]", list(model.layers))
+        self._norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        projections = [p for layer in layers for p in _projections(layer)]
+        self._weights = [p.weight for p in projections]
+        self._biases = [p.bias for p in projections]
+        self._windows = [layer.self_attn.sliding_window for layer in layers]
+        attn = layers[0].self_attn
+        self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self._eps = layers[0].input_layernorm.eps
+        self._scale = attn.scale
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
@@ -41,8 +55,7 @@ class FusedDecode:
         attn = layers[0].self_attn
         if not isinstance(attn.backend, CpuPagedBackend):
             return False
-        projections = [attn.qkv_proj, attn.o_proj, layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj]
-        return all(type(p.linear_method) in (CpuLinearMethod, UnquantizedLinearMethod) for p in projections)
+        return all(type(p.linear_method) in (CpuLinearMethod, UnquantizedLinearMethod) for p in _projections(layers[0]))
 
     def plan(self, layer: DecoderLayer, x: torch.Tensor, metadata: AttentionMetadata) -> list[bool] | None:
         """For a step: each projection's kernel (True: native) at the step's row count, the same for
@@ -50,32 +63,31 @@ class FusedDecode:
         md = metadata
         if not isinstance(md, CpuMetadata) or md.prefills or md.num_actual_tokens != x.shape[0]:
             return None
-        attn, mlp = layer.self_attn, layer.mlp
         rows = x.shape[0]
-        return [_native(p, rows) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        return [_native(p, rows) for p in _projections(layer)]
 
     def __call__(
         self,
-        layer: DecoderLayer,
-        x: torch.Tensor,  # [T, hidden]
-        residual: torch.Tensor | None,
+        x: torch.Tensor,  # [T, hidden]: the embeddings
         rope: object,  # CpuOps.rotary_inputs: positions, cos, sin
-        cache: KVCache,
+        caches: list[KVCache],  # one per layer
         metadata: CpuMetadata,
         native: list[bool],
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # as DecoderLayer.forward
-        attn, mlp = layer.self_attn, layer.mlp
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the last layer's (MLP output, residual), as DecoderLayer.forward
         positions, cos, sin = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], rope)
         md = metadata
+        heads, kv_heads, head_dim = self._heads
         out, res = self._op(
-            x, residual, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            layer.input_layernorm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-            attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight,
-            mlp.down_proj.bias, native, attn.num_heads, attn.num_kv_heads, attn.head_dim, positions, cos, sin,
-            cache.k, cache.v, md.slot_mapping, md.block_tables, md.seq_lens, md.query_starts, md.query_lens,
-            md.block_size, attn.scale, attn.sliding_window,
+            x, self._norms, self._weights, self._biases, [t for c in caches for t in (c.k, c.v)], self._eps, native,
+            heads, kv_heads, head_dim, positions, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens,
+            md.query_starts, md.query_lens, md.block_size, self._scale, self._windows,
         )  # fmt: skip
         return out, res
+
+
+def _projections(layer: DecoderLayer) -> tuple[LinearBase, LinearBase, LinearBase, LinearBase]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _native(projection: LinearBase, rows: int) -> bool:

@@ -191,10 +191,10 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         fused = self.fused_decode
         native = fused.plan(self.layers[0], x, metadata) if fused is not None and len(self.layers) else None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            if fused is not None and native is not None:  # one native call a layer (same kernels, no Python between)
-                x, residual = fused(layer, x, residual, rope, cache, metadata, native)  # type: ignore[arg-type]
-            else:
+        if fused is not None and native is not None:  # one native call for every layer
+            x, residual = fused(x, rope, kv_caches, metadata, native)  # type: ignore[arg-type]
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, cache, metadata)
         if residual is None:  # no layers
             return self.norm(x)

@@ -67,7 +67,7 @@ def prepare_native(
         )
     kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
     if kernels is not None:
-        model.fused_decode = FusedDecode(kernels)
+        model.fused_decode = FusedDecode(kernels, model)
 
 
 class Worker:

@@ -4,8 +4,8 @@
 // Cache layout (one layer): K and V each [num_blocks, num_kv_heads, block_size * head_dim], one
 // contiguous chunk per (block, KV head): K's chunk is [head_dim, block_size] (a block's keys side
 // by side, so a query's scores against them are 16-wide vector FMAs, no horizontal sums), V's is
-// [block_size, head_dim] (each value row added whole). One work item per sequence: block by block,
-// for each KV head, its queries (query_len x the query heads sharing it, 4 at a time) read each key
+// [block_size, head_dim] (each value row added whole). One work item per (sequence, KV head): block by
+// block, the head's queries (query_len x the query heads sharing it, 4 at a time) read each key
 // and value once, with an online softmax (running max and sum) so no score row is ever stored.
 // Query i of a sequence with L tokens in the cache sits at position L - query_len + i and sees keys
 // at positions <= its own (and > its own - window with a sliding window). Arithmetic in float32
@@ -187,70 +187,62 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   // one contiguous run (and its V chunks another), which the prefetcher streams. Items differ in
   // length (contexts of 500 and 2,000 tokens side by side), so they go one at a time to whichever
   // thread is free, on torch's thread count and OpenMP runtime.
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs)));
+  // one work item per (sequence, KV head): a lone decoding sequence still keeps every thread busy
+  const int64_t items = num_seqs * kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t width = (dim + kTile - 1) / kTile * kTile;  // head_dim padded to whole vectors
     const auto tile_fn = width == 64 ? &attend_tile<64> : width == 128 ? &attend_tile<128> : &attend_tile<0>;
     std::vector<float> qs, acc, run_max, run_sum, kbuf(width * kTile), vbuf(kTile * width);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
       const int64_t first_row = starts[b], qlen = qlens[b], len = lens[b];
-      // KV head h's queries: slots [h * padded, h * padded + nq); query j of them is token
-      // first_row + j / group, query head h * group + j % group
-      const int64_t nq = qlen * group;
+      const int64_t nq = qlen * group;  // the queries sharing KV head h: query_len tokens x group heads
       const int64_t padded = (nq + kQueries - 1) / kQueries * kQueries;
-      qs.assign(kv_heads * padded * width, 0.f);
-      acc.assign(kv_heads * padded * width, 0.f);
-      run_max.assign(kv_heads * padded, kNegInf);
-      run_sum.assign(kv_heads * padded, 0.f);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t j = 0; j < nq; ++j) {
-          const T* src = qp + (first_row + j / group) * q_row + (h * group + j % group) * q_head;
-          float* dst = qs.data() + (h * padded + j) * width;
-          to_float(src, dst, dim);
-          for (int64_t d = 0; d < dim; ++d) dst[d] *= sc;
-        }
+      qs.assign(padded * width, 0.f);
+      acc.assign(padded * width, 0.f);
+      run_max.assign(padded, kNegInf);
+      run_sum.assign(padded, 0.f);
+      for (int64_t j = 0; j < nq; ++j) {
+        const T* src = qp + (first_row + j / group) * q_row + (h * group + j % group) * q_head;
+        float* dst = qs.data() + j * width;
+        to_float(src, dst, dim);
+        for (int64_t d = 0; d < dim; ++d) dst[d] *= sc;
       }
       const int64_t first_pos = len - qlen;  // position of the first query
       const int64_t lo = window ? std::max<int64_t>(0, first_pos - *window + 1) : 0;
       for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
-        const int64_t at_block = static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads * chunk;
+        const int64_t at_chunk = (static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads + h) * chunk;
         Prefetch ahead;  // the next block sits on other pages: fetched a line at a time meanwhile
         if ((blk + 1) * block_size < len) {
-          const int64_t next = static_cast<int64_t>(tables[b * table_row + blk + 1]) * kv_heads * chunk;
-          ahead = Prefetch(kp + next, vp + next, kv_heads * chunk);
+          const int64_t next = (static_cast<int64_t>(tables[b * table_row + blk + 1]) * kv_heads + h) * chunk;
+          ahead = Prefetch(kp + next, vp + next, chunk);
         }
         const int64_t in_block = std::min(block_size, len - blk * block_size);
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          const int64_t at_chunk = at_block + h * chunk;
-          for (int64_t first = 0; first < in_block; first += kTile) {
-            const int64_t t0 = blk * block_size + first;  // position of the tile's first key
-            const Tile tile = load_tile(kp + at_chunk, vp + at_chunk, block_size, first,
-                                        std::min(kTile, in_block - first), dim, width, kbuf.data(), vbuf.data());
-            for (int64_t j0 = 0; j0 < padded; j0 += kQueries) {
-              int64_t visible[kQueries][2];
-              for (int64_t j = 0; j < kQueries; ++j) {
-                const int64_t pos = first_pos + (j0 + j) / group;
-                const int64_t from = window ? std::max<int64_t>(0, pos - *window + 1 - t0) : 0;
-                const int64_t to = j0 + j < nq ? std::min(tile.count, pos - t0 + 1) : 0;  // padding sees nothing
-                visible[j][0] = from;
-                visible[j][1] = to;
-              }
-              const int64_t slot = h * padded + j0;
-              tile_fn(tile, qs.data() + slot * width, width, visible, run_max.data() + slot, run_sum.data() + slot,
-                      acc.data() + slot * width, ahead);
+        for (int64_t first = 0; first < in_block; first += kTile) {
+          const int64_t t0 = blk * block_size + first;  // position of the tile's first key
+          const Tile tile = load_tile(kp + at_chunk, vp + at_chunk, block_size, first, std::min(kTile, in_block - first),
+                                      dim, width, kbuf.data(), vbuf.data());
+          for (int64_t j0 = 0; j0 < padded; j0 += kQueries) {
+            int64_t visible[kQueries][2];
+            for (int64_t j = 0; j < kQueries; ++j) {
+              const int64_t pos = first_pos + (j0 + j) / group;
+              const int64_t from = window ? std::max<int64_t>(0, pos - *window + 1 - t0) : 0;
+              const int64_t to = j0 + j < nq ? std::min(tile.count, pos - t0 + 1) : 0;  // padding sees nothing
+              visible[j][0] = from;
+              visible[j][1] = to;
             }
+            tile_fn(tile, qs.data() + j0 * width, width, visible, run_max.data() + j0, run_sum.data() + j0,
+                    acc.data() + j0 * width, ahead);
           }
         }
       }
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t j = 0; j < nq; ++j) {
-          T* dst = op + (first_row + j / group) * o_row + (h * group + j % group) * o_head;
-          const int64_t slot = h * padded + j;
-          const float inv = 1.f / run_sum[slot];
-          for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(acc[slot * width + d] * inv);
-        }
+      for (int64_t j = 0; j < nq; ++j) {
+        T* dst = op + (first_row + j / group) * o_row + (h * group + j % group) * o_head;
+        const float inv = 1.f / run_sum[j];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(acc[j * width + d] * inv);
       }
     }
   }
