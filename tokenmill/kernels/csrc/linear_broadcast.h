@@ -2,8 +2,11 @@
 // as outer products, which need no horizontal sums and fewer loads per FMA than linear.cpp's dot-product
 // tiles. x (float32; bfloat16 x comes widened) is packed once per call into panels of 16 rows, k-major
 // ([K][16] each, zeros past M). A tile holds 6 weight rows x 16 x rows in 12 vector accumulators: for
-// each k, one weight of each row is broadcast (bfloat16: 16 bits into every half-lane, shifted into
-// float32 lanes) against the panel's two vectors, 12 FMAs per 2 vector loads and 6 broadcasts. A last
+// each k, one weight of each row is broadcast against the panel's two vectors, 12 FMAs per 2 vector
+// loads and 6 broadcasts. bfloat16 weights are first widened to float32, a tile's 6 rows at a time,
+// once for all the panels (broadcast from their own 16 bits, each took a load, a shuffle and a
+// shift: at 16 / 32 / 64 / 256 rows 21.4 / 37.3 / 75.9 / 363 -> 18.5 / 31.0 / 56.6 / 208 ms in one
+// run, results/linear_variants_avx2_bf16_widen.json, on a slower day than the figures below). A last
 // panel of at most 8 real rows runs the one-vector tile (6 accumulators). The weights stay in their
 // checkpoint layout: each of a tile's rows is a sequential stream of scalars. The accumulators are
 // named variables, not an array (GCC kept an array of them on the stack, stored on every step), and
@@ -19,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -83,17 +87,20 @@ inline __m256 bcast(const c10::BFloat16* w) {
   }
 
 // y[i, r] for the 6 weight rows from w (row stride K) and a panel (rows of its 16 real); NV = 2: both
-// vectors, NV = 1: the first only (at most 8 real rows).
-template <int NV, typename T>
-inline void tile(const T* w, int64_t K, const float* panel, int64_t rows, T* y, int64_t y_row, const T* bias) {
-  const T *w0 = w, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K, *w4 = w3 + K, *w5 = w4 + K;
+// vectors, NV = 1: the first only (at most 8 real rows). W: the weights' type as read here (float32
+// rows widened from bfloat16 beforehand, or the checkpoint's own); T: the output's.
+template <int NV, typename W, typename T>
+inline void tile(const W* w, int64_t K, const float* panel, int64_t rows, T* y, int64_t y_row, const T* bias) {
+  const W *w0 = w, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K, *w4 = w3 + K, *w5 = w4 + K;
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  constexpr int64_t line = 64 / sizeof(T);  // weights per cache line
+  constexpr int64_t line = 64 / sizeof(W);  // weights per cache line
   int64_t k = 0;
   for (; k + line <= K; k += line) {
-    // the next tile's rows, one line ahead of their first use (a prefetch past the end is a hint)
-    for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + NR) * K + k), _MM_HINT_T0);
+    // the next tile's rows, one line ahead of their first use (a prefetch past the end is a hint);
+    // rows widened beforehand were prefetched as they were widened
+    if constexpr (std::is_same_v<W, T>)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + NR) * K + k), _MM_HINT_T0);
 #pragma GCC unroll 1  // see the top
     for (int64_t u = 0; u < line; ++u) {
       const float* px = panel + (k + u) * MP;
@@ -123,6 +130,19 @@ inline void tile(const T* w, int64_t K, const float* panel, int64_t rows, T* y, 
 #undef TM_ROW1
 #undef TM_ROW2
 
+// The tile's 6 bfloat16 weight rows widened into float32 rows (row stride K), the next tile's rows
+// prefetched meanwhile: the tile then broadcasts each weight by one load, where a bfloat16 weight
+// broadcast from its own bits takes a load, a shuffle and a shift. Done once per tile for all panels.
+inline void widen_rows(const c10::BFloat16* w, int64_t K, float* out) {
+  for (int r = 0; r < NR; ++r) {
+    const c10::BFloat16* src = w + r * K;
+    for (int64_t k = 0; k < K; k += 32) {  // a line at a time, with the same line of the next tile's row
+      _mm_prefetch(reinterpret_cast<const char*>(src + NR * K + k), _MM_HINT_T0);  // past the end: a hint
+      to_float(src + k, out + r * K + k, std::min<int64_t>(32, K - k));
+    }
+  }
+}
+
 // y[:, :n_full] for x [M, K] (row stride x_row) and w [N, K], n_full = N rounded down to whole tiles
 // (returned; the caller computes the rest): weight rows in tiles of NR split between the threads, each
 // tile against every panel in turn (its rows from L1 after the first).
@@ -134,18 +154,31 @@ int64_t linear(const float* x, int64_t x_row, int64_t M, const T* w, int64_t N, 
   pack_x(x, x_row, M, K, panels.data());
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (NR * K));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+#if !defined(TM_BF16_DIRECT)
+    std::vector<float> widened(std::is_same_v<T, c10::BFloat16> ? NR * K : 0);
+#endif
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR;
       const T* bt = bias ? bias + n0 : nullptr;
-      for (int64_t p = 0; p < count; ++p) {
-        const int64_t rows = std::min<int64_t>(MP, M - p * MP);
-        const float* panel = panels.data() + p * K * MP;
-        T* yt = y + p * MP * y_row + n0;
-        if (rows > 8)
-          tile<2>(w + n0 * K, K, panel, rows, yt, y_row, bt);
-        else
-          tile<1>(w + n0 * K, K, panel, rows, yt, y_row, bt);
+      const auto panels_with = [&](const auto* wt) {
+        for (int64_t p = 0; p < count; ++p) {
+          const int64_t rows = std::min<int64_t>(MP, M - p * MP);
+          const float* panel = panels.data() + p * K * MP;
+          T* yt = y + p * MP * y_row + n0;
+          if (rows > 8)
+            tile<2>(wt, K, panel, rows, yt, y_row, bt);
+          else
+            tile<1>(wt, K, panel, rows, yt, y_row, bt);
+        }
+      };
+#if !defined(TM_BF16_DIRECT)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        widen_rows(w + n0 * K, K, widened.data());
+        panels_with(widened.data());
+        continue;
       }
+#endif
+      panels_with(w + n0 * K);
     }
   });
   return tiles * NR;
