@@ -1,10 +1,11 @@
-// One decoder layer of the Llama family for a step of decodes, in one call: the ops that
-// DecoderLayer.forward calls one by one from Python (RMSNorm with the residual add, the QKV
-// projection, rotary embeddings, the KV write, paged attention, the output projection, the second
-// norm, gate/up, SiLU-and-mul, down), chained here in the same order on the same kernels, so the
-// result is the same to the bit. What it saves is Python: ~20 torch calls and ~10 module calls per
-// layer (the step 1.04-1.09x faster at 1-16 sequences on a 2-core machine: benchmarks/fused_decode.py).
-// Each projection takes the native few-row kernel or torch's GEMM as the caller's plan says (`native`).
+// The decoder layers of the Llama family for a step of decodes, in one call (`decode_stack`): per
+// layer, the ops that DecoderLayer.forward calls one by one from Python (RMSNorm with the residual
+// add, the QKV projection, rotary embeddings, the KV write, paged attention, the output projection,
+// the second norm, gate/up, SiLU-and-mul, down), chained here in the same order on the same kernels,
+// so the result is the same to the bit. What it saves is Python: ~20 torch calls and ~10 module calls
+// a layer, then the call a layer itself (1.11-1.29x on the step at 1-16 sequences on the 2-core AVX2
+// machine: benchmarks/fused_decode.py). Each projection takes the native few-row kernel or torch's
+// GEMM as the caller's plan says (`native`).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -66,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {project(act, down_w, down_b, native[3]), residual};
 }
 
-// Every decoder layer of the model for one step, in one call: decode_layer for layer i with its
+// Every decoder layer of the model for one step: decode_layer for layer i with its
 // tensors at i (norms: input and post-attention norm of each layer in turn; weights and biases: qkv,
 // o, gate_up, down of each layer; caches: K and V of each layer). Returns as decode_layer does after
 // the last layer. What it saves over a call a layer is the Python between them (~60-90 us a layer on
@@ -102,13 +103,6 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def(
-      "decode_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor qkv_w, Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor gate_up_w, Tensor? gate_up_b, Tensor down_w, "
-      "Tensor? down_b, bool[] native, int num_heads, int num_kv_heads, int head_dim, Tensor positions, Tensor cos, "
-      "Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_starts, Tensor query_lens, int block_size, float scale, int? window) -> (Tensor, Tensor)");
-  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
   m.def(
       "decode_stack(Tensor(a!) x, Tensor[] norms, Tensor[] weights, Tensor?[] biases, Tensor(b!)[] caches, float eps, "
       "bool[] native, int num_heads, int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, "
