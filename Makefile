@@ -52,7 +52,7 @@ serve: $(STAMP)
 # Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
 bench: bench-forward bench-decode bench-engine bench-prefix bench-serve
 
-# the decode step on the reference and the native paths, the fused decode layer against the modules,
+# the decode step on the reference and the native paths, the fused decode layers against the modules,
 # torch.compile of the step, the time outside the forward, the server at one request
 bench-decode: $(STAMP)
 	$(BIN)/python benchmarks/decode_step.py --repeats 3

@@ -1,7 +1,7 @@
 """Forward benchmark: tokenmill's paged forward beside transformers' own forward and cache.
 
 tokenmill runs as its engine does by default (`auto`: the native attention backend, layer ops and
-linear kernel where they build, tuned, and decoder layers fused into one native call a layer for
+linear kernel where they build, tuned, and the decoder layers fused into one native call for
 decode steps; `--attention-backend torch --layer-ops torch --linear-backend torch` for the reference
 path).
 Measures, on the `small` peer model (shared/PEERS.md) in float32 and bfloat16, in one run with the

@@ -48,7 +48,7 @@ class FusedDecode:
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
-        """Whether `model` runs entirely on the pieces the fused layer chains."""
+        """Whether `model` runs entirely on the pieces the fused layers chain."""
         layers = cast("list[DecoderLayer]", list(model.layers))
         if not layers or model.config.qk_norm or not isinstance(model.ops, CpuOps):
             return False

@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         # products with dense weights outside a layer (a tied head, slices of the head): the same
         # method when it is a dense one (the CPU plan applies), plain torch otherwise
         self.dense = method if isinstance(method, UnquantizedLinearMethod) else UnquantizedLinearMethod()
-        # decoder layers as one native call each where it applies (set by the worker; None: the modules)
+        # the decoder layers as one native call a step where it applies (set by the worker; None: the modules)
         self.fused_decode: FusedDecode | None = None
         self.ops = ops = ops or TorchOps()
         table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it

@@ -53,7 +53,7 @@ def prepare_native(
     """What the engine does to a loaded model beyond loading it: with `tune`, the native linear
     method's kernel per weight shape and row class (through `tuner`: up to `max_tokens` rows, prompt
     chunks included; up to `max_seqs` for the output projection, which sees one row a sequence); with
-    `fused`, the decoder layers as one native call each where that applies."""
+    `fused`, the decoder layers as one native call a step where that applies."""
     method = model.dense
     if tune and isinstance(method, CpuLinearMethod):
         shapes = dense_weight_shapes(model, model.tied_head())
