@@ -37,6 +37,7 @@ class FusedDecode:
         self._op = kernels.ops.decode_stack.default
         layers = cast("list[DecoderLayer]", list(model.layers))
         self._norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self._first = _projections(layers[0])  # every layer's kernel choices are the first's
         projections = [p for layer in layers for p in _projections(layer)]
         self._weights = [p.weight for p in projections]
         self._biases = [p.bias for p in projections]
@@ -57,14 +58,14 @@ class FusedDecode:
             return False
         return all(type(p.linear_method) in (CpuLinearMethod, UnquantizedLinearMethod) for p in _projections(layers[0]))
 
-    def plan(self, layer: DecoderLayer, x: torch.Tensor, metadata: AttentionMetadata) -> list[bool] | None:
+    def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[bool] | None:
         """For a step: each projection's kernel (True: native) at the step's row count, the same for
         every layer; None when the step has a prompt chunk or padding (the modules run it)."""
         md = metadata
         if not isinstance(md, CpuMetadata) or md.prefills or md.num_actual_tokens != x.shape[0]:
             return None
         rows = x.shape[0]
-        return [_native(p, rows) for p in _projections(layer)]
+        return [_native(p, rows) for p in self._first]
 
     def __call__(
         self,

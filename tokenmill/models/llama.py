@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.ops.rotary_inputs(self.rotary, positions, x.dtype)
         residual = None
         fused = self.fused_decode
-        native = fused.plan(self.layers[0], x, metadata) if fused is not None and len(self.layers) else None
+        native = fused.plan(x, metadata) if fused is not None else None  # it exists only for a model with layers
         if fused is not None and native is not None:  # one native call for every layer
             x, residual = fused(x, rope, kv_caches, metadata, native)  # type: ignore[arg-type]
         else:
