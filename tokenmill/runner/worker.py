@@ -12,7 +12,6 @@ nothing else of torch crosses.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -24,9 +23,10 @@ from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.models.config import ModelConfig, load_config
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.loader import load_model, resolve_dtype
+from tokenmill.models.loader import load_model, read_model_config, resolve_dtype
 from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.cpu_threads import physical_cores
@@ -77,10 +77,12 @@ class Worker:
             keep_freed_memory()
             torch.set_num_threads(config.cpu_threads or physical_cores())
         self.tuner = Autotuner(self.device, default_cache_path())
+        # a GGUF file is read once (its metadata parse takes seconds), then built from as often as needed
+        self.source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
         if config.dtype == "fastest":
             model, self.backend = self._fastest(config)
         else:
-            dtype = resolve_dtype(config.dtype, load_config(Path(config.model)))
+            dtype = resolve_dtype(config.dtype, read_model_config(self.source))
             model, self.backend = self._build(config, dtype)
         dtype = model.embed_tokens.weight.dtype
         ops = model.ops
@@ -131,9 +133,7 @@ class Worker:
         method = get_dense_linear_method(
             native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
         )
-        model = load_model(
-            config.model, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method
-        )
+        model = load_model(self.source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method)
         prepare_native(
             model,
             self.tuner,

@@ -27,6 +27,7 @@ from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.models.gguf_checkpoint import is_gguf
 from tokenmill.server.app import create_app
 from tokenmill.server.protocol import Limits
 from tokenmill.server.serving import Server
@@ -52,7 +53,8 @@ def build_server(
     core = thread.run(lambda: EngineCore(config))
     tokenizer = Tokenizer(config.model)
     processor = OutputProcessor(tokenizer, engine_limits(core), seed=config.seed)
-    name = served_model_name or Path(config.model).name
+    model = Path(config.model)
+    name = served_model_name or (model.stem if is_gguf(model) else model.name)
     metrics = EngineMetrics(name)
     async_engine = AsyncEngine(
         core, processor, metrics, max_waiting=max_waiting, log_interval=log_interval, thread=thread

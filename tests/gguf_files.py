@@ -1,0 +1,133 @@
+"""Small GGUF files for the tests, written with the `gguf` package's writer as llama.cpp's converter
+lays them out: a Hugging Face folder's config as metadata, its tokenizer as `tokenizer.ggml.*`, its
+tensors under llama.cpp's names with the Q/K rows permuted, in one tensor type for every matrix
+(norms stay F32). Where `gguf` cannot quantize a type (the K-quants), the matrices are raw blocks of
+random bits with small finite scales: both loaders dequantize the same bits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from tokenmill.models.gguf_checkpoint import BLOCK_TENSORS, GLOBAL_TENSORS, permute_rotary_rows
+
+Q = gguf.GGMLQuantizationType
+# K-quant block layouts: (bytes per 256 weights, byte offsets of the float16 scales in a block)
+K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+HF_TO_GGUF = {v: k for k, v in GLOBAL_TENSORS.items()} | {v: k for k, v in BLOCK_TENSORS.items()}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        return f"blk.{layer}.{HF_TO_GGUF[rest]}"
+    return HF_TO_GGUF[hf_name]
+
+
+def raw_k_quant_rows(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes] of random K-quant blocks whose float16 scales are small and finite."""
+    size, scale_offsets = K_QUANT_BLOCKS[type_name]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for offset in scale_offsets:
+        scales = rng.uniform(1e-4, 4e-4, size=(rows, cols // 256)).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
+def encode_tensor(array: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
+    qtype = Q[type_name]
+    if type_name == "F32":
+        return array.astype(np.float32), qtype
+    if type_name == "F16":
+        return array.astype(np.float16), qtype
+    if type_name in K_QUANT_BLOCKS:
+        return raw_k_quant_rows(array.shape[0], array.shape[1], type_name, rng), qtype
+    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+
+
+def write_gguf(
+    folder: Path,
+    out: Path,
+    type_name: str = "F32",
+    pre: str = "gpt-2",
+    arch: str = "llama",
+    seed: int = 0,
+    drop_keys: tuple[str, ...] = (),
+    set_keys: dict[str, int] | None = None,
+) -> Path:
+    """The model folder `folder` (a Llama with a byte-level BPE tokenizer) as the GGUF file `out`;
+    `drop_keys`: metadata keys left out, `set_keys`: integer keys given other values (to test what
+    such a file does)."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rng = np.random.default_rng(seed)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(folder.name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_vocab_size(cfg["vocab_size"])
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    if tok.pad_token_id is not None:
+        w.add_pad_token_id(tok.pad_token_id)
+    w.add_add_bos_token(True)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+
+    for key in drop_keys:
+        del w.kv_data[0][key]
+    for key, value in (set_keys or {}).items():
+        w.kv_data[0][key] = gguf.GGUFValue(value, gguf.GGUFValueType.UINT32)
+
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, tensor in weights.items():
+        t = tensor.float()
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = permute_rotary_rows(t, heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = permute_rotary_rows(t, kv_heads)
+        array = t.numpy()
+        data, qtype = encode_tensor(array, type_name, rng) if array.ndim == 2 else (array, Q.F32)
+        w.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def reference_model(path: Path) -> torch.nn.Module:
+    """transformers' own GGUF loader on `path`, in float32 (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

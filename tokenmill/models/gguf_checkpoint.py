@@ -1,0 +1,251 @@
+"""A GGUF file read as the Hugging Face checkpoint it describes: a config.json dict and named tensors.
+
+Owns opening a GGUF with the `gguf` package's reader (never parsing the format by hand), mapping
+llama.cpp's metadata keys to the fields of a Hugging Face `config.json` (validated by the same
+`parse_config` as a folder's, errors naming the GGUF key), mapping tensor names (`blk.3.attn_q.weight`)
+to the model's checkpoint names (`model.layers.3.self_attn.q_proj.weight`), dequantizing every
+supported tensor type to float32 with `gguf.quants.dequantize`, and undoing the row permutation
+llama.cpp's converter applies to a llama model's Q and K projections (it stores each head's rotary
+pairs interleaved, `[x0, y0, x1, y1, ...]`, where the Hugging Face layout has `[x0, x1, ..., y0, y1, ...]`).
+The tokenizer the file describes is built by `engine/tokenizer.py`.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.models.config import ModelConfig, ModelLoadError, parse_config
+
+# general.architecture -> the Hugging Face architecture it is (llama.cpp writes Mistral as llama).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Tensor types read and dequantized at load (names as gguf.GGMLQuantizationType spells them).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+# config.json field -> the GGUF metadata key (after the architecture prefix) that gives it.
+CONFIG_KEYS = {
+    "num_hidden_layers": "block_count",
+    "max_position_embeddings": "context_length",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "head_dim": "attention.key_length",
+    "sliding_window": "attention.sliding_window",
+}
+REQUIRED = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count")
+
+# GGUF tensor name (within a block, or global) -> the Hugging Face checkpoint name.
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors a converter may write that the forward recomputes.
+IGNORED_TENSORS = ("rope_freqs.weight",)
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of the file as stored: its GGUF name, its checkpoint name, type and shape."""
+
+    gguf_name: str
+    hf_name: str
+    type_name: str
+    shape: tuple[int, ...]  # torch order: [out_features, in_features] for a matrix
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (by its suffix; the reader checks the magic)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: per head, rows `[x0, y0, x1, y1, ...]` -> `[x0, x1, ..., y0, y1, ...]`.
+
+    w: [num_heads * head_dim, ...] (a weight matrix or a bias vector) -> the same shape.
+    """
+    rows = w.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"{rows} rows do not split into {num_heads} heads of rotary pairs")
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's Q/K row order from the Hugging Face one (the inverse of `unpermute_rotary_rows`)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """An open GGUF file: `config` (validated), `raw_config` (the config.json it implies), `tensors()`."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path}: GGUF file does not exist")
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+            self.metadata = {name: self._value(field) for name, field in self.reader.fields.items()}
+            stored = list(self.reader.tensors)
+        except (ValueError, IndexError, KeyError, OverflowError, struct.error, UnicodeDecodeError, OSError) as e:
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError(f"{self.path}: GGUF key 'general.architecture' is missing")
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"{self.path}: GGUF key 'general.architecture' is {arch!r}; tokenmill loads {', '.join(ARCHITECTURES)}"
+            )
+        self.arch = arch
+        self._stored = {t.name: t for t in stored}
+        self.infos = [self._info(t) for t in stored if t.name not in IGNORED_TENSORS]
+        if "rope_freqs.weight" in self._stored:
+            raise ModelLoadError(
+                f"{self.path}: tensor 'rope_freqs.weight' (per-frequency rotary factors, as Llama 3.1 files carry) "
+                "is not supported"
+            )
+        self.raw_config = self._raw_config()
+        try:
+            self.config: ModelConfig = parse_config(self.raw_config, str(self.path))
+        except ModelLoadError as e:  # name the GGUF key that gave the field
+            raise ModelLoadError(self._gguf_key_names(str(e))) from None
+
+    def _value(self, field: Any) -> Any:
+        value = field.contents()
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    def key(self, name: str) -> str:
+        """The full GGUF metadata key of an architecture-prefixed `name` (`block_count` -> `llama.block_count`)."""
+        return f"{self.arch}.{name}"
+
+    def _gguf_key_names(self, message: str) -> str:
+        def swap(m: re.Match[str]) -> str:
+            field = m.group(1)
+            key = CONFIG_KEYS.get(field)
+            return f"GGUF key '{self.key(key)}'" if key else m.group(0)
+
+        return re.sub(r"field '(\w+)'", swap, message)
+
+    def _meta(self, name: str, kind: type | tuple[type, ...], required: bool) -> Any:
+        key = self.key(name)
+        if key not in self.metadata:
+            if required:
+                raise ModelLoadError(f"{self.path}: GGUF key '{key}' is missing")
+            return None
+        value = self.metadata[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ModelLoadError(f"{self.path}: GGUF key '{key}' has {value!r}, expected a number")
+        return value
+
+    def _info(self, t: Any) -> GGUFTensorInfo:
+        type_name = t.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"{self.path}: tensor '{t.name}' has type {type_name}; tokenmill reads {', '.join(SUPPORTED_TYPES)}"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+        m = BLOCK_NAME.match(t.name)
+        hf = f"model.layers.{m.group(1)}.{BLOCK_TENSORS[m.group(2)]}" if m and m.group(2) in BLOCK_TENSORS else None
+        hf = hf or GLOBAL_TENSORS.get(t.name)
+        if hf is None:
+            raise ModelLoadError(f"{self.path}: unexpected tensor '{t.name}' for a {self.arch} model")
+        return GGUFTensorInfo(t.name, hf, type_name, shape)
+
+    def _raw_config(self) -> dict[str, Any]:
+        """The config.json this file's metadata describes (keys validated here for presence and type)."""
+        raw: dict[str, Any] = {"architectures": [ARCHITECTURES[self.arch]], "hidden_act": "silu"}
+        for field, name in CONFIG_KEYS.items():
+            value = self._meta(name, (int, float), name in REQUIRED)
+            if value is not None:
+                raw[field] = value
+        raw.setdefault("rms_norm_eps", 1e-5)
+        rope_dims = self._meta("rope.dimension_count", int, False)
+        heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+        head_dim = raw.get("head_dim") or (hidden // heads if heads else 0)
+        if rope_dims is not None and rope_dims != head_dim:
+            raise ModelLoadError(
+                f"{self.path}: GGUF key '{self.key('rope.dimension_count')}' is {rope_dims}, the head size is "
+                f"{head_dim}: partial rotary embeddings are not supported"
+            )
+        scaling = self.metadata.get(self.key("rope.scaling.type"))
+        if scaling not in (None, "none"):
+            factor = self._meta("rope.scaling.factor", (int, float), True)
+            orig = self._meta("rope.scaling.original_context_length", int, False)
+            raw["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+            if orig is not None:
+                raw["rope_scaling"]["original_max_position_embeddings"] = orig
+        if "sliding_window" in raw and self.arch.startswith("qwen"):
+            raw["use_sliding_window"] = True
+        vocab = self.metadata.get(self.key("vocab_size"))
+        if vocab is None:
+            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            vocab = len(tokens.data) if tokens is not None else None
+        embed = next((i for i in self.infos if i.gguf_name == "token_embd.weight"), None)
+        if embed is None:
+            raise ModelLoadError(f"{self.path}: tensor 'token_embd.weight' is missing")
+        raw["vocab_size"] = vocab if vocab is not None else embed.shape[0]
+        names = {i.gguf_name for i in self.infos}
+        raw["tie_word_embeddings"] = "output.weight" not in names
+        raw["attention_bias"] = "blk.0.attn_q.bias" in names
+        raw["mlp_bias"] = False
+        for field in ("bos_token_id", "eos_token_id"):
+            if isinstance(self.metadata.get(f"tokenizer.ggml.{field}"), int):
+                raw[field] = self.metadata[f"tokenizer.ggml.{field}"]
+        raw["dtype"] = self.native_dtype()
+        return raw
+
+    def native_dtype(self) -> str:
+        """The dtype 'auto' serves: the matrices' float type where all share one, else float32."""
+        types = {i.type_name for i in self.infos if len(i.shape) == 2}
+        return {"F16": "float16", "BF16": "bfloat16"}.get(types.pop(), "float32") if len(types) == 1 else "float32"
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, float32 tensor in the Hugging Face layout) for every tensor, read one at a time."""
+        import gguf
+
+        cfg = self.config
+        for info in self.infos:
+            t = self._stored[info.gguf_name]
+            try:
+                array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            except (ValueError, NotImplementedError) as e:
+                raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}' cannot be dequantized ({e})") from None
+            tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(info.shape)  # a writable copy
+            if self.arch == "llama" and info.gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+                tensor = unpermute_rotary_rows(tensor, cfg.num_heads)
+            elif self.arch == "llama" and info.gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+                tensor = unpermute_rotary_rows(tensor, cfg.num_kv_heads)
+            yield info.hf_name, tensor
