@@ -71,6 +71,22 @@ def test_completion_streamed_equals_whole_and_usage_counts(srv, client):
     assert whole.choices[0].finish_reason == "length"
 
 
+def test_model_may_be_left_out_as_vllm_allows(srv):
+    """No `model` (or null): the served one; the reply names it. Another name is refused."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    for path, body in (
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0}),
+    ):
+        named = post(srv, path, body | {"model": "tiny"})
+        for unnamed in (body, body | {"model": None}):
+            r = post(srv, path, unnamed)
+            assert r.status_code == 200 and r.json()["model"] == "tiny"
+            assert r.json()["choices"][0] == named.json()["choices"][0]
+        r = post(srv, path, body | {"model": "other"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_chat_streamed_equals_whole(srv, client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)

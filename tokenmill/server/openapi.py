@@ -2,7 +2,7 @@
 request schemas where JSON Schema can say them, so that a schema-driven client or fuzzer never sends
 a "valid" request that the server then refuses.
 
-- `model` is the served model's name (an enum of one);
+- `model` is the served model's name (an enum of one), or absent / null for it;
 - `stream_options` only with `stream: true`, and (chat) `top_logprobs` only with `logprobs: true`;
 - `n` and `max_tokens` within the server's limits and the model's length, token ids within the
   vocabulary;
@@ -62,7 +62,7 @@ def constrain(
     ):
         schema = components[name]
         props = schema["properties"]
-        props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+        props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}], "title": "Model"}
         _cap(props["n"], max_n)
         for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
             if field in props:

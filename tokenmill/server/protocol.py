@@ -109,7 +109,7 @@ class _Request(_Strict):
         """Unknown fields dropped from the body (vLLM's policy), in the body's order."""
         return self._ignored_fields
 
-    model: str
+    model: str | None = None  # absent or null: the served model, as vLLM does
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: Annotated[int, Field(ge=-1), BeforeValidator(integral)] | None = (

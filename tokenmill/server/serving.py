@@ -85,7 +85,7 @@ class Server:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def prepare_completion(self, req: CompletionRequest) -> Job:
-        self._check_model(req.model)
+        model = self._check_model(req.model)
         params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
         prompts, texts = [], []
         listed = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)  # several prompts' form
@@ -101,7 +101,7 @@ class Server:
         return Job(
             False,
             f"cmpl-{uuid.uuid4().hex}",
-            req.model,
+            model,
             int(time.time()),
             prompts,
             texts,
@@ -113,7 +113,7 @@ class Server:
         )
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-        self._check_model(req.model)
+        model = self._check_model(req.model)
         params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
         try:
             ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt)
@@ -125,7 +125,7 @@ class Server:
         return Job(
             True,
             f"chatcmpl-{uuid.uuid4().hex}",
-            req.model,
+            model,
             int(time.time()),
             [ids],
             [""],
@@ -136,13 +136,17 @@ class Server:
             continuous,
         )
 
-    def _check_model(self, model: str) -> None:
+    def _check_model(self, model: str | None) -> str:
+        """The model a request names (absent: the served one, as vLLM does); 404 for another."""
+        if model is None:
+            return self.model_name
         if model != self.model_name:
             raise RequestError(
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                 "model",
                 "model_not_found",
             )
+        return model
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.processor.limits.vocab_size
