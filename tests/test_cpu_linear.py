@@ -35,7 +35,10 @@ SHAPES = [
     (8, 130, 96),
     (11, 7, 33),
     (13, 16, 64),
+    (16, 11, 20),  # AVX-512 float32 outer-product tiles from 16 rows: here no whole tile of 12 weight rows
+    (17, 36, 64),  # a panel of 32 with 17 real rows (both vectors), 3 whole tiles
     (20, 13, 33),
+    (33, 25, 17),  # a second panel with one real row
     (37, 50, 130),
     (64, 24, 40),
 ]
@@ -141,7 +144,7 @@ def test_tuning_fills_the_plan_and_a_seeded_cache_pins_it(tiny_model_dir, tmp_pa
     summary = tune_linear(method, shapes, rows, Autotuner(torch.device("cpu"), path))
     assert set(method.native) == set(shapes)
     assert all(len(t) == rows[shape] + 1 for shape, t in method.native.items())
-    assert len(summary) == 4 * len(shapes) - 1  # every class up to 80 rows; the head's up to 16
+    assert len(summary) == 5 * len(shapes) - 2  # every class up to 80 rows; the head: 1, 2-8 and 9-24
     assert f"{head[0]}x{head[1]} rows 65-512" not in summary
     # a second tuner on the same machine reads every choice back; one seeded to torch pins torch
     data = json.loads(path.read_text())

@@ -28,11 +28,13 @@ from tokenmill.layers.linear import LinearBase, Shape, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
 
-# Row counts timed apart: one row (a single decode), a few (2-8), a batch (9-64), prompt chunks (65 and
-# more); each class is timed at both of its ends (summed), capped at the rows the weight can see (the
+# Row counts timed apart: one row (a single decode), a few (2-8), a batch (9-24, 25-64: on the AMX
+# machine the native float32 kernel wins at 16 rows and torch's GEMM at 32, so one 9-64 class, decided
+# by the sum at 9 and 64, sent 16-row steps to the slower one), prompt chunks (65 and more); each class
+# is timed at both of its ends (summed), capped at the rows the weight can see (the
 # engine's max_num_batched_tokens; max_num_seqs for the output projection) and at LONGEST_TIMED. Row
 # counts past the last class take its choice.
-ROW_CLASSES = ((1, 1), (2, 8), (9, 64), (65, 512))
+ROW_CLASSES = ((1, 1), (2, 8), (9, 24), (25, 64), (65, 512))
 # Prompt chunks are arithmetic, not weight reads: timed at 65 and 256 rows, on the first PROMPT_WEIGHTS
 # weights of a shape only (which weights come from memory no longer matters; this keeps a slow
 # candidate, torch's emulated bfloat16 GEMM, to about a second of start-up). On the AVX2 machine

@@ -2,8 +2,9 @@
 // the weight read in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM
 // where the tuned plan prefers it). Each thread takes a contiguous range of output rows. Up to 8 x
 // rows walk them one weight row at a time (`rows_one_by_one`: one sequential weight stream a
-// thread); more rows run R x MB dot-product tiles, cache-blocked (`rows_blocked`), except on AVX2
-// from 16 rows on, where the outer-product tiles of linear_broadcast.h run instead.
+// thread); more rows run R x MB dot-product tiles, cache-blocked (`rows_blocked`), except from 16
+// rows on, on AVX2 and for float32 weights on AVX-512, where the outer-product tiles of
+// linear_broadcast.h run instead.
 // float32 weights: FMA over 16 (AVX-512) or 8 (AVX2) lanes. bfloat16 weights: vdpbf16ps (AVX-512
 // BF16: pairs of bfloat16 products summed into float32 lanes) where the CPU has it, else widened to
 // float32 by a shift against x widened once per call. Sums in float32; the output rounded once to its
@@ -328,6 +329,15 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
   if constexpr (std::is_same_v<X, float>) {  // on AVX2, bfloat16 x comes widened: always
     if (M >= tm_broadcast::MP) {  // AVX2, 16 rows and more: outer-product tiles (linear_broadcast.h)
       const int64_t done = tm_broadcast::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
+      if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a tile
+      return;
+    }
+  }
+#endif
+#if defined(TM_BROADCAST_TILES_512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (M >= tm_broadcast512::MIN_ROWS) {  // AVX-512, float32: outer-product tiles (linear_broadcast.h)
+      const int64_t done = tm_broadcast512::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
       if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a tile
       return;
     }
