@@ -68,8 +68,6 @@ BLOCK_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
-# Tensors a converter may write that the forward recomputes.
-IGNORED_TENSORS = ("rope_freqs.weight",)
 
 
 @dataclass(frozen=True)
@@ -129,12 +127,12 @@ class GGUFCheckpoint:
             )
         self.arch = arch
         self._stored = {t.name: t for t in stored}
-        self.infos = [self._info(t) for t in stored if t.name not in IGNORED_TENSORS]
         if "rope_freqs.weight" in self._stored:
             raise ModelLoadError(
                 f"{self.path}: tensor 'rope_freqs.weight' (per-frequency rotary factors, as Llama 3.1 files carry) "
                 "is not supported"
             )
+        self.infos = [self._info(t) for t in stored]
         self.raw_config = self._raw_config()
         try:
             self.config: ModelConfig = parse_config(self.raw_config, str(self.path))
