@@ -81,7 +81,12 @@ def write_gguf(
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", "default") != "default":
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_vocab_size(cfg["vocab_size"])
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -109,12 +114,14 @@ def write_gguf(
     for key, value in (set_keys or {}).items():
         w.kv_data[0][key] = gguf.GGUFValue(value, gguf.GGUFValueType.UINT32)
 
-    weights = load_file(str(folder / "model.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights |= load_file(str(file))
     for name, tensor in weights.items():
         t = tensor.float()
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):  # llama.cpp permutes llama's only
             t = permute_rotary_rows(t, heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute_rotary_rows(t, kv_heads)
         array = t.numpy()
         data, qtype = encode_tensor(array, type_name, rng) if array.ndim == 2 else (array, Q.F32)

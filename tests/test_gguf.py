@@ -68,6 +68,18 @@ def test_f32_file_equals_the_folder_it_was_written_from(gguf_file):
     assert_logits_close(ours, logits(load_model(DEMO_MODEL, dtype="float32"), IDS), rel=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_equal_the_folders_they_were_written_from(tiny_model_dir, tmp_path, arch):
+    """qwen2 (q/k/v biases, yarn RoPE scaling) and qwen3 (q/k norms, head_dim 48 with hidden 128): their
+    Q/K rows are not permuted by llama.cpp, and the metadata carries the rope scaling."""
+    folder = tiny_model_dir(arch)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", "F32", arch=arch)
+    ours, ref = load_model(path, dtype="float32"), load_model(folder, dtype="float32")
+    assert ours.config.rope == ref.config.rope and ours.config.head_dim == ref.config.head_dim
+    ids = torch.randint(0, 4096, (45,), generator=torch.Generator().manual_seed(5))
+    assert_logits_close(logits(ours, ids), logits(ref, ids), rel=1e-6)
+
+
 def test_rotary_row_order_round_trips():
     w = torch.randn(6 * 8, 5)
     assert torch.equal(unpermute_rotary_rows(permute_rotary_rows(w, 6), 6), w)
