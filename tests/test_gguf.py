@@ -129,10 +129,19 @@ def test_engine_on_the_file_generates_as_on_the_folder(gguf_file):
     prompts = ["def fibonacci(n):", "import os\n"]
     params = SamplingParams(temperature=0, max_tokens=16)
     kwargs = {"dtype": "float32", "kv_cache_memory": 16 * 2**20, "max_num_seqs": 4}
-    a = LLM(str(gguf_file("F32")), **kwargs).generate(prompts, params, use_tqdm=False)
-    b = LLM(str(DEMO_MODEL), **kwargs).generate(prompts, params, use_tqdm=False)
+    on_file, on_folder = LLM(str(gguf_file("F32")), **kwargs), LLM(str(DEMO_MODEL), **kwargs)
+    a = on_file.generate(prompts, params, use_tqdm=False)
+    b = on_folder.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert [o.prompt_token_ids for o in a] == [o.prompt_token_ids for o in b]
+    # LLM.chat: the chat template (from the GGUF's metadata), one conversation or several
+    talks = [[{"role": "user", "content": "def add(a, b):"}], [{"role": "user", "content": "import sys"}]]
+    chats = on_file.chat(talks, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in chats] == [on_folder.engine.tokenizer.apply_chat_template(t) for t in talks]
+    assert [o.outputs[0].token_ids for o in chats] == [
+        o.outputs[0].token_ids for o in on_folder.chat(talks, params, use_tqdm=False)
+    ]
+    assert on_file.chat(talks[0], params, use_tqdm=False)[0].outputs[0].token_ids == chats[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "F16"])

@@ -1,4 +1,5 @@
-"""LLM: the offline API in the shape vLLM users know — `LLM(model=...).generate(prompts, params)`."""
+"""LLM: the offline API in the shape vLLM users know — `LLM(model=...).generate(prompts, params)`,
+`.chat(messages, params)`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs: Any) -> None:
-        """`model`: a Hugging Face model folder; `engine_kwargs`: any other `EngineConfig` field by name
+        """`model`: a Hugging Face model folder or a GGUF file; `engine_kwargs`: any other `EngineConfig` field by name
         (dtype, max_num_seqs, kv_cache_memory, ...). An unknown keyword is a ValueError naming it."""
         self.engine = LLMEngine(EngineConfig.from_kwargs(str(model), **engine_kwargs))
         self._counter = 0
@@ -54,6 +55,23 @@ class LLM:
             for request_id in ids:  # nothing leaks if a prompt is refused or the run is interrupted
                 self.engine.abort_request(request_id)
             raise
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {'role', 'content'} dicts) or to several (a
+        list of such lists), each rendered by the model's chat template, as vLLM's `LLM.chat`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            tokenizer.apply_chat_template(list(c), add_generation_prompt)  # type: ignore[arg-type]
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
