@@ -166,6 +166,20 @@ def test_smollm2_as_float32_gguf_logprobs_against_llama_cpp(llama_server, tmp_pa
     assert compared >= len(TEXTS) - 1
 
 
+def test_peer_model_file_from_llama_cpps_converter_equals_its_folder():
+    """The peer model's GGUF as llama.cpp's converter wrote it: our tokenizer and logits from the file
+    equal those from the Hugging Face folder it was converted from."""
+    path = need(PEER_F32, "the peer model's float32 GGUF (PEERS_DIR=DIR bash ../shared/peers/setup.sh)")
+    folder = need(PEERS / "tiny-llama", "the peer model's folder")
+    ours, theirs = Tokenizer(path), Tokenizer(folder)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+    ids = ours.encode(TEXTS[0] + TEXTS[4])
+    assert_logits_close(
+        logits(load_model(path, dtype="float32"), ids), logits(load_model(folder, dtype="float32"), ids)
+    )
+
+
 def test_peer_model_f32_logprobs_against_llama_cpp(llama_server):
     """A GGUF written by llama.cpp's own converter (Q/K permuted by it), float32 on both sides."""
     path = need(PEER_F32, "the peer model's float32 GGUF (PEERS_DIR=DIR bash ../shared/peers/setup.sh)")
