@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,3 +229,15 @@ def test_metadata_that_disagrees_with_the_tensors(tmp_path):
     assert ckpt_cfg.num_kv_heads == 8
     with pytest.raises(ModelLoadError, match=r"heads\.gguf: tensor 'model.layers.0.self_attn.k_proj.weight'"):
         load_model(path)  # the file's K rows are for 2 heads: the shape check names the tensor
+
+
+def test_an_unknown_rope_scaling_names_its_gguf_key(tiny_model_dir, tmp_path):
+    path = write_gguf(tiny_model_dir("qwen2"), tmp_path / "rope.gguf", "F32", arch="qwen2")
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r+")  # overwrite the 4-byte scaling type string in place: yarn -> long
+    field = reader.fields["qwen2.rope.scaling.type"]
+    field.parts[field.data[0]][:] = np.frombuffer(b"long", dtype=np.uint8)
+    del reader
+    with pytest.raises(ModelLoadError, match=r"rope\.gguf: GGUF key 'qwen2.rope.scaling.type' is 'long'"):
+        load_model(path)

@@ -41,6 +41,9 @@ CONFIG_KEYS = {
     "rope_theta": "rope.freq_base",
     "head_dim": "attention.key_length",
     "sliding_window": "attention.sliding_window",
+    "rope_scaling.rope_type": "rope.scaling.type",
+    "rope_scaling.factor": "rope.scaling.factor",
+    "rope_scaling.original_max_position_embeddings": "rope.scaling.original_context_length",
 }
 REQUIRED = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count")
 
@@ -155,7 +158,7 @@ class GGUFCheckpoint:
             key = CONFIG_KEYS.get(field)
             return f"GGUF key '{self.key(key)}'" if key else m.group(0)
 
-        return re.sub(r"field '(\w+)'", swap, message)
+        return re.sub(r"field '([\w.]+)'", swap, message)
 
     def _meta(self, name: str, kind: type | tuple[type, ...], required: bool) -> Any:
         key = self.key(name)
@@ -186,6 +189,8 @@ class GGUFCheckpoint:
         """The config.json this file's metadata describes (keys validated here for presence and type)."""
         raw: dict[str, Any] = {"architectures": [ARCHITECTURES[self.arch]], "hidden_act": "silu"}
         for field, name in CONFIG_KEYS.items():
+            if "." in field:  # the rope scaling group, read below
+                continue
             value = self._meta(name, (int, float), name in REQUIRED)
             if value is not None:
                 raw[field] = value
