@@ -7,7 +7,8 @@ path).
 Measures, on the `small` peer model (shared/PEERS.md) in float32 and bfloat16, in one run with the
 two engines interleaved (median of repeats, spread shown):
 - prefill tokens/s for a 512-token prompt (logits for the last token only, as an engine needs);
-- decode step time at batch 1, 8 and 32 (context 128 tokens per sequence);
+- decode step time at batch 1, 4, 8 and 32 (context 128 tokens per sequence; each sample times 16
+  steps after its prefill and WARM_STEPS untimed steps);
 - each decode step against this machine's memory-bandwidth floor: weight bytes read per step
   (every weight but the embedding table, of which a step reads only a few rows) / measured read
   bandwidth (a streaming sum over 512 MiB); and against the same bytes at the bandwidth torch's
@@ -55,6 +56,10 @@ PROMPT = 512
 CONTEXT = 128
 BATCHES = (1, 4, 8, 32)
 DECODE_STEPS = 16
+# untimed decode steps between a sample's prefill and its timed steps: a decode step is measured after
+# decode steps, as in serving, not with a prefill's caches (on the AMX machine a 512-token prefill
+# before the timed steps moved batch 4 in float32 between 5.0 and 7.0 ms from run to run)
+WARM_STEPS = 4
 
 
 def _bytes_per_s(fn: Callable[[], object], nbytes: int, repeats: int = 7) -> float:
@@ -109,7 +114,7 @@ class Tokenmill:
         self.dtype = dtype
 
     def _fresh(self, batch: int, tokens: int) -> None:
-        per_seq = -(-(tokens + DECODE_STEPS + 1) // BLOCK)
+        per_seq = -(-(tokens + WARM_STEPS + DECODE_STEPS + 1) // BLOCK)
         cfg = self.model.config
         self.caches = allocate_kv_cache(
             self.backend, cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, self.dtype
@@ -183,9 +188,11 @@ def resolved_backend_name(name: str) -> str:
 
 
 def time_once(setup: Callable[[], None] | None, fn: Callable[[], None], calls: int) -> float:
-    """Seconds per call of `fn`, after an untimed `setup`."""
+    """Seconds per call of `fn`, after an untimed `setup` and, with one, WARM_STEPS untimed calls."""
     if setup is not None:
         setup()
+        for _ in range(WARM_STEPS):
+            fn()
     t = time.perf_counter()
     for _ in range(calls):
         fn()
