@@ -38,6 +38,8 @@ SHAPES = [
     (16, 11, 20),  # AVX-512 float32 outer-product tiles from 16 rows: here no whole tile of 12 weight rows
     (17, 36, 64),  # a panel of 32 with 17 real rows (both vectors), 3 whole tiles
     (20, 13, 33),
+    (24, 70, 64),  # AMX (bfloat16, 8-32 rows, K a multiple of 32): two blocks of 32 and 6 rows short of one
+    (32, 96, 96),
     (33, 25, 17),  # a second panel with one real row
     (37, 50, 130),
     (64, 24, 40),

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "linear_amx.h"
 #include "linear_broadcast.h"
 #include "ops.h"
 
@@ -331,6 +332,17 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
       const int64_t done = tm_broadcast::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
       if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a tile
       return;
+    }
+  }
+#endif
+#if defined(TM_AMX)
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<X, bf16>) {
+    if (M >= tm_amx::MIN_ROWS && M <= tm_amx::MAX_ROWS) {  // AMX tiles (linear_amx.h), where granted
+      const int64_t done = tm_amx::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
+      if (done > 0) {
+        if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a block
+        return;
+      }
     }
   }
 #endif

@@ -1,0 +1,133 @@
+// Linear layers in bfloat16 on AMX (Intel's tile matrix unit), 8 to 32 x rows: y [M, N] = x [M, K] @
+// w[N, K]^T, float32 sums. The weights stay in their checkpoint layout: each block of 16 weight rows x
+// 32 k is turned into the tile layout AMX multiplies (pairs of k for each of the 16 rows, a 16 x 16
+// transpose of 32-bit pairs, in registers) as it is read, so nothing is repacked at load and the same
+// tensor serves every other path. One tile holds up to 16 x rows by 32 k; each thread takes whole
+// blocks of 32 output rows (two accumulator tiles). Built where the compiler targets AMX (-march=native
+// on such a CPU); used once the kernel has asked Linux for the tile state (arch_prctl), else never.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(TM_NO_AMX)
+#define TM_AMX 1
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace tm_amx {
+
+// x rows this path takes. On the AMX machine, the peer model's weights (linear_variants.py, one run,
+// results/linear_variants_amx_bf16.json) at 2 / 4 / 8 / 16 / 32 / 64 rows: vdpbf16ps dot products
+// 1.60 / 1.91 / 3.56 / 6.54 / 12.9 / 25.7 ms, torch's GEMM (oneDNN, AMX) 3.74 / 3.81 / 4.20 / 4.35 /
+// 5.81 / 7.26, this 2.10 / 2.12 / 2.50 / 2.38 / 4.24 / 7.93: below 8 rows the transposes cost more than
+// the dot products they save; past 32 the weights are transposed again for every 16 rows.
+constexpr int64_t MIN_ROWS = 8, MAX_ROWS = 32;
+constexpr int64_t NB = 32;                      // output rows per block: two tiles of 16
+
+// Whether this process may use the tile registers: Linux grants the state on request, once.
+inline bool enabled() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles: 0, 1 accumulators (m rows x 16 float32); 2 x (m rows x 32 bfloat16); 3, 4 weights (16 k pairs
+// x 16 rows x 2 bfloat16)
+inline void configure(int m) {
+  TileConfig cfg;
+  for (int t : {0, 1, 2}) cfg.rows[t] = static_cast<uint8_t>(m), cfg.colsb[t] = 64;
+  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// out[p][n] (32-bit) = w[n * K + 2p .. 2p + 1] for 16 rows n and 16 pairs p: the tile layout of a
+// 16-row x 32-k block of bfloat16 weights, by a 16 x 16 transpose of 32-bit elements.
+inline void pack_block(const c10::BFloat16* w, int64_t K, uint32_t* out) {
+  __m512i r[16], t[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(w + n * K);
+  for (int i = 0; i < 16; i += 2) {  // 32-bit pairs of rows
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // now r[4j + q] holds, in each 128-bit lane L, elements (lane L, column 4 * (lane-local)) of rows
+  // 4j..4j+3; gather the lanes across the four groups
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x88), b = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x88), d = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xDD);
+    t[q] = _mm512_shuffle_i32x4(a, c, 0x88);       // lane 0
+    t[4 + q] = _mm512_shuffle_i32x4(b, d, 0x88);   // lane 1
+    t[8 + q] = _mm512_shuffle_i32x4(a, c, 0xDD);   // lane 2
+    t[12 + q] = _mm512_shuffle_i32x4(b, d, 0xDD);  // lane 3
+  }
+  for (int p = 0; p < 16; ++p) _mm512_store_si512(out + p * 16, t[p]);
+}
+
+// y[m, n0:n0 + 32] for x rows [m0, m0 + m) (m <= 16), K a multiple of 32.
+inline void block(const c10::BFloat16* x, int64_t x_row, int m, const c10::BFloat16* w, int64_t K, float* sums,
+                  uint32_t* packed) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(2, x + k, x_row * 2);
+    pack_block(w + k, K, packed);
+    pack_block(w + 16 * K + k, K, packed + 256);
+    _tile_loadd(3, packed, 64);
+    _tile_loadd(4, packed + 256, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, sums, 128);  // sums[i][0..15]: rows n0..n0+15, sums[i][16..31]: n0+16..n0+31
+  _tile_stored(1, sums + 16, 128);
+}
+
+// y[:, :n_full] (bfloat16, rounded once) for x [M, K] and w [N, K]; n_full = N rounded down to whole
+// blocks (returned; the caller computes the rest). K must be a multiple of 32 (else 0 is returned).
+inline int64_t linear(const c10::BFloat16* x, int64_t x_row, int64_t M, const c10::BFloat16* w, int64_t N, int64_t K,
+                      const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_row) {
+  if (K % 32 != 0 || !enabled()) return 0;
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t packed[512];
+    alignas(64) float sums[16 * NB];
+    int configured = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, M - m0));
+      if (m != configured) configure(m), configured = m;
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * NB;
+        block(x + m0 * x_row, x_row, m, w + n0 * K, K, sums, packed);
+        for (int i = 0; i < m; ++i)
+          for (int j = 0; j < NB; ++j) {
+            const float v = sums[i * NB + j] + (bias ? static_cast<float>(bias[n0 + j]) : 0.f);
+            y[(m0 + i) * y_row + n0 + j] = c10::BFloat16(v);
+          }
+      }
+    }
+    if (configured) _tile_release();
+  });
+  return blocks * NB;
+}
+
+}  // namespace tm_amx
+
+#endif
