@@ -1,4 +1,6 @@
-// Linear layers for 16 rows and more on AVX2 without AVX-512: y [M, N] = x [M, K] @ w[N, K]^T (+ bias)
+// Linear layers for 16 rows and more as outer-product tiles: on AVX2 without AVX-512 (float32 and
+// bfloat16 weights; first below) and on AVX-512 for float32 weights (`tm_broadcast512`, last below).
+// AVX2: y [M, N] = x [M, K] @ w[N, K]^T (+ bias)
 // as outer products, which need no horizontal sums and fewer loads per FMA than linear.cpp's dot-product
 // tiles. x (float32; bfloat16 x comes widened) is packed once per call into panels of 16 rows, k-major
 // ([K][16] each, zeros past M). A tile holds 6 weight rows x 16 x rows in 12 vector accumulators: for
