@@ -29,15 +29,11 @@
 
 #include "convert.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(TM_NO_BROADCAST)
-#define TM_BROADCAST_TILES 1
+namespace tm_panels {
 
-namespace tm_broadcast {
-
-constexpr int NR = 6;   // weight rows per tile
-constexpr int MP = 16;  // x rows per panel: two vectors of 8
-
-// x [M, K] (row stride x_row) -> panels [ceil(M / MP)][K][MP], zero past M.
+// x [M, K] (row stride x_row) -> panels [ceil(M / MP)][K][MP], zero past M: the k-major input panels
+// both tile families below read (MP rows a panel: 16 on AVX2, 32 on AVX-512).
+template <int64_t MP>
 inline void pack_x(const float* x, int64_t x_row, int64_t M, int64_t K, float* panels) {
   const int64_t count = (M + MP - 1) / MP;
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
@@ -53,6 +49,17 @@ inline void pack_x(const float* x, int64_t x_row, int64_t M, int64_t K, float* p
     }
   });
 }
+
+}  // namespace tm_panels
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(TM_NO_BROADCAST)
+#define TM_BROADCAST_TILES 1
+
+namespace tm_broadcast {
+
+constexpr int NR = 6;   // weight rows per tile
+constexpr int MP = 16;  // x rows per panel: two vectors of 8
+
 
 // out[r][i] (+ bias) for the tile's rows r < NR and panel rows i < rows.
 template <typename T>
@@ -153,7 +160,7 @@ int64_t linear(const float* x, int64_t x_row, int64_t M, const T* w, int64_t N, 
                int64_t y_row) {
   const int64_t count = (M + MP - 1) / MP, tiles = N / NR;
   std::vector<float> panels(count * K * MP);
-  pack_x(x, x_row, M, K, panels.data());
+  tm_panels::pack_x<MP>(x, x_row, M, K, panels.data());
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (NR * K));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
 #if !defined(TM_BF16_DIRECT)
@@ -205,23 +212,6 @@ namespace tm_broadcast512 {
 constexpr int NR = 12;  // weight rows per tile
 constexpr int MP = 32;  // x rows per panel: two vectors of 16
 constexpr int64_t MIN_ROWS = 16;  // fewer rows take linear.cpp's dot-product tiles
-
-// x [M, K] (row stride x_row) -> panels [ceil(M / MP)][K][MP], zero past M.
-inline void pack_x(const float* x, int64_t x_row, int64_t M, int64_t K, float* panels) {
-  const int64_t count = (M + MP - 1) / MP;
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      float* dst = panels + p * K * MP;
-      const int64_t rows = std::min<int64_t>(MP, M - p * MP);
-      for (int64_t i = 0; i < rows; ++i) {
-        const float* src = x + (p * MP + i) * x_row;
-        for (int64_t k = 0; k < K; ++k) dst[k * MP + i] = src[k];
-      }
-      for (int64_t i = rows; i < MP; ++i)
-        for (int64_t k = 0; k < K; ++k) dst[k * MP + i] = 0.f;
-    }
-  });
-}
 
 // every row of the tile at kk (x0, x1: the panel's vectors at kk)
 #define TM_ROWS512_2 \
@@ -287,7 +277,7 @@ inline int64_t linear(const float* x, int64_t x_row, int64_t M, const float* w, 
                       const float* bias, float* y, int64_t y_row) {
   const int64_t count = (M + MP - 1) / MP, tiles = N / NR;
   std::vector<float> panels(count * K * MP);
-  pack_x(x, x_row, M, K, panels.data());
+  tm_panels::pack_x<MP>(x, x_row, M, K, panels.data());
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (NR * K));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
