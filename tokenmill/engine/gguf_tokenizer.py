@@ -12,6 +12,7 @@ them, as llama.cpp stops on) are read from it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,12 +64,15 @@ def _metadata(path: Path) -> dict[str, Any]:
     return {key: reader.fields[key].contents() for key in wanted if key in reader.fields}
 
 
-def load_gguf_tokenizer(path: Path) -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
-    """(the tokenizer, the ids that end generation) of a GGUF file."""
+def load_gguf_tokenizer(
+    path: Path, metadata: Mapping[str, Any] | None = None
+) -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
+    """(the tokenizer, the ids that end generation) of a GGUF file; `metadata`: its fields as a
+    `GGUFCheckpoint` read them already (else they are read here)."""
     from transformers import AutoTokenizer
 
     try:
-        meta = _metadata(path)
+        meta = metadata if metadata is not None else _metadata(path)
         hf = AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True, trust_remote_code=False
         )

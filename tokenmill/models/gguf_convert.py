@@ -60,7 +60,7 @@ def _write(checkpoint: GGUFCheckpoint, folder: Path, dtype: torch.dtype) -> None
     config["model_type"] = MODEL_TYPES[cfg.architecture]
     config["dtype"] = DTYPE_NAMES[dtype]
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    tokenizer, ends = load_gguf_tokenizer(checkpoint.path)
+    tokenizer, ends = load_gguf_tokenizer(checkpoint.path, checkpoint.metadata)
     tokenizer.model_max_length = cfg.max_position_embeddings
     tokenizer.save_pretrained(str(folder))
     settings_path = folder / "tokenizer_config.json"

@@ -78,12 +78,12 @@ class Worker:
             torch.set_num_threads(config.cpu_threads or physical_cores())
         self.tuner = Autotuner(self.device, default_cache_path())
         # a GGUF file is read once (its metadata parse takes seconds), then built from as often as needed
-        self.source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
+        source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
         if config.dtype == "fastest":
-            model, self.backend = self._fastest(config)
+            model, self.backend = self._fastest(config, source)
         else:
-            dtype = resolve_dtype(config.dtype, read_model_config(self.source))
-            model, self.backend = self._build(config, dtype)
+            dtype = resolve_dtype(config.dtype, read_model_config(source))
+            model, self.backend = self._build(config, source, dtype)
         dtype = model.embed_tokens.weight.dtype
         ops = model.ops
         self.model_config: ModelConfig = model.config
@@ -123,7 +123,9 @@ class Worker:
         else:
             self.runner.greedy_head = config.greedy_head == "head"
 
-    def _build(self, config: EngineConfig, dtype: torch.dtype) -> tuple[LlamaForCausalLM, AttentionBackend]:
+    def _build(
+        self, config: EngineConfig, source: str | GGUFCheckpoint, dtype: torch.dtype
+    ) -> tuple[LlamaForCausalLM, AttentionBackend]:
         """The model in `dtype` with its attention backend, layer ops and linear method; with
         `linear_backend` auto, the method's kernel per weight shape and row class tuned here."""
         backend = get_attention_backend(
@@ -133,7 +135,7 @@ class Worker:
         method = get_dense_linear_method(
             native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
         )
-        model = load_model(self.source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method)
+        model = load_model(source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method)
         prepare_native(
             model,
             self.tuner,
@@ -144,11 +146,11 @@ class Worker:
         )
         return model, backend
 
-    def _fastest(self, config: EngineConfig) -> tuple[LlamaForCausalLM, AttentionBackend]:
+    def _fastest(self, config: EngineConfig, source: str | GGUFCheckpoint) -> tuple[LlamaForCausalLM, AttentionBackend]:
         built: dict[torch.dtype, tuple[LlamaForCausalLM, AttentionBackend]] = {}
 
         def build(dtype: torch.dtype) -> tuple[LlamaForCausalLM, AttentionBackend]:
-            built[dtype] = self._build(config, dtype)
+            built[dtype] = self._build(config, source, dtype)
             return built[dtype]
 
         report = fastest_dtype(build, CANDIDATES, config.max_num_seqs, self.tuner)
