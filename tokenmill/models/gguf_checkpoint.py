@@ -213,9 +213,8 @@ class GGUFCheckpoint:
         if "sliding_window" in raw and self.arch.startswith("qwen"):
             raw["use_sliding_window"] = True
         vocab = self.metadata.get(self.key("vocab_size"))
-        if vocab is None:
-            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else None
+        if vocab is None and "tokenizer.ggml.tokens" in self.metadata:
+            vocab = len(self.metadata["tokenizer.ggml.tokens"])
         embed = next((i for i in self.infos if i.gguf_name == "token_embd.weight"), None)
         if embed is None:
             raise ModelLoadError(f"{self.path}: tensor 'token_embd.weight' is missing")
