@@ -125,6 +125,9 @@ def test_each_flag_sets_its_field():
         "greedy_head": "logits",
         "linear_backend": "torch",
         "fused_decode": False,
+        "quantization": "int4",
+        "quantization_group_size": 64,
+        "quantization_group_fallback": True,
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

@@ -34,7 +34,7 @@ def test_every_message_round_trips_as_json():
     lp = TokenLogprob(5, -0.25, 1, [(5, -0.25), (9, -1.5)])
     outputs = EngineCoreOutputs(
         [EngineCoreOutput("7", [5], [lp], None, "length", None, 16, 1.0, 2.0, 3.0), EngineCoreOutput("8", error="no")],
-        EngineStats(1, 2, 64, 60, 0, 1, 10, 5, 20, 16, 0),
+        EngineStats(1, 2, 64, 60, 0, 1, 10, 5, 20, 16, 0, 1000, 1024),
         StepStats(2, 3, 0.01, 0.008, 40, 64),
     )
     assert roundtrip(outputs) == outputs

@@ -30,6 +30,8 @@ def gauges(
         prefix_cache_queries_total,
         prefix_cache_hits_total,
         0,
+        0,
+        128,
     )
 
 

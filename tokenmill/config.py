@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 GREEDY_HEAD = ("auto", "head", "logits")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 SCHEDULING = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes
@@ -152,6 +153,19 @@ class EngineConfig:
         True,
         "run each decoder layer of a step without prompt chunks as one native call where the native attention, "
         "layer ops and dense weights run (the same kernels, no Python between them)",
+    )
+    quantization: str = setting(
+        "none",
+        "quantize the linear layers (the output projection included) at load: int8 (weight-only, per output "
+        "channel, or per group with --quantization-group-size), int4 (weight-only, asymmetric groups of 32 "
+        "by default), w8a8 (int8 weights per channel, int8 activations per row at run time)",
+        choices=QUANTIZATIONS,
+    )
+    quantization_group_size: int | None = setting(
+        None, "inputs sharing one scale (a power of two from 32; default: per channel for int8, 32 for int4)", minimum=1
+    )
+    quantization_group_fallback: bool = setting(
+        False, "a layer whose input width the group size does not divide takes the largest power of two that does"
     )
     layer_ops: str = setting(
         "auto",

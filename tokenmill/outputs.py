@@ -79,6 +79,8 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     prefix_cache_evictions: int  # cached blocks taken for new tokens
+    weight_bytes: int  # the model's weights as held (quantized where they are)
+    kv_tokens: int  # tokens the KV cache holds (blocks x block size)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -278,7 +278,8 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
-    def stats(self) -> EngineStats:
+    def stats(self, weight_bytes: int) -> EngineStats:
+        """The gauges and totals; `weight_bytes` (the model's, which the scheduler does not see) passes through."""
         return EngineStats(
             running=len(self.running),
             waiting=len(self.waiting) + sum(len(h) for h in self.held.values()),
@@ -291,4 +292,6 @@ class Scheduler:
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
             prefix_cache_evictions=self.kv.pool.num_evictions,
+            weight_bytes=weight_bytes,
+            kv_tokens=self.kv.num_blocks * self.kv.block_size,
         )

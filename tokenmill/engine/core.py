@@ -114,7 +114,7 @@ class EngineCore:
         )
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        return self.scheduler.stats(self.worker.weight_bytes)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""

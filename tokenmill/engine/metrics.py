@@ -78,7 +78,7 @@ class EngineMetrics:
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
         self.model_name = model_name
-        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._log_mark = (self._clock(), self._last)
         # The per-step series, labelled once: a `labels()` lookup per series per step cost more than
         # the rest of a step's bookkeeping on the event loop.

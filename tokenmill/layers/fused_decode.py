@@ -5,10 +5,11 @@ the same native ops the layers' modules call one by one (norms, projections, rot
 attention, SwiGLU) in the same order, so its outputs equal the modules' to the bit; what it removes
 is the Python between them (~20 torch calls and ~10 module calls a layer, then the call a layer
 itself: see `benchmarks/fused_decode.py`). It applies where every piece is the
-native one (the `cpu` attention backend and layer ops, dense weights), to steps whose every
-sequence the paged kernel attends (no prompt chunk for SDPA) and without padding rows; each
-projection keeps its linear method's choice of kernel for the step's row count. Anything else
-runs the modules.
+native one (the `cpu` attention backend and layer ops; dense, int8, W8A8 or int4 weights), to steps
+whose every sequence the paged kernel attends (no prompt chunk for SDPA) and without padding rows;
+each projection keeps its linear method's choice of kernel for the step's row count (a quantized
+layer's dequantize-then-GEMM or torch integer GEMM is not chained: such a step runs the modules).
+Anything else runs the modules.
 """
 
 from __future__ import annotations
@@ -23,9 +24,21 @@ from tokenmill.layers.backends.cpu_paged import CpuMetadata, CpuPagedBackend
 from tokenmill.layers.cpu_linear import CpuLinearMethod
 from tokenmill.layers.cpu_ops import CpuOps
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod, W8A8LinearMethod
+from tokenmill.layers.quantize import Int4Weight, Int8Weight
 
 if TYPE_CHECKING:
     from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
+
+
+# the kernel names of each method -> decode_layer.cpp's projection kinds
+TORCH, NATIVE, INT8, W8A8, INT4PACK = 0, 1, 2, 3, 4
+QUANTIZED_KINDS = {
+    (Int8LinearMethod, "native"): INT8,
+    (W8A8LinearMethod, "native"): W8A8,
+    (Int4LinearMethod, "int4pack"): INT4PACK,
+}
+FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
 
 
 class FusedDecode:
@@ -39,8 +52,14 @@ class FusedDecode:
         self._norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self._first = _projections(layers[0])  # every layer's kernel choices are the first's
         projections = [p for layer in layers for p in _projections(layer)]
-        self._weights = [p.weight for p in projections]
+        self._weights, self._scales, self._wsums = [], [], []
+        for p in projections:
+            weight, scales, wsums = _tensors(p)
+            self._weights.append(weight)
+            self._scales.append(scales)
+            self._wsums.append(wsums)
         self._biases = [p.bias for p in projections]
+        self._groups = [_group(p) for p in self._first]
         self._windows = [layer.self_attn.sliding_window for layer in layers]
         attn = layers[0].self_attn
         self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
@@ -56,16 +75,18 @@ class FusedDecode:
         attn = layers[0].self_attn
         if not isinstance(attn.backend, CpuPagedBackend):
             return False
-        return all(type(p.linear_method) in (CpuLinearMethod, UnquantizedLinearMethod) for p in _projections(layers[0]))
+        return all(type(p.linear_method) in FUSABLE_METHODS for p in _projections(layers[0]))
 
-    def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[bool] | None:
-        """For a step: each projection's kernel (True: native) at the step's row count, the same for
-        every layer; None when the step has a prompt chunk or padding (the modules run it)."""
+    def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[int] | None:
+        """For a step: each projection's kernel (a decode_layer.cpp kind) at the step's row count, the
+        same for every layer; None when the step has a prompt chunk or padding, or a projection's
+        kernel at this row count is not one the native layers chain (the modules run it)."""
         md = metadata
         if not isinstance(md, CpuMetadata) or md.prefills or md.num_actual_tokens != x.shape[0]:
             return None
         rows = x.shape[0]
-        return [_native(p, rows) for p in self._first]
+        kinds = [_kind(p, rows) for p in self._first]
+        return None if None in kinds else cast(list[int], kinds)
 
     def __call__(
         self,
@@ -73,13 +94,14 @@ class FusedDecode:
         rope: object,  # CpuOps.rotary_inputs: positions, cos, sin
         caches: list[KVCache],  # one per layer
         metadata: CpuMetadata,
-        native: list[bool],
+        kinds: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the last layer's (MLP output, residual), as DecoderLayer.forward
         positions, cos, sin = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], rope)
         md = metadata
         heads, kv_heads, head_dim = self._heads
         out, res = self._op(
-            x, self._norms, self._weights, self._biases, [t for c in caches for t in (c.k, c.v)], self._eps, native,
+            x, self._norms, self._weights, self._biases, self._scales, self._wsums,
+            [t for c in caches for t in (c.k, c.v)], self._eps, kinds, self._groups,
             heads, kv_heads, head_dim, positions, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens,
             md.query_starts, md.query_lens, md.block_size, self._scale, self._windows,
         )  # fmt: skip
@@ -91,7 +113,26 @@ def _projections(layer: DecoderLayer) -> tuple[LinearBase, LinearBase, LinearBas
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _native(projection: LinearBase, rows: int) -> bool:
+def _tensors(p: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(weight, scales, wsums) as decode_layer.cpp takes them for this projection's method."""
+    quantized = getattr(p, "quantized", None)
+    if isinstance(quantized, Int8Weight):
+        scales = quantized.scales.view(-1) if isinstance(p.linear_method, W8A8LinearMethod) else quantized.scales
+        return quantized.q, scales, quantized.wsums
+    if isinstance(quantized, Int4Weight):
+        return quantized.packed, quantized.scales_zeros, None
+    return cast(torch.Tensor, p.weight), None, None
+
+
+def _group(p: LinearBase) -> int:
+    quantized = getattr(p, "quantized", None)
+    return cast(int, quantized.group) if quantized is not None else p.input_size
+
+
+def _kind(projection: LinearBase, rows: int) -> int | None:
     method = projection.linear_method
+    if isinstance(method, QuantizedLinearMethod):
+        kernel = method.kernel_for((projection.output_size, projection.input_size), rows)
+        return QUANTIZED_KINDS.get((type(method), kernel))
     weight = cast(torch.Tensor, projection.weight)
-    return isinstance(method, CpuLinearMethod) and method.takes_native(weight, rows)
+    return NATIVE if isinstance(method, CpuLinearMethod) and method.takes_native(weight, rows) else TORCH

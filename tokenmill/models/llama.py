@@ -13,15 +13,24 @@ beside the hidden states: each layer's residual add happens inside the next RMSN
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from tokenmill.layers.linear import Linear, LinearMethod, MergedLinear, ShardId, UnquantizedLinearMethod
+from tokenmill.layers.linear import (
+    Linear,
+    LinearBase,
+    LinearMethod,
+    MergedLinear,
+    ShardId,
+    UnquantizedLinearMethod,
+    weight_loader_of,
+)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
+from tokenmill.layers.quant_linear import QuantizedLinearMethod
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 
@@ -171,7 +180,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, method, dtype, ops) for i in range(cfg.num_layers))
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        if not cfg.tie_word_embeddings:
+        # a tied output projection is the embedding table itself, but for a quantized method: then the
+        # head is a layer of its own, filled from the table once loaded (`fill_tied_head`), so its
+        # products read the quantized bytes (a fifth of a step's for SmolLM2) while lookups read the table
+        self.head_from_table = cfg.tie_word_embeddings and isinstance(method, UnquantizedLinearMethod)
+        if not self.head_from_table:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, linear_method=method, dtype=dtype)
 
     def init_rotary(self, device: torch.device) -> None:
@@ -190,9 +203,9 @@ class LlamaForCausalLM(nn.Module):
         rope = self.ops.rotary_inputs(self.rotary, positions, x.dtype)
         residual = None
         fused = self.fused_decode
-        native = fused.plan(x, metadata) if fused is not None else None  # it exists only for a model with layers
-        if fused is not None and native is not None:  # one native call for every layer
-            x, residual = fused(x, rope, kv_caches, metadata, native)  # type: ignore[arg-type]
+        kinds = fused.plan(x, metadata) if fused is not None else None  # it exists only for a model with layers
+        if fused is not None and kinds is not None:  # one native call for every layer
+            x, residual = fused(x, rope, kv_caches, metadata, kinds)  # type: ignore[arg-type]
         else:
             for layer, cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, cache, metadata)
@@ -200,8 +213,28 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.add(x, residual)[0]
 
+    def quantized_method(self) -> QuantizedLinearMethod | None:
+        """The quantized method the projections use, or None for dense ones."""
+        layers = list(self.layers)
+        method = layers[0].self_attn.qkv_proj.linear_method if layers else self.lm_head.linear_method
+        return method if isinstance(method, QuantizedLinearMethod) else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as held: parameters (the embedding table once) and quantized layers."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            if isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod):
+                total += module.quantized.nbytes  # type: ignore[attr-defined]
+        return total
+
+    def fill_tied_head(self) -> None:
+        """Copy the embedding table into a tied head that is a layer of its own (before it is quantized)."""
+        if self.config.tie_word_embeddings and not self.head_from_table:
+            weight = cast(nn.Parameter, self.lm_head.weight)
+            weight_loader_of(weight)(weight, self.embed_tokens.weight.data, None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        if self.config.tie_word_embeddings:
+        if self.head_from_table:
             return self.dense.product(hidden, self.embed_tokens.weight).float()
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
@@ -212,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         are in cache (on CPU that beats one product and an argmax over its spilled output at 32 rows;
         a single row's logits fit in one chunk). Ties go to the first index, as argmax. None when the
         head is not one dense matrix (a quantized lm_head): the caller computes logits then."""
-        if self.config.tie_word_embeddings:
+        if self.head_from_table:
             weight = self.embed_tokens.weight
         elif isinstance(self.lm_head.linear_method, UnquantizedLinearMethod) and self.lm_head.bias is None:
             weight = self.lm_head.weight
@@ -234,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tied_head(self) -> torch.Tensor | None:
         """The embedding table when it doubles as the output projection (not a layer's weight)."""
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else None
+        return self.embed_tokens.weight if self.head_from_table else None
 
     def checkpoint_map(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> the parameter (and shard of it) it fills. Derived from the
@@ -242,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         suffixes) are mapped too; a tied lm_head has none, and so no entry."""
         targets: dict[str, WeightTarget] = {}
         for name, _ in self.named_parameters():
+            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+                continue  # filled from the table (`fill_tied_head`)
             prefix = "" if name.startswith("lm_head.") else "model."
             module, _, suffix = name.rpartition(".")
             parent, _, leaf = module.rpartition(".")

@@ -184,9 +184,13 @@ def load_model(
         load_gguf_weights(model, checkpoint)
     else:
         load_weights(model, folder)
-    for module in model.modules():
+    model.fill_tied_head()
+    for name, module in model.named_modules():
         if isinstance(module, LinearBase):
-            module.process_weights_after_loading()
+            try:
+                module.process_weights_after_loading()
+            except ValueError as e:  # e.g. a quantization group size that does not divide this layer
+                raise ValueError(f"{name}: {e}") from None
     model.init_rotary(device)
     model.requires_grad_(False)
     return model.eval()

@@ -22,7 +22,10 @@ from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_ca
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
 from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.linear import LinearMethod
 from tokenmill.layers.ops import get_layer_ops
+from tokenmill.layers.quant_linear import get_quant_method, quantized_layers, tune_quantized
+from tokenmill.layers.quantize import QuantSpec
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM
@@ -65,6 +68,14 @@ def prepare_native(
         logger.info(
             "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
         )
+    quantized = model.quantized_method()
+    if tune and quantized is not None:
+        shapes = quantized_layers(model)
+        rows = {shape: max_tokens for shape in shapes}
+        rows[(model.config.vocab_size, model.config.hidden_size)] = min(max_seqs, max_tokens)
+        dtype = model.embed_tokens.weight.dtype
+        plan = tune_quantized(quantized, shapes, rows, dtype, tuner)
+        logger.info("%s linear layers (%s): %s", quantized.name, dtype, ", ".join(f"{k} {v}" for k, v in plan.items()))
     kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
     if kernels is not None:
         model.fused_decode = FusedDecode(kernels, model)
@@ -86,6 +97,8 @@ class Worker:
             model, self.backend = self._build(config, source, dtype)
         dtype = model.embed_tokens.weight.dtype
         ops = model.ops
+        self.weight_bytes = model.weight_bytes()
+        logger.info("weights: %.1f MiB (%s, %s)", self.weight_bytes / 2**20, dtype, config.quantization)
         self.model_config: ModelConfig = model.config
         self.dtype = dtype
         limit = self.model_config.max_position_embeddings
@@ -132,9 +145,7 @@ class Worker:
             native_or_reference(config.attention_backend, "attention_backend", self.device, dtype)
         )
         ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
-        method = get_dense_linear_method(
-            native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
-        )
+        method = self._linear_method(config, dtype)
         model = load_model(source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method)
         prepare_native(
             model,
@@ -145,6 +156,20 @@ class Worker:
             fused=config.fused_decode,
         )
         return model, backend
+
+    def _linear_method(self, config: EngineConfig, dtype: torch.dtype) -> LinearMethod:
+        """The dense method (`linear_backend`), or the quantized one `quantization` names."""
+        if config.quantization == "none":
+            if config.quantization_group_size is not None:
+                raise ValueError("quantization_group_size: applies to a quantization; quantization is none")
+            return get_dense_linear_method(
+                native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
+            )
+        if self.device.type != "cpu":
+            raise ValueError(f"quantization: {config.quantization} runs on a CPU device, not {self.device}")
+        spec = QuantSpec(config.quantization, config.quantization_group_size, config.quantization_group_fallback)
+        native = config.linear_backend != "torch" and dtype in NATIVE_DTYPES
+        return get_quant_method(spec, load_cpu_kernels() if native else None)
 
     def _fastest(self, config: EngineConfig, source: str | GGUFCheckpoint) -> tuple[LlamaForCausalLM, AttentionBackend]:
         built: dict[torch.dtype, tuple[LlamaForCausalLM, AttentionBackend]] = {}

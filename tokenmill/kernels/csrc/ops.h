@@ -21,5 +21,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 void argmax_rows(at::Tensor out, const at::Tensor& x);
 void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
+                 const c10::optional<at::Tensor>& bias);
+void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias);
 
 }  // namespace tokenmill

@@ -1,0 +1,435 @@
+// Linear layers with int8 weights on the CPU, for decode batches (few x rows): y [M, N] = x [M, K] @
+// W^T (+ bias), W stored as int8 q [N, K] with float32 scales.
+//
+// `linear_int8` (weight-only): W[n, k] = q[n, k] * scales[n, k / group] (one scale per output row when
+// group == K, llama.cpp's Q8_0 grid with group 32), x in 16-bit fixed point (below).
+// `linear_w8a8`: per-channel int8 weights and x quantized per row (symmetric, dynamic: x[m, k] ~
+// xq[m, k] * xs[m]); the products are integer (AVX-512 VNNI vpdpbusd: 64 multiply-adds an
+// instruction, on x + 128 as unsigned bytes, the 128 * sum(q[n]) it adds taken off after; AVX2: signs
+// moved onto the weights, |x| unsigned, vpmaddubsw + vpmaddwd, which cannot saturate for |q| <= 127),
+// y = dot * xs[m] * scales[n]. `quantize_rows` is that activation quantization alone, for torch's
+// integer GEMM on prompt chunks.
+// Both walk one weight row at a time against every x row (up to 8 in registers; more rows: 8 at a
+// time), each thread a contiguous range of rows: one sequential stream of weights a thread.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "convert.h"
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t MAX_ROWS = 8;  // x rows a pass holds in registers
+
+// ---- weight-only: int8 weights against x in 16-bit fixed point ----
+// x rows are held as int16 with one float scale a row (x[m, k] ~ x16[m, k] * xs[m], |x16| <= 32767:
+// an error under 2^-16 of the row's largest value, far under the weights' own int8 rounding), so the
+// products are integer pairs (vpdpwssd: 32 multiply-adds an instruction) where widening the weights
+// to float32 took three instructions per 16 (and bound the kernel: 1.22 ms against 0.8 for this on
+// the peer model's weights at one row, AMX machine). Sums are exact in int32 over chunks of at most
+// CHUNK k (|sum| <= 256 * 127 * 32767 < 2^31), then scaled into float32.
+constexpr int64_t CHUNK = 256;
+#ifndef TM_I8_U1
+#define TM_I8_U1 4
+#endif
+#ifndef TM_I8_HINT
+#define TM_I8_HINT _MM_HINT_T1
+#endif
+#ifndef TM_I8_PREFETCH
+#define TM_I8_PREFETCH 12288  // bytes of weights ahead (L2): 8-16 KB measured alike, 2-4 KB 20-40% slower
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct I16 {
+  using V = __m512i;  // 16 int32 sums
+  using F = __m512;
+  static constexpr int W = 32;  // k per step
+  static V zero() { return _mm512_setzero_si512(); }
+  static V load_w(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load_x(const int16_t* p) { return _mm512_loadu_si512(p); }
+#if defined(__AVX512VNNI__)
+  static V dot(V acc, V w, V x) { return _mm512_dpwssd_epi32(acc, w, x); }
+#else
+  static V dot(V acc, V w, V x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+#endif
+  static V add(V a, V b) { return _mm512_add_epi32(a, b); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F scaled(V acc, float s, F into) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), into); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct I16 {
+  using V = __m256i;  // 8 int32 sums
+  using F = __m256;
+  static constexpr int W = 16;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V load_w(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V load_x(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V dot(V acc, V w, V x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+  static V add(V a, V b) { return _mm256_add_epi32(a, b); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F scaled(V acc, float s, F into) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), into); }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+struct I16 {
+  using V = int32_t;
+  using F = float;
+  static constexpr int W = 1;
+  static V zero() { return 0; }
+  static V load_w(const int8_t* p) { return *p; }
+  static V load_x(const int16_t* p) { return *p; }
+  static V dot(V acc, V w, V x) { return acc + w * x; }
+  static V add(V a, V b) { return a + b; }
+  static F fzero() { return 0.f; }
+  static F scaled(V acc, float s, F into) { return static_cast<float>(acc) * s + into; }
+  static float sum(F v) { return v; }
+};
+#endif
+
+// Independent sums a row keeps so that chains of dependent instructions do not bound it (one x row:
+// four, two rows: two; more rows are independent chains themselves).
+template <int MM>
+constexpr int chains() {
+  return MM == 1 ? TM_I8_U1 : MM == 2 ? 2 : 1;
+}
+
+// sums[m] = sum over k of q[k] * scale(k) * x16[m, k] (times xs[m] later) for one weight row, MM x rows
+// [MM, K] (row stride K). `group`: K (one scale; any K, a scalar tail) or a power of two from 32
+// dividing K; each chunk of min(group, CHUNK) k shares one scale.
+template <int MM>
+inline void int8_row(const int8_t* q, const float* scales, int64_t group, int64_t K, const int16_t* x, float* sums) {
+  constexpr int U = chains<MM>(), W = I16::W;
+  const int64_t chunk = group == K ? CHUNK : std::min(group, CHUNK);  // a multiple of W
+  const int shift = std::countr_zero(static_cast<uint64_t>(group));  // a power of two unless group == K
+  if (chunk == W) {  // one vector a group (32 on AVX-512): U groups side by side, each scaled as it ends
+    typename I16::F tot[MM][U];
+    for (int m = 0; m < MM; ++m)
+      for (int u = 0; u < U; ++u) tot[m][u] = I16::fzero();
+    int64_t k = 0;
+    for (; k + U * W <= K; k += U * W)
+      for (int u = 0; u < U; ++u) {
+        if ((u * W) % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(q + k + u * W + TM_I8_PREFETCH), TM_I8_HINT);
+        const typename I16::V w = I16::load_w(q + k + u * W);
+        const float s = scales[k / W + u];
+        for (int m = 0; m < MM; ++m)
+          tot[m][u] = I16::scaled(I16::dot(I16::zero(), w, I16::load_x(x + m * K + k + u * W)), s, tot[m][u]);
+      }
+    for (; k < K; k += W) {
+      const typename I16::V w = I16::load_w(q + k);
+      for (int m = 0; m < MM; ++m)
+        tot[m][0] = I16::scaled(I16::dot(I16::zero(), w, I16::load_x(x + m * K + k)), scales[k / W], tot[m][0]);
+    }
+    for (int m = 0; m < MM; ++m) {
+      float total = 0.f;
+      for (int u = 0; u < U; ++u) total += I16::sum(tot[m][u]);
+      sums[m] = total;
+    }
+    return;
+  }
+  typename I16::F total[MM];
+  for (int m = 0; m < MM; ++m) total[m] = I16::fzero();
+  int64_t k = 0;
+  for (; k + chunk <= K; k += chunk) {
+    typename I16::V acc[MM][U];
+    for (int m = 0; m < MM; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = I16::zero();
+    int64_t j = k;
+    for (; j + U * W <= k + chunk; j += U * W)
+      for (int u = 0; u < U; ++u) {
+        if ((u * W) % 64 == 0)  // the same place PREFETCH_ROWS rows on, a cache line at a time
+          _mm_prefetch(reinterpret_cast<const char*>(q + j + u * W + TM_I8_PREFETCH), TM_I8_HINT);
+        const typename I16::V w = I16::load_w(q + j + u * W);
+        for (int m = 0; m < MM; ++m) acc[m][u] = I16::dot(acc[m][u], w, I16::load_x(x + m * K + j + u * W));
+      }
+    for (; j < k + chunk; j += W) {  // chunk is a multiple of W
+      const typename I16::V w = I16::load_w(q + j);
+      for (int m = 0; m < MM; ++m) acc[m][0] = I16::dot(acc[m][0], w, I16::load_x(x + m * K + j));
+    }
+    const float s = scales[group == K ? 0 : k >> shift];
+    for (int m = 0; m < MM; ++m) {  // the chunk's U partial sums together stay under 2^31
+      typename I16::V chunk_sum = acc[m][0];
+      for (int u = 1; u < U; ++u)
+        if (u * W < chunk) chunk_sum = I16::add(chunk_sum, acc[m][u]);
+      total[m] = I16::scaled(chunk_sum, s, total[m]);
+    }
+  }
+  for (int m = 0; m < MM; ++m) {  // what is left (group == K only): under a chunk, vectors then scalars
+    int64_t j = k;
+    typename I16::V acc = I16::zero();
+    for (; j + W <= K; j += W) acc = I16::dot(acc, I16::load_w(q + j), I16::load_x(x + m * K + j));
+    int64_t rest = 0;
+    for (; j < K; ++j) rest += static_cast<int64_t>(q[j]) * x[m * K + j];
+    sums[m] = I16::sum(I16::scaled(acc, scales[0], total[m])) + static_cast<float>(rest) * scales[0];
+  }
+}
+
+// x [M, K] (row stride x_row) -> x16 [M, K], xs [M]: each row in 16-bit fixed point with its own scale.
+template <typename T>
+void to_int16_rows(const T* x, int64_t x_row, int64_t M, int64_t K, int16_t* x16, float* xs) {
+  std::vector<float> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    to_float(x + m * x_row, row.data(), K);
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t k = 0; k < K; ++k) x16[m * K + k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
+    xs[m] = amax / 32767.f;
+  }
+}
+
+template <typename T>
+void int8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& q, const at::Tensor& scales,
+               int64_t group, const T* bias) {
+  const int64_t N = q.size(0), K = q.size(1), G = scales.size(1);
+  std::vector<int16_t> x16(M * K);
+  std::vector<float> xs(M);
+  to_int16_rows(x, x_row, M, K, x16.data(), xs.data());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  T* y = out.data_ptr<T>();
+  const int64_t y_row = out.stride(0);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);  // ~128 KB of weights a thread at least
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float sums[MAX_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+      const int64_t mm = std::min(MAX_ROWS, M - m0);
+      const int16_t* xm = x16.data() + m0 * K;
+      for (int64_t n = begin; n < end; ++n) {
+        const int8_t* qn = qp + n * K;
+        const float* sn = sp + n * G;
+        switch (mm) {
+          case 1: int8_row<1>(qn, sn, group, K, xm, sums); break;
+          case 2: int8_row<2>(qn, sn, group, K, xm, sums); break;
+          case 3: int8_row<3>(qn, sn, group, K, xm, sums); break;
+          case 4: int8_row<4>(qn, sn, group, K, xm, sums); break;
+          case 5: int8_row<5>(qn, sn, group, K, xm, sums); break;
+          case 6: int8_row<6>(qn, sn, group, K, xm, sums); break;
+          case 7: int8_row<7>(qn, sn, group, K, xm, sums); break;
+          default: int8_row<8>(qn, sn, group, K, xm, sums); break;
+        }
+        const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+        for (int64_t m = 0; m < mm; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m] * xs[m0 + m] + b);
+      }
+    }
+  });
+}
+
+// ---- activations quantized per row ----
+// xq [M, K] (int8, |xq| <= 127), xs [M] (float32): x[m] ~ xq[m] * xs[m]; a row of zeros gets scale 0.
+template <typename T>
+void quantize_impl(const T* x, int64_t x_row, int64_t M, int64_t K, int8_t* xq, float* xs) {
+  std::vector<float> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    to_float(x + m * x_row, row.data(), K);
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
+    xs[m] = scale;
+  }
+}
+
+// ---- w8a8: integer dot products ----
+// dots[m] = sum over k of q[k] * xq[m, k] (exact, int32) for one weight row; `xu` holds the x rows as
+// the kernel wants them (AVX-512 VNNI: xq + 128 as unsigned bytes; AVX2: |xq|), `wsum` = sum of q.
+template <int MM>
+inline void w8a8_row(const int8_t* q, int64_t K, const int8_t* xq, const uint8_t* xu, int32_t wsum, int32_t* dots) {
+  int64_t k = 0;
+  int32_t acc_s[MM] = {};
+#if defined(__AVX512VNNI__)
+  constexpr int U = chains<MM>();
+  __m512i acc[MM][U];
+  for (int m = 0; m < MM; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_si512();
+  for (; k + U * 64 <= K; k += U * 64)
+    for (int u = 0; u < U; ++u) {
+      const __m512i w = _mm512_loadu_si512(q + k + u * 64);
+      for (int m = 0; m < MM; ++m)
+        acc[m][u] = _mm512_dpbusd_epi32(acc[m][u], _mm512_loadu_si512(xu + m * K + k + u * 64), w);
+    }
+  for (; k + 64 <= K; k += 64) {
+    const __m512i w = _mm512_loadu_si512(q + k);
+    for (int m = 0; m < MM; ++m) acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], _mm512_loadu_si512(xu + m * K + k), w);
+  }
+  for (int m = 0; m < MM; ++m) {
+    __m512i t = acc[m][0];
+    for (int u = 1; u < U; ++u) t = _mm512_add_epi32(t, acc[m][u]);
+    acc_s[m] = _mm512_reduce_add_epi32(t) - 128 * wsum;
+  }
+  if (k < K) {  // the tail: 128 * (the tail's weights) was taken off with wsum; add it back
+    int32_t tail_w = 0;
+    for (int64_t j = k; j < K; ++j) tail_w += q[j];
+    for (int m = 0; m < MM; ++m) acc_s[m] += 128 * tail_w;
+  }
+#elif defined(__AVX2__)
+  (void)wsum;
+  __m256i acc[MM];
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_si256();
+  for (; k + 32 <= K; k += 32) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+    for (int m = 0; m < MM; ++m) {
+      const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k));
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xu + m * K + k));
+      const __m256i pairs = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, xs));  // |x| * (w with x's sign)
+      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(pairs, ones));
+    }
+  }
+  for (int m = 0; m < MM; ++m) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    acc_s[m] = _mm_cvtsi128_si32(s);
+  }
+#else
+  (void)xu;
+  (void)wsum;
+#endif
+  for (; k < K; ++k)
+    for (int m = 0; m < MM; ++m) acc_s[m] += static_cast<int32_t>(q[k]) * xq[m * K + k];
+  for (int m = 0; m < MM; ++m) dots[m] = acc_s[m];
+}
+
+template <typename T>
+void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& q, const at::Tensor& scales,
+               const at::Tensor& wsums, const T* bias) {
+  const int64_t N = q.size(0), K = q.size(1);
+  std::vector<int8_t> xq(M * K);
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> xs(M);
+  quantize_impl(x, x_row, M, K, xq.data(), xs.data());
+  for (int64_t i = 0; i < M * K; ++i)
+#if defined(__AVX512VNNI__)
+    xu[i] = static_cast<uint8_t>(xq[i] + 128);
+#else
+    xu[i] = static_cast<uint8_t>(std::abs(xq[i]));
+#endif
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int32_t* ws = wsums.data_ptr<int32_t>();
+  T* y = out.data_ptr<T>();
+  const int64_t y_row = out.stride(0);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    int32_t dots[MAX_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+      const int64_t mm = std::min(MAX_ROWS, M - m0);
+      const int8_t* xqm = xq.data() + m0 * K;
+      const uint8_t* xum = xu.data() + m0 * K;
+      for (int64_t n = begin; n < end; ++n) {
+        const int8_t* qn = qp + n * K;
+        switch (mm) {
+          case 1: w8a8_row<1>(qn, K, xqm, xum, ws[n], dots); break;
+          case 2: w8a8_row<2>(qn, K, xqm, xum, ws[n], dots); break;
+          case 3: w8a8_row<3>(qn, K, xqm, xum, ws[n], dots); break;
+          case 4: w8a8_row<4>(qn, K, xqm, xum, ws[n], dots); break;
+          case 5: w8a8_row<5>(qn, K, xqm, xum, ws[n], dots); break;
+          case 6: w8a8_row<6>(qn, K, xqm, xum, ws[n], dots); break;
+          case 7: w8a8_row<7>(qn, K, xqm, xum, ws[n], dots); break;
+          default: w8a8_row<8>(qn, K, xqm, xum, ws[n], dots); break;
+        }
+        const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+        for (int64_t m = 0; m < mm; ++m)
+          y[(m0 + m) * y_row + n] = from_float<T>(static_cast<float>(dots[m]) * xs[m0 + m] * sp[n] + b);
+      }
+    }
+  });
+}
+
+void check_common(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q,
+                  const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [M, K] with contiguous rows");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(1) == x.size(1), op,
+              ": weight must be contiguous int8 [N, K] for x [M, K]");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == q.size(0), op,
+              ": out must be [M, N] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), op, ": out must be in x's dtype");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
+                                     bias->numel() == q.size(0)),
+              op, ": bias must be contiguous [N] in x's dtype");
+}
+
+}  // namespace
+
+namespace tokenmill {
+
+// out [M, N] = x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K], scales float32 [N, K / group].
+void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
+                 const c10::optional<at::Tensor>& bias) {
+  check_common(out, x, q, bias, "linear_int8");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(group == K || (group >= 32 && (group & (group - 1)) == 0 && K % group == 0),
+              "linear_int8: group must be K (per channel) or a power of two from 32 dividing K, got ", group);
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.size(0) == q.size(0) && scales.size(1) == K / group,
+              "linear_int8: scales must be contiguous float32 [N, K / group]");
+  if (x.scalar_type() == at::kFloat)
+    int8_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, q, scales, group,
+                     bias ? bias->data_ptr<float>() : nullptr);
+  else
+    int8_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, q, scales, group, bias ? bias->data_ptr<bf16>() : nullptr);
+}
+
+// out [M, N] = dynamic int8 x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K] (|q| <= 127), scales
+// float32 [N], wsums int32 [N] (each row's sum of q).
+void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias) {
+  check_common(out, x, q, bias, "linear_w8a8");
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.size(0) == q.size(0),
+              "linear_w8a8: scales must be contiguous float32 [N]");
+  TORCH_CHECK(wsums.dim() == 1 && wsums.is_contiguous() && wsums.scalar_type() == at::kInt &&
+                  wsums.size(0) == q.size(0),
+              "linear_w8a8: wsums must be contiguous int32 [N]");
+  if (x.scalar_type() == at::kFloat)
+    w8a8_impl<float>(out, x.data_ptr<float>(), x.stride(0), x.size(0), q, scales, wsums,
+                     bias ? bias->data_ptr<float>() : nullptr);
+  else
+    w8a8_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), x.size(0), q, scales, wsums,
+                    bias ? bias->data_ptr<bf16>() : nullptr);
+}
+
+// (xq int8 [M, K], xs float32 [M]): x [M, K] (float32 or bfloat16) quantized per row, symmetric.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "quantize_rows: x must be [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar)), xs = at::empty({M}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    quantize_impl(x.data_ptr<float>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_impl(x.data_ptr<bf16>(), x.stride(0), M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "quantize_rows: x must be float32 or bfloat16");
+  return {xq, xs};
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, int group, Tensor? bias) -> ()");
+  m.impl("linear_int8", c10::DispatchKey::CPU, &tokenmill::linear_int8);
+  m.def("linear_w8a8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor wsums, Tensor? bias) -> ()");
+  m.impl("linear_w8a8", c10::DispatchKey::CPU, &tokenmill::linear_w8a8);
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.impl("quantize_rows", c10::DispatchKey::CPU, &tokenmill::quantize_rows);
+}

@@ -1,0 +1,282 @@
+"""Quantized linear methods: int8 and int4 weight-only, and W8A8, behind the linear seam.
+
+Each method loads the checkpoint's dense weight as `UnquantizedLinearMethod` does (same parameter,
+same weight loader), then quantizes it in `process_weights_after_loading` (layers/quantize.py) and
+drops the dense copy: the layer keeps `layer.quantized` (an `Int8Weight` or `Int4Weight`). A product
+runs one of the method's kernels, chosen per weight shape and row count (`plan`, filled by
+`tune_quantized` from timings on the CPU at hand through the autotune cache, as the dense plan is;
+a shape missing from the plan takes `default_kernel`):
+- `int8` weight-only: `native` (kernels/csrc/linear_int8.cpp: few rows, the weights read once) or
+  `dequant` (the layer's weights dequantized to the activations' dtype, then torch's GEMM: prompt
+  chunks, where arithmetic and not weight reads bound the product; the memory saving stays, the
+  dense copy lives for the one product).
+- `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
+  products, VNNI where the CPU has it) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same
+  per-row quantization).
+- `int4` weight-only, asymmetric groups: `int4pack` (torch's CPU int4 kernel, bfloat16 activations:
+  float32 ones are widened to bfloat16 for it, as its float32 path runs 25x slower: 30.8 against
+  1.15 ms for the peer model's products at one row on the AMX machine) or `dequant`.
+torchao 0.18 (the release for torch 2.13) was measured first, on the peer model's products on the
+AMX machine (bfloat16, 1 / 4 / 32 rows): its Int8WeightOnlyConfig took 9.9 / 11.2 / 11.4 ms,
+Int8DynamicActivationInt8WeightConfig 8.6 / 9.2 / 14.9, against 4.4 / 4.1 / 5.6 for the dense
+bfloat16 layers it replaces; Int4WeightOnlyConfig has no CPU packing format there (plain needs mslk,
+plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are called directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import QUANTIZATIONS
+from tokenmill.kernels.autotune import Autotuner
+from tokenmill.kernels.cpu_build import CpuKernels
+from tokenmill.layers.cpu_linear import LONGEST_TIMED, MAX_DECODE_ROWS, PROMPT_WEIGHTS, ROW_CLASSES
+from tokenmill.layers.linear import LinearBase, LinearMethod, Shape, ShardLoader, register_bias, set_weight_loader
+from tokenmill.layers.quantize import (
+    Int4Weight,
+    Int8Weight,
+    QuantSpec,
+    choose_group,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+)
+
+logger = logging.getLogger("tokenmill")
+
+Kernel = Callable[[object, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (weight, x [M, K], bias) -> [M, N]
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """A dense weight at load, quantized after it; products by the kernel the plan names for the
+    weight's shape at the input's row count."""
+
+    name = "quantized"
+    default_kernel = "dequant"
+
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
+        self.spec = spec
+        self.ops = kernels.ops if kernels is not None else None
+        self.plan: dict[Shape, tuple[str, ...]] = {}  # (out, in) -> kernel name by row count (index 0: none)
+
+    # --- loading ---
+    def create_weights(
+        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        weight = torch.empty(sum(output_sizes), input_size, dtype=dtype)  # [out, in]: dropped once quantized
+        layer.register_parameter(
+            "weight", set_weight_loader(nn.Parameter(weight, requires_grad=False), ShardLoader(layer.shards))
+        )
+        if bias:
+            register_bias(layer, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = cast(torch.Tensor, layer.weight)
+        group = choose_group(self.spec, weight.shape[1], "this layer")
+        layer.quantized = self.quantize(weight.data, group)  # type: ignore[assignment]
+        del layer.weight  # the parameter goes; the layer holds only the quantized form
+
+    def quantize(self, weight: torch.Tensor, group: int) -> object:
+        raise NotImplementedError
+
+    # --- products ---
+    def kernels(self) -> dict[str, Kernel]:
+        """The kernels this method can run here, by name."""
+        raise NotImplementedError
+
+    def kernel_for(self, shape: Shape, rows: int) -> str:
+        plan = self.plan.get(shape)
+        return self.default_kernel if plan is None else plan[min(rows, len(plan) - 1)]
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = (layer.output_size, layer.input_size)
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = self.kernels()[self.kernel_for(shape, rows.shape[0])](layer.quantized, rows, bias)  # type: ignore[attr-defined]
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], shape[0])
+
+    @staticmethod
+    def weight_bytes(layer: LinearBase) -> int:
+        quantized = layer.quantized  # type: ignore[attr-defined]
+        bias = layer.bias
+        return cast(int, quantized.nbytes) + (bias.numel() * bias.element_size() if bias is not None else 0)
+
+
+def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class Int8LinearMethod(QuantizedLinearMethod):
+    """int8 weight-only, per output channel or per group."""
+
+    name = "int8"
+
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
+        super().__init__(spec, kernels)
+        self.default_kernel = "native" if self.ops is not None else "dequant"
+
+    def quantize(self, weight: torch.Tensor, group: int) -> Int8Weight:
+        return quantize_int8(weight, group)
+
+    def kernels(self) -> dict[str, Kernel]:
+        out: dict[str, Kernel] = {"dequant": self._dequant}
+        if self.ops is not None:
+            out["native"] = self._native
+        return out
+
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = cast(Int8Weight, w)
+        x = _contiguous_rows(x)
+        out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)  # [M, N]
+        self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias)  # type: ignore[union-attr]
+        return out
+
+    @staticmethod
+    def _dequant(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, dequantize_int8(cast(Int8Weight, w), x.dtype), bias)
+
+
+class W8A8LinearMethod(QuantizedLinearMethod):
+    """int8 weights per output channel, int8 activations per row (dynamic), integer products."""
+
+    name = "w8a8"
+    default_kernel = "int_mm"
+
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
+        super().__init__(spec, kernels)
+        self.default_kernel = "native" if self.ops is not None else "int_mm"
+
+    def quantize(self, weight: torch.Tensor, group: int) -> Int8Weight:
+        return quantize_int8(weight, group)  # group: the input width (choose_group refuses others)
+
+    def kernels(self) -> dict[str, Kernel]:
+        out: dict[str, Kernel] = {"int_mm": self._int_mm}
+        if self.ops is not None:
+            out["native"] = self._native
+        return out
+
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = cast(Int8Weight, w)
+        x = _contiguous_rows(x)
+        out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)
+        self.ops.linear_w8a8(out, x, q.q, q.scales.view(-1), q.wsums, bias)  # type: ignore[union-attr]
+        return out
+
+    def _int_mm(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = cast(Int8Weight, w)
+        xq, xs = self.quantize_rows(_contiguous_rows(x))
+        dots = torch._int_mm(xq, q.q.t())  # [M, N] int32
+        out = dots.float() * xs[:, None] * q.scales.view(1, -1)
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype)
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (int8 [M, K], float32 scales [M]): symmetric, one scale a row."""
+        if self.ops is not None:
+            return cast(tuple[torch.Tensor, torch.Tensor], self.ops.quantize_rows(x))
+        xf = x.float()
+        amax = xf.abs().amax(1)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        return torch.round(xf * inv[:, None]).to(torch.int8), amax / 127
+
+
+class Int4LinearMethod(QuantizedLinearMethod):
+    """int4 weight-only, asymmetric groups (torch's CPU int4 layout)."""
+
+    name = "int4"
+    default_kernel = "int4pack"
+
+    def quantize(self, weight: torch.Tensor, group: int) -> Int4Weight:
+        return quantize_int4(weight, group)
+
+    def kernels(self) -> dict[str, Kernel]:
+        return {"int4pack": self._int4pack, "dequant": self._dequant}
+
+    @staticmethod
+    def _int4pack(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = cast(Int4Weight, w)
+        xb = _contiguous_rows(x).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(xb, q.packed, q.group, q.scales_zeros)  # [M, N] bfloat16
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def _dequant(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, dequantize_int4(cast(Int4Weight, w), x.dtype), bias)
+
+
+_METHODS: dict[str, type[QuantizedLinearMethod]] = {
+    "int8": Int8LinearMethod,
+    "int4": Int4LinearMethod,
+    "w8a8": W8A8LinearMethod,
+}
+
+
+def get_quant_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLinearMethod:
+    """The method `spec` names (`quantization`); a ValueError lists the names there are."""
+    cls = _METHODS.get(spec.method)
+    if cls is None:
+        raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATIONS)}, got {spec.method!r}")
+    return cls(spec, kernels)
+
+
+def quantized_layers(model: nn.Module) -> dict[Shape, list[object]]:
+    """Every quantized layer's weight of `model`, grouped by (out, in), in layer order."""
+    shapes: dict[Shape, list[object]] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod):
+            shapes.setdefault((module.output_size, module.input_size), []).append(module.quantized)  # type: ignore[attr-defined]
+    return shapes
+
+
+def _over(kernel: Kernel, inputs: list[torch.Tensor], weights: list[object]) -> Callable[[], None]:
+    def run() -> None:
+        for x in inputs:
+            for w in weights:
+                kernel(w, x, None)
+
+    return run
+
+
+def tune_quantized(
+    method: QuantizedLinearMethod,
+    shapes: dict[Shape, list[object]],
+    max_rows: dict[Shape, int],
+    dtype: torch.dtype,
+    tuner: Autotuner,
+) -> dict[str, str]:
+    """Fill `method.plan` from timings of each of its kernels on the weights of each shape (every
+    layer's for decode row classes, so they come from memory as in a step) at each row class up to
+    the shape's `max_rows`, as `tune_linear` does for dense weights. Returns a summary for the log."""
+    kernels = method.kernels()
+    summary: dict[str, str] = {}
+    for (out_f, in_f), weights in shapes.items():
+        most = max_rows.get((out_f, in_f), max(max_rows.values()))
+        picks: list[str] = []
+        for low, high in ROW_CLASSES:
+            if low > most and picks:
+                break
+            ends = sorted({min(low, most, LONGEST_TIMED), min(high, most, LONGEST_TIMED)})
+            timed = weights if low <= MAX_DECODE_ROWS else weights[:PROMPT_WEIGHTS]
+            inputs = [torch.randn(m, in_f).to(dtype) for m in ends]
+            group = getattr(weights[0], "group", in_f)
+            what = (
+                f"{method.name} g{group} {out_f}x{in_f} {str(dtype).removeprefix('torch.')} "
+                f"rows {low}-{high} at {ends} x{len(timed)}"
+            )
+            choice = tuner.choose("quant_linear", what, {name: _over(k, inputs, timed) for name, k in kernels.items()})
+            picks.append(choice.name)
+            summary[f"{out_f}x{in_f} rows {low}-{high}"] = choice.name
+        table = [picks[0]]  # index 0: no rows
+        for (low, high), pick in zip(ROW_CLASSES, picks, strict=False):
+            table += [pick] * (min(high, most) - low + 1)
+        method.plan[(out_f, in_f)] = tuple(table)
+    return summary

@@ -1,0 +1,137 @@
+"""Weight quantization math: dense weights to int8 / int4 and back, and how group sizes are chosen.
+
+Owns the formats the quantized linear methods (layers/quant_linear.py) hold, as plain dataclasses:
+- `Int8Weight`: symmetric int8, q in [-127, 127], W[n, k] ~ q[n, k] * scales[n, k // group]; `group`
+  is the input width (one scale per output row, "per channel") or a power of two from 32 (per group:
+  llama.cpp's Q8_0 grid is group 32). `wsums` (each row's sum of q) serves the W8A8 kernel.
+- `Int4Weight`: asymmetric int4 in groups of `group` along the input, q in [0, 15],
+  W[n, k] ~ (q[n, k] - 8) * scale + zero per group (zero = the group's minimum + 8 * scale: the
+  convention of torch's CPU int4 kernel, whose packed layout `packed` holds).
+Quantization rounds to nearest; the dequantized weights (`dequantize`) are the reference every kernel
+is tested against. `choose_group` applies the user's group size to one layer's input width: a group
+that does not divide it is an error naming the layer, or, with fallback, the largest power of two
+from 32 below it that divides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_GROUP = 32
+INT4_ROWS = 64  # torch's CPU int4 layout packs output rows in blocks of this many
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What the user asked for: the method (`int8`, `int4`, `w8a8`), the group size (None: per
+    channel for int8 and w8a8, 32 for int4) and whether a group that does not divide a layer's input
+    width falls back to one that does (else it is an error)."""
+
+    method: str
+    group_size: int | None = None
+    group_fallback: bool = False
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    q: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K // group] float32
+    group: int
+    wsums: torch.Tensor  # [N] int32: each row's sum of q
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.wsums))
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    packed: torch.Tensor  # torch's CPU int4 layout of q [N, K] (uint8, two values a byte)
+    scales_zeros: torch.Tensor  # [K // group, N, 2] (scale, zero), bfloat16
+    group: int
+    shape: tuple[int, int]  # (N, K)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
+
+
+def choose_group(spec: QuantSpec, in_features: int, layer: str) -> int:
+    """The group size `spec` gives a layer of input width `in_features` (`layer` names it in errors)."""
+    if spec.group_size is None:
+        return in_features if spec.method != "int4" else MIN_GROUP
+    group = spec.group_size
+    if group < MIN_GROUP or group & (group - 1):
+        raise ValueError(f"quantization_group_size: expected a power of two from {MIN_GROUP}, got {group}")
+    if spec.method == "w8a8":
+        raise ValueError("quantization_group_size: w8a8 quantizes per output channel only; leave it unset")
+    if in_features % group == 0:
+        return group
+    if spec.group_fallback:
+        while group > MIN_GROUP and in_features % group:
+            group //= 2
+        if in_features % group == 0:
+            return group
+    hint = "" if spec.group_fallback else "; pass quantization_group_fallback to use the largest that divides"
+    raise ValueError(
+        f"quantization_group_size: {spec.group_size} does not divide the input width {in_features} of {layer}{hint}"
+    )
+
+
+def quantize_int8(w: torch.Tensor, group: int) -> Int8Weight:
+    """w [N, K] (any float dtype) -> symmetric int8 with one scale per `group` inputs of a row."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    scales = g.abs().amax(-1) / 127  # [N, K / group]
+    q = torch.round(g / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
+    q8 = q.to(torch.int8).reshape(n, k)
+    return Int8Weight(q8.contiguous(), scales.contiguous(), group, q8.sum(1, dtype=torch.int32))
+
+
+def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
+    n, k = w.q.shape
+    g = w.q.float().reshape(n, k // w.group, w.group) * w.scales[..., None]
+    return g.reshape(n, k).to(dtype)
+
+
+def int4_values(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] in 0..15 as int32, scale [N, K / group], zero [N, K / group]) (float32),
+    with W ~ (q - 8) * scale + zero."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    q = torch.round((g - lo[..., None]) / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(0, 15)
+    return q.reshape(n, k).to(torch.int32), scale, lo + 8 * scale
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
+    """w [N, K] (N a multiple of 64) -> asymmetric int4 in groups of `group`, packed for torch's CPU
+    int4 kernel."""
+    n, k = w.shape
+    if n % INT4_ROWS:
+        raise ValueError(f"int4 packs output rows {INT4_ROWS} at a time; this layer has {n}")
+    q, scale, zero = int4_values(w, group)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    # [K / group, N, 2] in bfloat16, the one activation dtype torch's CPU kernel runs fast
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return Int4Weight(packed, scales_zeros, group, (n, k))
+
+
+def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
+    """The values torch's CPU int4 layout holds: per block of 64 output rows, for each input k, 32
+    bytes, byte j holding row j (low nibble) and row 32 + j (high nibble). Checked against the packing
+    op by the tests (torch is pinned)."""
+    n, k = w.shape
+    b = w.packed.reshape(n // INT4_ROWS, k, INT4_ROWS // 2)
+    return torch.cat([b & 15, b >> 4], -1).permute(0, 2, 1).reshape(n, k).to(torch.int32)
+
+
+def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
+    n, k = w.shape
+    scale = w.scales_zeros[..., 0].t().float()  # [N, K / group]
+    zero = w.scales_zeros[..., 1].t().float()
+    g = (unpack_int4(w).float().reshape(n, k // w.group, w.group) - 8) * scale[..., None] + zero[..., None]
+    return g.reshape(n, k).to(dtype)
