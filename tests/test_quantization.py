@@ -1,0 +1,254 @@
+"""Quantized linear methods: the formats round-trip within their grids, every kernel computes the product
+of the dequantized weights, group sizes are applied as asked (or refused naming the layer), a
+quantized model's logits equal those of the dense model holding the dequantized weights, the fused
+decode stack gives the modules' outputs to the bit, and the engine runs them without leaking blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_engine import assert_no_leaks, prompts
+from tests.test_fused_decode import run_steps
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.ops import get_layer_ops
+from tokenmill.layers.quant_linear import QuantizedLinearMethod, get_quant_method
+from tokenmill.layers.quantize import (
+    QuantSpec,
+    choose_group,
+    dequantize_int4,
+    dequantize_int8,
+    int4_values,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+from tokenmill.models.loader import load_model
+
+KERNELS = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels did not build here")
+METHODS = ("int8", "w8a8", "int4")
+
+
+def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize("group", [32, 128, 512])
+def test_int8_rounds_to_the_nearest_point_of_its_grid(group):
+    w = weights(96, 512)
+    q = quantize_int8(w, group)
+    assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127 and q.scales.shape == (96, 512 // group)
+    step = q.scales.repeat_interleave(group, dim=1)  # [N, K]: each weight's grid step
+    assert ((dequantize_int8(q, torch.float32) - w).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(q.wsums, q.q.sum(1, dtype=torch.int32))
+
+
+def test_int4_round_trips_through_torchs_packed_layout():
+    w = weights(128, 96)
+    packed = quantize_int4(w, 32)
+    q, scale, zero = int4_values(w, 32)
+    assert torch.equal(unpack_int4(packed), q)  # the layout the dequantize path reads is torch's own
+    deq = dequantize_int4(packed, torch.float32)
+    step = packed.scales_zeros[..., 0].t().float().repeat_interleave(32, dim=1)
+    # within half a step of the grid, plus the bfloat16 rounding of the scale and zero
+    assert ((deq - w).abs() <= step / 2 + 0.01 * w.abs().amax()).all()
+    with pytest.raises(ValueError, match="64 at a time; this layer has 96"):
+        quantize_int4(weights(96, 64), 32)
+
+
+def test_group_sizes_are_applied_or_refused_naming_the_layer():
+    assert choose_group(QuantSpec("int8"), 352, "x") == 352  # per channel
+    assert choose_group(QuantSpec("int4"), 352, "x") == 32
+    assert choose_group(QuantSpec("int8", 32), 352, "x") == 32
+    with pytest.raises(ValueError, match=r"^quantization_group_size: 128 does not divide the input width 1376 of down"):
+        choose_group(QuantSpec("int4", 128), 1376, "down")
+    assert choose_group(QuantSpec("int4", 128, group_fallback=True), 1376, "down") == 32
+    assert choose_group(QuantSpec("int4", 128, group_fallback=True), 576, "o") == 64
+    with pytest.raises(ValueError, match="power of two from 32"):
+        choose_group(QuantSpec("int8", 48), 576, "o")
+    with pytest.raises(ValueError, match="w8a8 quantizes per output channel only"):
+        choose_group(QuantSpec("w8a8", 32), 576, "o")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def reference(method: QuantizedLinearMethod, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 product of the dequantized weights (W8A8: of the per-row quantized x too)."""
+    if method.name == "int4":
+        dense = dequantize_int4(w, torch.float32)  # type: ignore[arg-type]
+    else:
+        dense = dequantize_int8(w, torch.float32)  # type: ignore[arg-type]
+    if method.name == "w8a8":
+        xf = x.float()
+        amax = xf.abs().amax(1, keepdim=True)
+        x = torch.round(xf * 127 / amax) * amax / 127
+    return F.linear(x.float(), dense, None if bias is None else bias.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtype):
+    group = None if name != "int4" else 32
+    method = get_quant_method(QuantSpec(name, group), KERNELS)
+    for n, k, grp in ((128, 352, group), (192, 512, 64 if name == "int8" else group), (64, 100, None)):
+        if name == "int4" and k % 32:
+            continue
+        w = method.quantize(weights(n, k, seed=n), grp or choose_group(QuantSpec(name), k, "t"))
+        bias = (torch.randn(n) * 0.1).to(dtype)
+        for rows in (1, 3, 8, 11, 70):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            ref = reference(method, w, x, bias)
+            for kernel_name, kernel in method.kernels().items():
+                out = kernel(w, x, bias)
+                assert out.dtype == dtype and out.shape == (rows, n)
+                # float32: int8's 16-bit fixed-point activations (under 2^-15 of a row's largest value);
+                # bfloat16, and int4's bfloat16 kernel: the output's rounding
+                tol = 3e-4 if dtype == torch.float32 and name != "int4" else 2e-2
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < tol, (name, kernel_name, n, k, rows, err)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def dequantized_twin(folder, quantized, dtype, backend):
+    """The dense model holding the quantized model's dequantized weights (the reference)."""
+    dense = load_model(folder, dtype=dtype, backend=backend)
+    layers = {n: m for n, m in quantized.named_modules() if isinstance(m, LinearBase)}
+    for name, module in dense.named_modules():
+        if isinstance(module, LinearBase):
+            q = layers[name].quantized
+            deq = dequantize_int4(q, dtype) if hasattr(q, "packed") else dequantize_int8(q, dtype)
+            module.weight.data.copy_(deq)
+    if quantized.config.tie_word_embeddings:  # the head is its own layer there: the dense twin has none
+        head = layers["lm_head"].quantized
+        dense.embed_tokens.weight.data.copy_(dequantize_int8(head, dtype))
+    return dense
+
+
+@needs_kernels
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False), ("mistral", False)])
+def test_an_int8_model_computes_what_its_dequantized_weights_do(tiny_model_dir, arch, tied):
+    """Logits of a prompt and decode steps, quantized (every layer and the head, tied or not) against
+    the dense model holding the dequantized weights. A tied head is a quantized layer of its own while
+    lookups read the dense table: the twin keeps that table and applies the dequantized head apart."""
+    folder = tiny_model_dir(arch, tied)
+    backend = get_attention_backend("cpu")
+    method = get_quant_method(QuantSpec("int8"), KERNELS)
+    model = load_model(folder, dtype="float32", backend=backend, ops=get_layer_ops("cpu"), linear_method=method)
+    assert not hasattr(model.layers[0].self_attn.qkv_proj, "weight")  # the dense copy is gone
+    assert model.weight_bytes() < load_model(folder, dtype="float32").weight_bytes()
+    twin_backend = get_attention_backend("cpu")
+    twin = dequantized_twin(folder, model, torch.float32, twin_backend)
+    if tied:
+        twin.embed_tokens.weight.data.copy_(model.embed_tokens.weight)
+        twin_head = dequantize_int8(model.lm_head.quantized, torch.float32)
+    ids = list(range(3, 3 + 19))
+    ours = run_steps(model, backend, ids, 3, 2)
+    theirs = run_steps(twin, twin_backend, ids, 3, 2)
+    for a, b in zip(ours, theirs, strict=True):
+        la = model.compute_logits(a)
+        lb = F.linear(b, twin_head) if tied else twin.compute_logits(b)
+        assert (la - lb).abs().max() / lb.abs().max() < 2e-3  # the activations' 16-bit fixed point
+
+
+@needs_kernels
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False)])
+def test_a_w8a8_model_computes_what_torchs_integer_gemm_does(tiny_model_dir, arch, tied):
+    """W8A8 also quantizes the activations, so its reference is the same quantization through torch
+    (per-row rounding in torch, `torch._int_mm`): the native kernels against it, layer after layer."""
+    folder = tiny_model_dir(arch, tied)
+    backend, twin_backend = get_attention_backend("cpu"), get_attention_backend("cpu")
+    ops = get_layer_ops("cpu")
+    model = load_model(
+        folder, dtype="float32", backend=backend, ops=ops, linear_method=get_quant_method(QuantSpec("w8a8"), KERNELS)
+    )
+    twin = load_model(
+        folder, dtype="float32", backend=twin_backend, ops=ops, linear_method=get_quant_method(QuantSpec("w8a8"), None)
+    )
+    ids = list(range(3, 3 + 19))
+    for a, b in zip(run_steps(model, backend, ids, 3, 2), run_steps(twin, twin_backend, ids, 3, 2), strict=True):
+        la, lb = model.compute_logits(a), twin.compute_logits(b)
+        # one activation rounded the other way (a tie moved by float32 ordering) moves a logit by a grid step
+        assert (la - lb).abs().max() / lb.abs().max() < 1e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_stack_chains_quantized_projections_to_the_bit(tiny_model_dir, name, dtype):
+    folder = tiny_model_dir("qwen2")  # q/k/v biases through the quantized kernels too
+    backend = get_attention_backend("cpu")
+    method = get_quant_method(QuantSpec(name), KERNELS)
+    model = load_model(folder, dtype=dtype, backend=backend, ops=get_layer_ops("cpu"), linear_method=method)
+    assert FusedDecode.supports(model)
+    prompt = list(range(5, 5 + 17))
+    modules = run_steps(model, backend, prompt, 3, 3)
+    model.fused_decode = FusedDecode(KERNELS, model)
+    kinds = model.fused_decode.plan(torch.zeros(3, 128), backend.build_metadata([1] * 3, [9] * 3, [[0]] * 3, 16))
+    assert kinds is not None and len(set(kinds)) == 1  # one quantized kernel for all four projections
+    fused = run_steps(model, backend, prompt, 3, 3)
+    for a, b in zip(modules, fused, strict=True):
+        assert torch.equal(a, b)
+    unchained = "int_mm" if name == "w8a8" else "dequant"  # a kernel the stack does not chain: the modules run
+    method.plan = {shape: (unchained,) * 9 for shape in [(256, 128), (128, 128), (704, 128), (128, 352)]}
+    assert model.fused_decode.plan(torch.zeros(3, 128), backend.build_metadata([1] * 3, [9] * 3, [[0]] * 3, 16)) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", METHODS)
+def test_the_engine_serves_a_quantized_model(tiny_model_dir, name):
+    folder = tiny_model_dir("llama", True)
+    dense = LLM(str(folder), max_model_len=128, kv_cache_memory=64 * 24576)
+    llm = LLM(str(folder), max_model_len=128, kv_cache_memory=64 * 24576, quantization=name)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = llm.generate(prompts(4), params)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert llm.stats().weight_bytes < dense.stats().weight_bytes
+    assert llm.stats().kv_tokens == dense.stats().kv_tokens
+    assert_no_leaks(llm)
+
+
+def test_a_group_size_that_does_not_divide_names_the_layer(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj|layers\.0\.mlp\.down_proj"):
+        LLM(str(folder), quantization="int8", quantization_group_size=64)  # the MLP's 352 inputs
+    llm = LLM(str(folder), quantization="int8", quantization_group_size=64, quantization_group_fallback=True)
+    down = llm.engine.core.worker.runner.model.layers[0].mlp.down_proj
+    assert down.quantized.group == 32
+    with pytest.raises(ValueError, match="quantization_group_size: applies to a quantization"):
+        LLM(str(folder), quantization_group_size=64)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_without_native_kernels_the_torch_paths_run(tiny_model_dir, name):
+    """No native kernels (a CPU they do not build on): int8 dequantizes for torch's GEMM, int4 runs
+    torch's int4 kernel; the same products as the dequantized weights. (W8A8 runs torch's integer
+    GEMM there: the reference of the W8A8 test above.)"""
+    folder = tiny_model_dir("mistral")
+    backend = get_attention_backend("torch")
+    method = get_quant_method(QuantSpec(name), None)
+    model = load_model(folder, dtype="float32", backend=backend, linear_method=method)
+    assert set(method.kernels()) == {"int8": {"dequant"}, "int4": {"int4pack", "dequant"}}[name]
+    assert set(get_quant_method(QuantSpec("w8a8"), None).kernels()) == {"int_mm"}
+    twin_backend = get_attention_backend("torch")
+    twin = dequantized_twin(folder, model, torch.float32, twin_backend)
+    ids = list(range(7, 7 + 13))
+    ours = run_steps(model, backend, ids, 2, 2)
+    theirs = run_steps(twin, twin_backend, ids, 2, 2)
+    tol = {"int8": 1e-5, "int4": 3e-2}[name]  # int4: torch's kernel takes bfloat16 activations
+    for a, b in zip(ours, theirs, strict=True):
+        la, lb = model.compute_logits(a), twin.compute_logits(b)
+        assert (la - lb).abs().max() / lb.abs().max() < tol
