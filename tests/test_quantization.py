@@ -56,7 +56,7 @@ def test_int8_rounds_to_the_nearest_point_of_its_grid(group):
 def test_int4_round_trips_through_torchs_packed_layout():
     w = weights(128, 96)
     packed = quantize_int4(w, 32)
-    q, scale, zero = int4_values(w, 32)
+    q = int4_values(w, 32)[0]
     assert torch.equal(unpack_int4(packed), q)  # the layout the dequantize path reads is torch's own
     deq = dequantize_int4(packed, torch.float32)
     step = packed.scales_zeros[..., 0].t().float().repeat_interleave(32, dim=1)
@@ -85,10 +85,8 @@ def test_group_sizes_are_applied_or_refused_naming_the_layer():
 
 def reference(method: QuantizedLinearMethod, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """float32 product of the dequantized weights (W8A8: of the per-row quantized x too)."""
-    if method.name == "int4":
-        dense = dequantize_int4(w, torch.float32)  # type: ignore[arg-type]
-    else:
-        dense = dequantize_int8(w, torch.float32)  # type: ignore[arg-type]
+    int4 = method.name == "int4"
+    dense = dequantize_int4(w, torch.float32) if int4 else dequantize_int8(w, torch.float32)  # type: ignore[arg-type]
     if method.name == "w8a8":
         xf = x.float()
         amax = xf.abs().amax(1, keepdim=True)
