@@ -19,14 +19,19 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.layers.quant_linear import QuantizedLinearMethod, get_quant_method
 from tokenmill.layers.quantize import (
+    Int4PackWeight,
+    Int4Weight,
     QuantSpec,
     choose_group,
     dequantize_int4,
+    dequantize_int4pack,
     dequantize_int8,
     int4_values,
     quantize_int4,
+    quantize_int4pack,
     quantize_int8,
     unpack_int4,
+    unpack_int4pack,
 )
 from tokenmill.models.loader import load_model
 
@@ -53,17 +58,19 @@ def test_int8_rounds_to_the_nearest_point_of_its_grid(group):
     assert torch.equal(q.wsums, q.q.sum(1, dtype=torch.int32))
 
 
-def test_int4_round_trips_through_torchs_packed_layout():
-    w = weights(128, 96)
-    packed = quantize_int4(w, 32)
-    q = int4_values(w, 32)[0]
-    assert torch.equal(unpack_int4(packed), q)  # the layout the dequantize path reads is torch's own
-    deq = dequantize_int4(packed, torch.float32)
-    step = packed.scales_zeros[..., 0].t().float().repeat_interleave(32, dim=1)
-    # within half a step of the grid, plus the bfloat16 rounding of the scale and zero
-    assert ((deq - w).abs() <= step / 2 + 0.01 * w.abs().amax()).all()
+@pytest.mark.parametrize(("k", "group"), [(96, 32), (128, 64), (352, 32)])
+def test_int4_round_trips_through_both_layouts(k, group):
+    w = weights(128, k)
+    q = int4_values(w, group)[0]
+    ours, torchs = quantize_int4(w, group), quantize_int4pack(w, group)
+    assert ours.packed.shape == (128, k // 2) and torch.equal(unpack_int4(ours), q)
+    assert torch.equal(unpack_int4pack(torchs), q)  # the layout the dequantize path reads is torch's own
+    step = ours.scales.repeat_interleave(group, dim=1)
+    assert ((dequantize_int4(ours, torch.float32) - w).abs() <= step / 2 + 1e-6).all()
+    # torch's: within half a step of the grid, plus the bfloat16 rounding of its scale and zero
+    assert ((dequantize_int4pack(torchs, torch.float32) - w).abs() <= step / 2 + 0.01 * w.abs().amax()).all()
     with pytest.raises(ValueError, match="64 at a time; this layer has 96"):
-        quantize_int4(weights(96, 64), 32)
+        quantize_int4pack(weights(96, 64), 32)
 
 
 def test_group_sizes_are_applied_or_refused_naming_the_layer():
@@ -83,10 +90,17 @@ def test_group_sizes_are_applied_or_refused_naming_the_layer():
 # ----------------------------------------------------------------------------- kernels
 
 
+def dequantize(w: object, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, Int4Weight):
+        return dequantize_int4(w, dtype)
+    if isinstance(w, Int4PackWeight):
+        return dequantize_int4pack(w, dtype)
+    return dequantize_int8(w, dtype)  # type: ignore[arg-type]
+
+
 def reference(method: QuantizedLinearMethod, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """float32 product of the dequantized weights (W8A8: of the per-row quantized x too)."""
-    int4 = method.name == "int4"
-    dense = dequantize_int4(w, torch.float32) if int4 else dequantize_int8(w, torch.float32)  # type: ignore[arg-type]
+    dense = dequantize(w, torch.float32)
     if method.name == "w8a8":
         xf = x.float()
         amax = xf.abs().amax(1, keepdim=True)
@@ -100,7 +114,12 @@ def reference(method: QuantizedLinearMethod, w: object, x: torch.Tensor, bias: t
 def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtype):
     group = None if name != "int4" else 32
     method = get_quant_method(QuantSpec(name, group), KERNELS)
-    for n, k, grp in ((128, 352, group), (192, 512, 64 if name == "int8" else group), (64, 100, None)):
+    for n, k, grp in (
+        (128, 352, group),
+        (192, 512, None if name == "w8a8" else 64),
+        (64, 1024, None if name == "w8a8" else 256),
+        (64, 100, None),
+    ):
         if name == "int4" and k % 32:
             continue
         w = method.quantize(weights(n, k, seed=n), grp or choose_group(QuantSpec(name), k, "t"))
@@ -113,7 +132,7 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
                 assert out.dtype == dtype and out.shape == (rows, n)
                 # float32: int8's 16-bit fixed-point activations (under 2^-15 of a row's largest value);
                 # bfloat16, and int4's bfloat16 kernel: the output's rounding
-                tol = 3e-4 if dtype == torch.float32 and name != "int4" else 2e-2
+                tol = 3e-4 if dtype == torch.float32 and kernel_name != "int4pack" else 2e-2
                 err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < tol, (name, kernel_name, n, k, rows, err)
 
@@ -128,8 +147,7 @@ def dequantized_twin(folder, quantized, dtype, backend):
     for name, module in dense.named_modules():
         if isinstance(module, LinearBase):
             q = layers[name].quantized
-            deq = dequantize_int4(q, dtype) if hasattr(q, "packed") else dequantize_int8(q, dtype)
-            module.weight.data.copy_(deq)
+            module.weight.data.copy_(dequantize(q, dtype))
     if quantized.config.tie_word_embeddings:  # the head is its own layer there: the dense twin has none
         head = layers["lm_head"].quantized
         dense.embed_tokens.weight.data.copy_(dequantize_int8(head, dtype))
@@ -250,3 +268,27 @@ def test_without_native_kernels_the_torch_paths_run(tiny_model_dir, name):
     for a, b in zip(ours, theirs, strict=True):
         la, lb = model.compute_logits(a), twin.compute_logits(b)
         assert (la - lb).abs().max() / lb.abs().max() < tol
+
+
+def test_eval_quant_reports_quality_and_memory(tiny_model_dir, tmp_path):
+    """The report compares the two models' distributions position by position: int4 moves them more
+    than int8 does, and both save weight bytes that the report turns into KV tokens."""
+    from tokenmill.cli import main
+    from tokenmill.eval.quant_eval import evaluate
+
+    folder = tiny_model_dir("llama")
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x * 2 + 1\n" * 200, encoding="utf-8")
+    reports = {q: evaluate(str(folder), QuantSpec(q), "float32", text, windows=2, length=64) for q in ("int8", "int4")}
+    for r in reports.values():
+        assert r.windows == 2 and r.predicted_tokens == 2 * 63
+        assert r.weight_bytes_quantized < r.weight_bytes_unquantized and r.kv_tokens_freed > 0
+        assert r.mean_kl_nats > 0 and 0 < r.top1_agreement <= 1
+    assert reports["int4"].mean_kl_nats > reports["int8"].mean_kl_nats
+    assert reports["int4"].weight_bytes_quantized < reports["int8"].weight_bytes_quantized
+    out = tmp_path / "report.json"
+    argv = ["eval-quant", str(folder), "--quantization", "int8", "--dtype", "float32", "--text", str(text)]
+    assert main([*argv, "--windows", "1", "--window-len", "32", "--json", str(out)]) == 0
+    assert '"top1_agreement"' in out.read_text()
+    with pytest.raises(ValueError, match="fewer than one window of 4096"):
+        evaluate(str(folder), QuantSpec("int8"), "float32", text, windows=1, length=4096)

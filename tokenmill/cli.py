@@ -8,6 +8,7 @@ from here."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from tokenmill.engine_args import (
     DEFAULT_MODEL,
     add_engine_args,
     add_flags,
+    default_model,
     engine_config,
     read_config_file,
     settings_from,
@@ -145,6 +147,21 @@ def _prefix_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_quant(args: argparse.Namespace) -> int:
+    from tokenmill.eval.quant_eval import evaluate
+    from tokenmill.layers.quantize import QuantSpec
+
+    if args.windows < 1 or args.window_len < 2:
+        raise ValueError("windows: at least one window of at least 2 tokens")
+    spec = QuantSpec(args.quantization, args.group_size, args.group_fallback)
+    text = Path(args.text) if args.text else None
+    report = evaluate(args.model or default_model(), spec, args.dtype, text, args.windows, args.window_len)
+    print(report.render())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -219,6 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--tokenizer", default=None, help="model folder whose tokenizer (and chat template) to use")
     pr.set_defaults(func=_prefix_report)
+
+    ev = sub.add_parser(
+        "eval-quant",
+        help="a quantization's quality against the unquantized model: perplexity, KL, top-1 agreement, memory",
+    )
+    ev.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    ev.add_argument("--quantization", required=True, choices=("int8", "int4", "w8a8"))
+    ev.add_argument(
+        "--group-size", type=int, default=None, help="inputs sharing one scale (as --quantization-group-size)"
+    )
+    ev.add_argument("--group-fallback", action="store_true", help="as --quantization-group-fallback")
+    ev.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="of both models")
+    ev.add_argument("--text", default=None, help="a text file (default: the standard library's held-out files)")
+    ev.add_argument("--windows", type=int, default=16, help="windows of text to read (at most)")
+    ev.add_argument("--window-len", type=int, default=512, help="tokens a window")
+    ev.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    ev.set_defaults(func=_eval_quant)
 
     add_bench_parser(sub)
     return parser

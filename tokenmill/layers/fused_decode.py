@@ -25,18 +25,19 @@ from tokenmill.layers.cpu_linear import CpuLinearMethod
 from tokenmill.layers.cpu_ops import CpuOps
 from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
 from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod, W8A8LinearMethod
-from tokenmill.layers.quantize import Int4Weight, Int8Weight
+from tokenmill.layers.quantize import Int4PackWeight, Int4Weight, Int8Weight
 
 if TYPE_CHECKING:
     from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 # the kernel names of each method -> decode_layer.cpp's projection kinds
-TORCH, NATIVE, INT8, W8A8, INT4PACK = 0, 1, 2, 3, 4
+TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4 = 0, 1, 2, 3, 4, 5
 QUANTIZED_KINDS = {
     (Int8LinearMethod, "native"): INT8,
     (W8A8LinearMethod, "native"): W8A8,
     (Int4LinearMethod, "int4pack"): INT4PACK,
+    (Int4LinearMethod, "native"): INT4,
 }
 FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
 
@@ -119,8 +120,10 @@ def _tensors(p: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None, torch.Te
     if isinstance(quantized, Int8Weight):
         scales = quantized.scales.view(-1) if isinstance(p.linear_method, W8A8LinearMethod) else quantized.scales
         return quantized.q, scales, quantized.wsums
-    if isinstance(quantized, Int4Weight):
+    if isinstance(quantized, Int4PackWeight):
         return quantized.packed, quantized.scales_zeros, None
+    if isinstance(quantized, Int4Weight):  # its mins where the W8A8 kernel takes the row sums
+        return quantized.packed, quantized.scales, quantized.mins
     return cast(torch.Tensor, p.weight), None, None
 
 

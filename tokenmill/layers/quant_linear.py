@@ -13,9 +13,11 @@ a shape missing from the plan takes `default_kernel`):
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
   products, VNNI where the CPU has it) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same
   per-row quantization).
-- `int4` weight-only, asymmetric groups: `int4pack` (torch's CPU int4 kernel, bfloat16 activations:
-  float32 ones are widened to bfloat16 for it, as its float32 path runs 25x slower: 30.8 against
-  1.15 ms for the peer model's products at one row on the AMX machine) or `dequant`.
+- `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout)
+  or `dequant`; where the native kernels do not build, torch's layout and `int4pack` (torch's CPU
+  int4 kernel, bfloat16 activations: float32 ones are rounded to bfloat16 for it, as its float32
+  path runs 25x slower: 30.8 against 1.15 ms for the peer model's products at one row on the AMX
+  machine) or `dequant`.
 torchao 0.18 (the release for torch 2.13) was measured first, on the peer model's products on the
 AMX machine (bfloat16, 1 / 4 / 32 rows): its Int8WeightOnlyConfig took 9.9 / 11.2 / 11.4 ms,
 Int8DynamicActivationInt8WeightConfig 8.6 / 9.2 / 14.9, against 4.4 / 4.1 / 5.6 for the dense
@@ -39,13 +41,16 @@ from tokenmill.kernels.cpu_build import CpuKernels
 from tokenmill.layers.cpu_linear import LONGEST_TIMED, MAX_DECODE_ROWS, PROMPT_WEIGHTS, ROW_CLASSES
 from tokenmill.layers.linear import LinearBase, LinearMethod, Shape, ShardLoader, register_bias, set_weight_loader
 from tokenmill.layers.quantize import (
+    Int4PackWeight,
     Int4Weight,
     Int8Weight,
     QuantSpec,
     choose_group,
     dequantize_int4,
+    dequantize_int4pack,
     dequantize_int8,
     quantize_int4,
+    quantize_int4pack,
     quantize_int8,
 )
 
@@ -188,20 +193,33 @@ class W8A8LinearMethod(QuantizedLinearMethod):
 
 
 class Int4LinearMethod(QuantizedLinearMethod):
-    """int4 weight-only, asymmetric groups (torch's CPU int4 layout)."""
+    """int4 weight-only, asymmetric groups: tokenmill's layout and kernel, or (where the kernels do not
+    build) torch's layout and CPU int4 kernel."""
 
     name = "int4"
-    default_kernel = "int4pack"
 
-    def quantize(self, weight: torch.Tensor, group: int) -> Int4Weight:
-        return quantize_int4(weight, group)
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
+        super().__init__(spec, kernels)
+        self.default_kernel = "native" if self.ops is not None else "int4pack"
+
+    def quantize(self, weight: torch.Tensor, group: int) -> Int4Weight | Int4PackWeight:
+        return quantize_int4(weight, group) if self.ops is not None else quantize_int4pack(weight, group)
 
     def kernels(self) -> dict[str, Kernel]:
+        if self.ops is not None:
+            return {"native": self._native, "dequant": self._dequant}
         return {"int4pack": self._int4pack, "dequant": self._dequant}
+
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = cast(Int4Weight, w)
+        x = _contiguous_rows(x)
+        out = torch.empty(x.shape[0], q.packed.shape[0], dtype=x.dtype)
+        self.ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias)  # type: ignore[union-attr]
+        return out
 
     @staticmethod
     def _int4pack(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q = cast(Int4Weight, w)
+        q = cast(Int4PackWeight, w)
         xb = _contiguous_rows(x).to(torch.bfloat16)
         out = torch._weight_int4pack_mm_for_cpu(xb, q.packed, q.group, q.scales_zeros)  # [M, N] bfloat16
         if bias is not None:
@@ -210,7 +228,9 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     @staticmethod
     def _dequant(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, dequantize_int4(cast(Int4Weight, w), x.dtype), bias)
+        if isinstance(w, Int4Weight):
+            return F.linear(x, dequantize_int4(w, x.dtype), bias)
+        return F.linear(x, dequantize_int4pack(cast(Int4PackWeight, w), x.dtype), bias)
 
 
 _METHODS: dict[str, type[QuantizedLinearMethod]] = {

@@ -4,9 +4,10 @@ Owns the formats the quantized linear methods (layers/quant_linear.py) hold, as 
 - `Int8Weight`: symmetric int8, q in [-127, 127], W[n, k] ~ q[n, k] * scales[n, k // group]; `group`
   is the input width (one scale per output row, "per channel") or a power of two from 32 (per group:
   llama.cpp's Q8_0 grid is group 32). `wsums` (each row's sum of q) serves the W8A8 kernel.
-- `Int4Weight`: asymmetric int4 in groups of `group` along the input, q in [0, 15],
-  W[n, k] ~ (q[n, k] - 8) * scale + zero per group (zero = the group's minimum + 8 * scale: the
-  convention of torch's CPU int4 kernel, whose packed layout `packed` holds).
+- `Int4Weight`: asymmetric int4 in groups of `group` along the input, q in [0, 15] (the group's
+  range in 15 steps from its minimum), W[n, k] ~ q[n, k] * scale + min, in tokenmill's packed layout;
+  `Int4PackWeight` holds the same values in torch's CPU int4 layout ((q - 8) * scale + zero, zero =
+  min + 8 * scale, in bfloat16), for torch's int4 kernel where tokenmill's do not build.
 Quantization rounds to nearest; the dequantized weights (`dequantize`) are the reference every kernel
 is tested against. `choose_group` applies the user's group size to one layer's input width: a group
 that does not divide it is an error naming the layer, or, with fallback, the largest power of two
@@ -48,8 +49,29 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class Int4Weight:
-    packed: torch.Tensor  # torch's CPU int4 layout of q [N, K] (uint8, two values a byte)
-    scales_zeros: torch.Tensor  # [K // group, N, 2] (scale, zero), bfloat16
+    """int4 in tokenmill's layout (kernels/csrc/linear_int4.cpp): W[n, k] ~ q * scales[n, g] + mins[n, g]."""
+
+    packed: torch.Tensor  # [N, K / 2] uint8: per row, blocks of 64 k, byte j = k j (low) | k 32 + j (high)
+    scales: torch.Tensor  # [N, K / group] float32
+    mins: torch.Tensor  # [N, K / group] float32
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
+
+
+@dataclass(frozen=True)
+class Int4PackWeight:
+    """int4 in torch's CPU int4 layout, for its kernel (where tokenmill's kernels do not build):
+    W[n, k] ~ (q - 8) * scale + zero, (scale, zero) per group in bfloat16."""
+
+    packed: torch.Tensor  # torch's layout of q [N, K] (uint8, two values a byte)
+    scales_zeros: torch.Tensor  # [K / group, N, 2] (scale, zero), bfloat16
     group: int
     shape: tuple[int, int]  # (N, K)
 
@@ -108,6 +130,39 @@ def int4_values(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
+    """w [N, K] (K a multiple of 32) -> asymmetric int4 in groups of `group`, tokenmill's layout."""
+    n, k = w.shape
+    q, scale, zero = int4_values(w, group)
+    mins = zero - 8 * scale  # W ~ q * scale + min
+    full = k // 64 * 64
+    blocks = q[:, :full].reshape(n, full // 64, 2, 32)
+    parts = [(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, full // 2)]
+    if full < k:  # a last block of 32: byte j = k j | k 16 + j
+        tail = q[:, full:].reshape(n, 2, 16)
+        parts.append(tail[:, 0] | (tail[:, 1] << 4))
+    packed = torch.cat(parts, dim=1).to(torch.uint8).contiguous()
+    return Int4Weight(packed, scale.contiguous(), mins.contiguous(), group)
+
+
+def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
+    n, k = w.shape
+    full = k // 64 * 64
+    b = w.packed.to(torch.int32)
+    main = b[:, : full // 2].reshape(n, full // 64, 1, 32)
+    parts = [torch.cat([main & 15, main >> 4], dim=2).reshape(n, full)]
+    if full < k:
+        tail = b[:, full // 2 :]
+        parts.append(torch.cat([tail & 15, tail >> 4], dim=1))
+    return torch.cat(parts, dim=1)
+
+
+def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
+    n, k = w.shape
+    g = unpack_int4(w).float().reshape(n, k // w.group, w.group) * w.scales[..., None] + w.mins[..., None]
+    return g.reshape(n, k).to(dtype)
+
+
+def quantize_int4pack(w: torch.Tensor, group: int) -> Int4PackWeight:
     """w [N, K] (N a multiple of 64) -> asymmetric int4 in groups of `group`, packed for torch's CPU
     int4 kernel."""
     n, k = w.shape
@@ -117,10 +172,10 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
     packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
     # [K / group, N, 2] in bfloat16, the one activation dtype torch's CPU kernel runs fast
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return Int4Weight(packed, scales_zeros, group, (n, k))
+    return Int4PackWeight(packed, scales_zeros, group, (n, k))
 
 
-def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
+def unpack_int4pack(w: Int4PackWeight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
     """The values torch's CPU int4 layout holds: per block of 64 output rows, for each input k, 32
     bytes, byte j holding row j (low nibble) and row 32 + j (high nibble). Checked against the packing
     op by the tests (torch is pinned)."""
@@ -129,9 +184,9 @@ def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
     return torch.cat([b & 15, b >> 4], -1).permute(0, 2, 1).reshape(n, k).to(torch.int32)
 
 
-def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
+def dequantize_int4pack(w: Int4PackWeight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
     n, k = w.shape
     scale = w.scales_zeros[..., 0].t().float()  # [N, K / group]
     zero = w.scales_zeros[..., 1].t().float()
-    g = (unpack_int4(w).float().reshape(n, k // w.group, w.group) - 8) * scale[..., None] + zero[..., None]
+    g = (unpack_int4pack(w).float().reshape(n, k // w.group, w.group) - 8) * scale[..., None] + zero[..., None]
     return g.reshape(n, k).to(dtype)

@@ -23,6 +23,7 @@ enum Kind : int64_t {
   INT8 = 2,       // int8 weight-only (linear_int8.cpp): weight = q, scales [N, K / group]
   W8A8 = 3,       // int8 weights and activations (linear_int8.cpp): weight = q, scales [N], wsums [N]
   INT4PACK = 4,   // torch's CPU int4 kernel: weight = packed, scales = [K / group, N, 2] in bfloat16
+  INT4 = 5,       // int4 (linear_int4.cpp): weight = packed [N, K / 2], scales and mins (in wsums) [N, K / group]
 };
 
 // One projection's tensors and kernel.
@@ -46,13 +47,15 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
     }
     default: break;
   }
-  at::Tensor out = at::empty({x.size(0), p.weight.size(0)}, x.options());
+  at::Tensor out = at::empty({x.size(0), p.weight.size(0)}, x.options());  // (int4: packed is [N, K / 2])
   if (p.kind == NATIVE)
     tokenmill::linear(out, x, p.weight, p.bias);
   else if (p.kind == INT8)
     tokenmill::linear_int8(out, x, p.weight, *p.scales, p.group, p.bias);
   else if (p.kind == W8A8)
     tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias);
+  else if (p.kind == INT4)
+    tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias);
   else
     TORCH_CHECK(false, "decode_layer: unknown projection kind ", p.kind);
   return out;

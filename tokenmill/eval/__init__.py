@@ -1,0 +1,1 @@
+"""Model-quality evaluations: held-out text and the quantization report."""
