@@ -125,6 +125,7 @@ def test_each_flag_sets_its_field():
         "greedy_head": "logits",
         "linear_backend": "torch",
         "fused_decode": False,
+        "kv_cache_dtype": "int8",
         "quantization": "int4",
         "quantization_group_size": 64,
         "quantization_group_fallback": True,

@@ -22,10 +22,27 @@ import torch
 
 @dataclass
 class KVCache:
-    """One layer's paged cache: k and v in the layout `AttentionBackend.kv_cache_shape` gives."""
+    """One layer's paged cache: k and v in the layout `AttentionBackend.kv_cache_shape` gives. An int8
+    cache (`--kv-cache-dtype int8`) also holds each token's per-head scales in the layout
+    `kv_scale_shape` gives: K (and V) of a token and head ~ int8 values x its scale (max |x| / 127)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # float32, int8 caches only
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float32 scales [...]): one scale per row, max |x| / 127 (rounding
+    half to even, as the native write does)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[..., None]).to(torch.int8), amax / 127
 
 
 class AttentionMetadata(Protocol):
@@ -41,6 +58,10 @@ class AttentionBackend(Protocol):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's K (and of its V) for `num_blocks` blocks."""
+        ...
+
+    def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) scales of an int8 cache: one per token and KV head."""
         ...
 
     def build_metadata(
@@ -75,14 +96,19 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[KVCache]:
-    """One zeroed KVCache per layer, in the backend's layout."""
+    """One zeroed KVCache per layer, in the backend's layout; `dtype` int8: with per-token scales."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
     shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+
+    def layer() -> KVCache:
+        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        if dtype != torch.int8:
+            return KVCache(k, v)
+        scales = backend.kv_scale_shape(num_blocks, block_size, num_kv_heads)
+        return KVCache(k, v, torch.zeros(scales, device=device), torch.zeros(scales, device=device))
+
+    return [layer() for _ in range(num_layers)]
 
 
 def check_batch(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:

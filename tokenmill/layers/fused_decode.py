@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 
 
 # the kernel names of each method -> decode_layer.cpp's projection kinds
-TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4 = 0, 1, 2, 3, 4, 5
+TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED = 0, 1, 2, 3, 4, 5, 6, 7
 QUANTIZED_KINDS = {
     (Int8LinearMethod, "native"): INT8,
     (W8A8LinearMethod, "native"): W8A8,
     (Int4LinearMethod, "int4pack"): INT4PACK,
     (Int4LinearMethod, "native"): INT4,
+    (Int8LinearMethod, "tiled"): INT8_TILED,
+    (W8A8LinearMethod, "tiled"): W8A8_TILED,
 }
 FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
 
@@ -102,7 +104,8 @@ class FusedDecode:
         heads, kv_heads, head_dim = self._heads
         out, res = self._op(
             x, self._norms, self._weights, self._biases, self._scales, self._wsums,
-            [t for c in caches for t in (c.k, c.v)], self._eps, kinds, self._groups,
+            [t for c in caches for t in (c.k, c.v)], [t for c in caches for t in (c.k_scale, c.v_scale)],
+            self._eps, kinds, self._groups,
             heads, kv_heads, head_dim, positions, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens,
             md.query_starts, md.query_lens, md.block_size, self._scale, self._windows,
         )  # fmt: skip

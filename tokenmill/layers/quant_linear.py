@@ -6,13 +6,14 @@ drops the dense copy: the layer keeps `layer.quantized` (an `Int8Weight` or `Int
 runs one of the method's kernels, chosen per weight shape and row count (`plan`, filled by
 `tune_quantized` from timings on the CPU at hand through the autotune cache, as the dense plan is;
 a shape missing from the plan takes `default_kernel`):
-- `int8` weight-only: `native` (kernels/csrc/linear_int8.cpp: few rows, the weights read once) or
-  `dequant` (the layer's weights dequantized to the activations' dtype, then torch's GEMM: prompt
-  chunks, where arithmetic and not weight reads bound the product; the memory saving stays, the
-  dense copy lives for the one product).
+- `int8` weight-only: `native` (kernels/csrc/linear_int8.cpp: few rows, the weights read once),
+  `tiled` (per channel: 4 weight rows x 4 input rows at a time, for batches) or `dequant` (the layer's
+  weights dequantized to the activations' dtype, then torch's GEMM: prompt chunks, where arithmetic
+  and not weight reads bound the product; the memory saving stays, the dense copy lives for the one
+  product).
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
-  products, VNNI where the CPU has it) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same
-  per-row quantization).
+  products, VNNI where the CPU has it), `tiled` (as int8's) or `int_mm` (torch's integer GEMM
+  `torch._int_mm` after the same per-row quantization).
 - `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout)
   or `dequant`; where the native kernels do not build, torch's layout and `int4pack` (torch's CPU
   int4 kernel, bfloat16 activations: float32 ones are rounded to bfloat16 for it, as its float32
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 import torch
@@ -132,14 +134,16 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def kernels(self) -> dict[str, Kernel]:
         out: dict[str, Kernel] = {"dequant": self._dequant}
         if self.ops is not None:
-            out["native"] = self._native
+            out["native"] = partial(self._native, tiled=False)
+            if self.spec.group_size is None:  # per channel: the tiled loop too
+                out["tiled"] = partial(self._native, tiled=True)
         return out
 
-    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, tiled: bool) -> torch.Tensor:
         q = cast(Int8Weight, w)
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)  # [M, N]
-        self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias)  # type: ignore[union-attr]
+        self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias, tiled)  # type: ignore[union-attr]
         return out
 
     @staticmethod
@@ -163,14 +167,15 @@ class W8A8LinearMethod(QuantizedLinearMethod):
     def kernels(self) -> dict[str, Kernel]:
         out: dict[str, Kernel] = {"int_mm": self._int_mm}
         if self.ops is not None:
-            out["native"] = self._native
+            out["native"] = partial(self._native, tiled=False)
+            out["tiled"] = partial(self._native, tiled=True)
         return out
 
-    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, tiled: bool) -> torch.Tensor:
         q = cast(Int8Weight, w)
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)
-        self.ops.linear_w8a8(out, x, q.q, q.scales.view(-1), q.wsums, bias)  # type: ignore[union-attr]
+        self.ops.linear_w8a8(out, x, q.q, q.scales.view(-1), q.wsums, bias, tiled)  # type: ignore[union-attr]
         return out
 
     def _int_mm(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,10 +11,13 @@ from tokenmill.models.config import ModelConfig
 
 
 def kv_bytes_per_block(backend: AttentionBackend, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V), in the backend's layout."""
+    """Bytes one block takes across all layers (K and V), in the backend's layout; an int8 cache's
+    float32 scales (one per token and KV head) included."""
     element = torch.empty((), dtype=dtype).element_size()
-    per_layer = math.prod(backend.kv_cache_shape(1, block_size, cfg.num_kv_heads, cfg.head_dim))
-    return 2 * cfg.num_layers * per_layer * element
+    per_layer = math.prod(backend.kv_cache_shape(1, block_size, cfg.num_kv_heads, cfg.head_dim)) * element
+    if dtype == torch.int8:
+        per_layer += math.prod(backend.kv_scale_shape(1, block_size, cfg.num_kv_heads)) * 4
+    return 2 * cfg.num_layers * per_layer
 
 
 def kv_cache_budget(

@@ -101,6 +101,7 @@ class Worker:
         logger.info("weights: %.1f MiB (%s, %s)", self.weight_bytes / 2**20, dtype, config.quantization)
         self.model_config: ModelConfig = model.config
         self.dtype = dtype
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = config.block_size
@@ -111,7 +112,7 @@ class Worker:
         budget = kv_cache_budget(
             self.device, config.kv_cache_memory, DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, peak
         )
-        per_block = kv_bytes_per_block(self.backend, self.model_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.backend, self.model_config, self.block_size, self.kv_dtype)
         self.num_blocks = budget // per_block
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -125,11 +126,20 @@ class Worker:
             self.block_size,
             self.num_blocks * self.block_size,
             budget / 2**20,
-            self.dtype,
+            self.kv_dtype,
             self.backend.name,
             ops.name,
             torch.get_num_threads(),
         )
+        if self.kv_dtype != self.dtype:
+            dense = budget // kv_bytes_per_block(self.backend, self.model_config, self.block_size, self.dtype)
+            logger.info(
+                "KV cache in int8 with per-token scales: %d tokens where %s would hold %d (%.2fx)",
+                self.num_blocks * self.block_size,
+                self.dtype,
+                dense * self.block_size,
+                self.num_blocks / max(1, dense),
+            )
         self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
         if config.greedy_head == "auto":
             self.runner.greedy_head = self._greedy_head_is_faster(model, config.max_num_seqs)
@@ -194,7 +204,7 @@ class Worker:
             self.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 

@@ -9,7 +9,9 @@
 // and value once, with an online softmax (running max and sum) so no score row is ever stored.
 // Query i of a sequence with L tokens in the cache sits at position L - query_len + i and sees keys
 // at positions <= its own (and > its own - window with a sliding window). Arithmetic in float32
-// whatever the cache dtype.
+// whatever the cache dtype. An int8 cache (`--kv-cache-dtype int8`) holds each token's K and V of a
+// head as int8 with one float32 scale (max |x| / 127), in [num_blocks, kv_heads, block_size] beside
+// the chunks; keys and values are widened and scaled as a tile is loaded.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -95,6 +97,27 @@ Tile load_tile(const T* k_chunk, const T* v_chunk, int64_t block_size, int64_t f
   return {kbuf, kTile, vbuf, width, count};
 }
 
+// An int8 cache's tile: each key and value widened and multiplied by its token's scale (k_scales and
+// v_scales: the chunk's [block_size] scales).
+Tile load_tile_int8(const int8_t* k_chunk, const int8_t* v_chunk, const float* k_scales, const float* v_scales,
+                    int64_t block_size, int64_t first, int64_t count, int64_t dim, int64_t width, float* kbuf,
+                    float* vbuf) {
+  for (int64_t d = 0; d < width; ++d) {
+    const int8_t* row = k_chunk + d * block_size + first;
+#pragma omp simd
+    for (int64_t t = 0; t < kTile; ++t)
+      kbuf[d * kTile + t] = (t < count && d < dim) ? static_cast<float>(row[t]) * k_scales[first + t] : 0.f;
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const int8_t* row = v_chunk + (first + t) * dim;
+    const float s = v_scales[first + t];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) vbuf[t * width + d] = static_cast<float>(row[d]) * s;
+    for (int64_t d = dim; d < width; ++d) vbuf[t * width + d] = 0.f;
+  }
+  return {kbuf, kTile, vbuf, width, count};
+}
+
 // The online softmax of kQueries queries [kQueries, dim] (dim: the padded width) over one tile:
 // scores, then running max/sum and the accumulators [kQueries, dim] rescaled and advanced by P x V.
 // visible[j] = [lo, hi) within the tile.
@@ -162,10 +185,12 @@ void attend_tile(const Tile& tile, const float* qs, int64_t padded, const int64_
   }
 }
 
-template <typename T>
+// T: q and out; C: the cache (T itself, or int8 with per-token scales [num_blocks, kv_heads, block_size])
+template <typename T, typename C>
 void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
-            const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window) {
+            const float* k_scales, const float* v_scales, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+            const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t block_size, double scale,
+            std::optional<int64_t> window) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), chunk = block_size * dim;
@@ -179,8 +204,8 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   const int32_t* qlens = query_lens.data_ptr<int32_t>();
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const float sc = static_cast<float>(scale);
 
   // One item per sequence, its KV heads inside the block loop: a block's K chunks for all heads are
@@ -223,8 +248,16 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
         const int64_t in_block = std::min(block_size, len - blk * block_size);
         for (int64_t first = 0; first < in_block; first += kTile) {
           const int64_t t0 = blk * block_size + first;  // position of the tile's first key
-          const Tile tile = load_tile(kp + at_chunk, vp + at_chunk, block_size, first, std::min(kTile, in_block - first),
-                                      dim, width, kbuf.data(), vbuf.data());
+          const int64_t count = std::min(kTile, in_block - first);
+          Tile tile;
+          if constexpr (std::is_same_v<C, int8_t>) {
+            const int64_t at_scales = at_chunk / dim;  // the chunk's [block_size] scales
+            tile = load_tile_int8(kp + at_chunk, vp + at_chunk, k_scales + at_scales, v_scales + at_scales, block_size,
+                                  first, count, dim, width, kbuf.data(), vbuf.data());
+          } else {
+            tile = load_tile(kp + at_chunk, vp + at_chunk, block_size, first, count, dim, width, kbuf.data(),
+                             vbuf.data());
+          }
           for (int64_t j0 = 0; j0 < padded; j0 += kQueries) {
             int64_t visible[kQueries][2];
             for (int64_t j = 0; j < kQueries; ++j) {
@@ -248,12 +281,20 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   }
 }
 
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size, int64_t dim) {
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size, int64_t dim,
+                 const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, kv_heads, block_size * head_dim]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must match");
   TORCH_CHECK(block_size > 0 && k_cache.size(2) == block_size * dim, "cache chunks must hold block_size * head_dim");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(), "an int8 cache, and only one, has scales");
+  if (int8)
+    for (const at::Tensor* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
+                      s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1) && s->size(2) == block_size,
+                  "cache scales must be contiguous float32 [num_blocks, kv_heads, block_size]");
 }
 
 // out[T, heads, D] = attention of q[T, heads, D] (rows of a flat batch; the last dim contiguous)
@@ -266,12 +307,14 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t b
 namespace tokenmill {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q and out must be [T, heads, D], D contiguous");
-  check_cache(k_cache, v_cache, block_size, q.size(2));
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and the caches must share a dtype");
+  check_cache(k_cache, v_cache, block_size, q.size(2), k_scale, v_scale);
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && out.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share a dtype (or the caches be int8)");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of the cache's KV heads");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_starts, &query_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, "attention metadata must be int32, contiguous");
@@ -279,14 +322,53 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(block_tables.size(0) == seq_lens.size(0) && query_starts.size(0) == seq_lens.size(0) &&
                   query_lens.size(0) == seq_lens.size(0),
               "block_tables, seq_lens, query_starts and query_lens need one entry per sequence");
+  const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
+  const auto run = [&]<typename T>() {
+    if (int8)
+      attend<T, int8_t>(out, q, k_cache, v_cache, ks, vs, block_tables, seq_lens, query_starts, query_lens, block_size,
+                        scale, window);
+    else
+      attend<T, T>(out, q, k_cache, v_cache, ks, vs, block_tables, seq_lens, query_starts, query_lens, block_size,
+                   scale, window);
+  };
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, block_size, scale,
-                  window);
+    run.template operator()<float>();
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, block_size,
-                          scale, window);
+    run.template operator()<c10::BFloat16>();
   } else {
     TORCH_CHECK(false, "paged_attention: float32 and bfloat16 only");
+  }
+}
+
+// One token's K or V of one head quantized to int8: dst[i * step] = round(src[i] / scale), scale =
+// max |src| / 127 (0 for a row of zeros), returned.
+template <typename T>
+float quantize_row(const T* src, int64_t dim, int8_t* dst, int64_t step) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(static_cast<float>(src[d])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < dim; ++d) dst[d * step] = static_cast<int8_t>(std::nearbyint(static_cast<float>(src[d]) * inv));
+  return amax / 127.f;
+}
+
+template <typename T>
+void write_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, float* k_scales,
+                float* v_scales, const at::Tensor& slots, int64_t block_size) {
+  const int64_t n = slots.size(0), kv_heads = k.size(1), dim = k.size(2), chunk = block_size * dim;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  int8_t* kc = k_cache.data_ptr<int8_t>();
+  int8_t* vc = v_cache.data_ptr<int8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = sp[i] / block_size, t = sp[i] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (block * kv_heads + h);
+      k_scales[at * block_size + t] =
+          quantize_row(kp + i * k.stride(0) + h * k.stride(1), dim, kc + at * chunk + t, block_size);
+      v_scales[at * block_size + t] = quantize_row(vp + i * v.stride(0) + h * v.stride(1), dim, vc + at * chunk + t * dim, 1);
+    }
   }
 }
 
@@ -314,16 +396,27 @@ void write(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Te
 // The first slots.size(0) rows of k and v [T, kv_heads, D] (the last dim contiguous) into the
 // caches at flat slots (block_id * block_size + offset), int64.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
               const at::Tensor& slots, int64_t block_size) {
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(),
               "k and v must be [T, kv_heads, D]");
-  check_cache(k_cache, v_cache, block_size, k.size(2));
+  check_cache(k_cache, v_cache, block_size, k.size(2), k_scale, v_scale);
   TORCH_CHECK(k.size(1) == k_cache.size(1), "k does not match the cache's KV heads");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
-              "k, v and the caches must share a dtype");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && (int8 || k.scalar_type() == k_cache.scalar_type()),
+              "k, v and the caches must share a dtype (or the caches be int8)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) <= k.size(0),
               "slots must be int64, one per real token");
-  if (k.scalar_type() == at::kFloat) {
+  if (int8) {
+    float* ks = k_scale->data_ptr<float>();
+    float* vs = v_scale->data_ptr<float>();
+    if (k.scalar_type() == at::kFloat)
+      write_int8<float>(k, v, k_cache, v_cache, ks, vs, slots, block_size);
+    else if (k.scalar_type() == at::kBFloat16)
+      write_int8<c10::BFloat16>(k, v, k_cache, v_cache, ks, vs, slots, block_size);
+    else
+      TORCH_CHECK(false, "write_kv: float32 and bfloat16 only");
+  } else if (k.scalar_type() == at::kFloat) {
     write<float>(k, v, k_cache, v_cache, slots, block_size);
   } else if (k.scalar_type() == at::kBFloat16) {
     write<c10::BFloat16>(k, v, k_cache, v_cache, slots, block_size);
@@ -336,9 +429,12 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def(
-      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+      "Tensor block_tables, "
       "Tensor seq_lens, Tensor query_starts, Tensor query_lens, int block_size, float scale, int? window) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &tokenmill::paged_attention);
-  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int block_size) -> ()");
+  m.def(
+      "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, "
+      "Tensor slots, int block_size) -> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &tokenmill::write_kv);
 }

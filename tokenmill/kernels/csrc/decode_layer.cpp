@@ -24,6 +24,8 @@ enum Kind : int64_t {
   W8A8 = 3,       // int8 weights and activations (linear_int8.cpp): weight = q, scales [N], wsums [N]
   INT4PACK = 4,   // torch's CPU int4 kernel: weight = packed, scales = [K / group, N, 2] in bfloat16
   INT4 = 5,       // int4 (linear_int4.cpp): weight = packed [N, K / 2], scales and mins (in wsums) [N, K / group]
+  INT8_TILED = 6, // as INT8 and W8A8, 4 weight rows x 4 x rows at a time
+  W8A8_TILED = 7,
 };
 
 // One projection's tensors and kernel.
@@ -50,10 +52,10 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
   at::Tensor out = at::empty({x.size(0), p.weight.size(0)}, x.options());  // (int4: packed is [N, K / 2])
   if (p.kind == NATIVE)
     tokenmill::linear(out, x, p.weight, p.bias);
-  else if (p.kind == INT8)
-    tokenmill::linear_int8(out, x, p.weight, *p.scales, p.group, p.bias);
-  else if (p.kind == W8A8)
-    tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias);
+  else if (p.kind == INT8 || p.kind == INT8_TILED)
+    tokenmill::linear_int8(out, x, p.weight, *p.scales, p.group, p.bias, p.kind == INT8_TILED);
+  else if (p.kind == W8A8 || p.kind == W8A8_TILED)
+    tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias, p.kind == W8A8_TILED);
   else if (p.kind == INT4)
     tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias);
   else
@@ -69,7 +71,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     at::Tensor x, const c10::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const Projection (&proj)[4], int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-    at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    at::Tensor v_cache, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t block_size, double scale,
     std::optional<int64_t> window) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer: x must be contiguous [T, hidden]");
@@ -90,9 +93,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   tokenmill::rotary(qk, positions, cos, sin);
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-  tokenmill::write_kv(k, v, k_cache, v_cache, slots, block_size);
+  tokenmill::write_kv(k, v, k_cache, v_cache, k_scale, v_scale, slots, block_size);
   at::Tensor attn = at::empty({tokens, num_heads, head_dim}, x.options());
-  tokenmill::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens, block_size,
+  tokenmill::paged_attention(attn, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_starts, query_lens, block_size,
                              scale, window);
   at::Tensor o = project(attn.view({tokens, q_size}), proj[1]);
   tokenmill::add_rms_norm(o, residual, post_norm, eps);  // residual += o; o = norm(residual)
@@ -104,14 +107,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
 // Every decoder layer of the model for one step: decode_layer for layer i with its
 // tensors at i (norms: input and post-attention norm of each layer in turn; weights, biases, scales,
-// wsums: qkv, o, gate_up, down of each layer; caches: K and V of each layer). `kinds` and `groups`: each
+// wsums: qkv, o, gate_up, down of each layer; caches: K and V of each layer; cache_scales: their
+// scales, for an int8 cache). `kinds` and `groups`: each
 // projection's kernel and group size, the same in every layer. Returns as decode_layer does after the
 // last layer. What it saves over a call a layer is the Python between them (~60-90 us a layer on the
 // 2-core machines: module attribute lookups and the boxing of ~30 arguments).
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::Tensor x, at::TensorList norms, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
     const c10::List<c10::optional<at::Tensor>>& scales, const c10::List<c10::optional<at::Tensor>>& wsums,
-    at::TensorList caches, double eps, c10::List<int64_t> kinds, c10::List<int64_t> groups, int64_t num_heads,
+    at::TensorList caches, const c10::List<c10::optional<at::Tensor>>& cache_scales, double eps, c10::List<int64_t> kinds, c10::List<int64_t> groups, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t block_size, double scale,
@@ -119,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   const int64_t layers = static_cast<int64_t>(windows.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(caches.size()) == 2 * layers &&
                   static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
-                  static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(wsums.size()) == 4 * layers,
+                  static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(wsums.size()) == 4 * layers &&
+                  static_cast<int64_t>(cache_scales.size()) == 2 * layers,
               "decode_stack: per layer 2 norms, 4 weights, biases, scales and wsums, 2 caches and a window");
   TORCH_CHECK(kinds.size() == 4 && groups.size() == 4, "decode_stack: one kind and group per projection");
   c10::optional<at::Tensor> residual;
@@ -139,7 +144,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     };
     const c10::optional<int64_t> window = windows.get(i);
     auto [out, res] = decode_layer(h, residual, norms[2 * i], norms[2 * i + 1], eps, proj, num_heads, num_kv_heads,
-                                   head_dim, positions, cos, sin, caches[2 * i], caches[2 * i + 1], slots,
+                                   head_dim, positions, cos, sin, caches[2 * i], caches[2 * i + 1],
+                                   cache_scales.get(2 * i), cache_scales.get(2 * i + 1), slots,
                                    block_tables, seq_lens, query_starts, query_lens, block_size, scale,
                                    window.has_value() ? std::optional<int64_t>(*window) : std::nullopt);
     h = std::move(out);
@@ -154,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def(
       "decode_stack(Tensor(a!) x, Tensor[] norms, Tensor[] weights, Tensor?[] biases, Tensor?[] scales, "
-      "Tensor?[] wsums, Tensor(b!)[] caches, float eps, int[] kinds, int[] groups, int num_heads, int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor?[] wsums, Tensor(b!)[] caches, Tensor?[] cache_scales, float eps, int[] kinds, int[] groups, int num_heads, int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor slots, Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, int block_size, "
       "float scale, int?[] windows) -> (Tensor, Tensor)");
   m.impl("decode_stack", c10::DispatchKey::CPU, &decode_stack);

@@ -10,7 +10,9 @@
 // y = dot * xs[m] * scales[n]. `quantize_rows` is that activation quantization alone, for torch's
 // integer GEMM on prompt chunks.
 // Both walk one weight row at a time against every x row (up to 8 in registers; more rows: 8 at a
-// time), each thread a contiguous range of rows: one sequential stream of weights a thread.
+// time), each thread a contiguous range of rows: one sequential stream of weights a thread; or, with
+// `tiled` (per channel), 4 weight rows against 4 x rows at a time, for batches (which the caller's
+// plan picks by timing).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -109,9 +111,42 @@ inline void int8_row(const int8_t* q, const float* scales, int64_t group, int64_
   }
 }
 
+// Several x rows, per channel, K a multiple of the vector: TR weight rows x MM x rows at once, so each
+// weight vector loaded meets MM x vectors and each x vector TR weight vectors (the row-at-a-time
+// loop above loads MM x vectors for every weight vector: at 8 rows it reads more x than weights).
+// sums[r * MAX_ROWS + m] for weight row r (of q, row stride K) and x row m.
+constexpr int TR = 4;  // weight rows a tile
+
+template <int MM>
+inline void int8_tile(const int8_t* q, int64_t K, const float* scales, const int16_t* x, float* sums) {
+  constexpr int W = I16::W;
+  float tot[TR][MM] = {};
+  for (int64_t k = 0; k < K; k += CHUNK) {
+    const int64_t k_end = std::min(K, k + CHUNK);
+    typename I16::V acc[TR][MM];
+    for (int r = 0; r < TR; ++r)
+      for (int m = 0; m < MM; ++m) acc[r][m] = I16::zero();
+    for (int64_t j = k; j < k_end; j += W) {
+      typename I16::V w[TR];
+      for (int r = 0; r < TR; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + r * K + j + TM_I8_PREFETCH), TM_I8_HINT);
+        w[r] = I16::load_w(q + r * K + j);
+      }
+      for (int m = 0; m < MM; ++m) {
+        const typename I16::V xv = I16::load_x(x + m * K + j);
+        for (int r = 0; r < TR; ++r) acc[r][m] = I16::dot(acc[r][m], w[r], xv);
+      }
+    }
+    for (int r = 0; r < TR; ++r)
+      for (int m = 0; m < MM; ++m) tot[r][m] += I16::sum(I16::scaled(acc[r][m], 1.f, I16::fzero()));
+  }
+  for (int r = 0; r < TR; ++r)
+    for (int m = 0; m < MM; ++m) sums[r * MAX_ROWS + m] = tot[r][m] * scales[r];
+}
+
 template <typename T>
 void int8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& q, const at::Tensor& scales,
-               int64_t group, const T* bias) {
+               int64_t group, const T* bias, bool tiled) {
   const int64_t N = q.size(0), K = q.size(1), G = scales.size(1);
   std::vector<int16_t> x16(M * K);
   std::vector<float> xs(M);
@@ -121,6 +156,38 @@ void int8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   T* y = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);  // ~128 KB of weights a thread at least
+  if (tiled && group == K && K % I16::W == 0) {
+    at::parallel_for(0, (N + TR - 1) / TR, std::max<int64_t>(1, grain / TR), [&](int64_t begin, int64_t end) {
+      float sums[TR * MAX_ROWS];
+      const int64_t n_end = std::min(N, end * TR);
+      for (int64_t n = begin * TR; n < n_end; n += TR) {
+        if (n + TR > n_end) {  // the last rows short of a tile: one at a time
+          for (int64_t r = n; r < n_end; ++r)
+            for (int64_t m0 = 0; m0 < M; ++m0) {
+              int8_row<1>(qp + r * K, sp + r, K, K, x16.data() + m0 * K, sums);
+              y[m0 * y_row + r] = from_float<T>(sums[0] * xs[m0] + (bias ? static_cast<float>(bias[r]) : 0.f));
+            }
+          break;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int64_t mm = std::min<int64_t>(4, M - m0);
+          const int16_t* xm = x16.data() + m0 * K;
+          switch (mm) {
+            case 1: int8_tile<1>(qp + n * K, K, sp + n, xm, sums); break;
+            case 2: int8_tile<2>(qp + n * K, K, sp + n, xm, sums); break;
+            case 3: int8_tile<3>(qp + n * K, K, sp + n, xm, sums); break;
+            default: int8_tile<4>(qp + n * K, K, sp + n, xm, sums); break;
+          }
+          for (int r = 0; r < TR; ++r) {
+            const float b = bias ? static_cast<float>(bias[n + r]) : 0.f;
+            for (int64_t m = 0; m < mm; ++m)
+              y[(m0 + m) * y_row + n + r] = from_float<T>(sums[r * MAX_ROWS + m] * xs[m0 + m] + b);
+          }
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float sums[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
@@ -222,9 +289,32 @@ inline void w8a8_row(const int8_t* q, int64_t K, const int8_t* xq, const uint8_t
   for (int m = 0; m < MM; ++m) dots[m] = acc_s[m];
 }
 
+#if defined(__AVX512VNNI__)
+// TR weight rows x MM x rows at once (as int8_tile), K a multiple of 64: dots[r * MAX_ROWS + m].
+template <int MM>
+inline void w8a8_tile(const int8_t* q, int64_t K, const uint8_t* xu, const int32_t* wsums, int32_t* dots) {
+  __m512i acc[TR][MM];
+  for (int r = 0; r < TR; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i w[TR];
+    for (int r = 0; r < TR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + TM_I8_PREFETCH), TM_I8_HINT);
+      w[r] = _mm512_loadu_si512(q + r * K + k);
+    }
+    for (int m = 0; m < MM; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xu + m * K + k);
+      for (int r = 0; r < TR; ++r) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv, w[r]);
+    }
+  }
+  for (int r = 0; r < TR; ++r)
+    for (int m = 0; m < MM; ++m) dots[r * MAX_ROWS + m] = _mm512_reduce_add_epi32(acc[r][m]) - 128 * wsums[r];
+}
+#endif
+
 template <typename T>
 void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& q, const at::Tensor& scales,
-               const at::Tensor& wsums, const T* bias) {
+               const at::Tensor& wsums, const T* bias, bool tiled) {
   const int64_t N = q.size(0), K = q.size(1);
   std::vector<int8_t> xq(M * K);
   std::vector<uint8_t> xu(M * K);
@@ -242,6 +332,34 @@ void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   T* y = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);
+#if defined(__AVX512VNNI__)
+  if (tiled && K % 64 == 0 && N % TR == 0) {
+    at::parallel_for(0, N / TR, std::max<int64_t>(1, grain / TR), [&](int64_t begin, int64_t end) {
+      int32_t dots[TR * MAX_ROWS];
+      for (int64_t n = begin * TR; n < end * TR; n += TR) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int64_t mm = std::min<int64_t>(4, M - m0);
+          const uint8_t* xm = xu.data() + m0 * K;
+          switch (mm) {
+            case 1: w8a8_tile<1>(qp + n * K, K, xm, ws + n, dots); break;
+            case 2: w8a8_tile<2>(qp + n * K, K, xm, ws + n, dots); break;
+            case 3: w8a8_tile<3>(qp + n * K, K, xm, ws + n, dots); break;
+            default: w8a8_tile<4>(qp + n * K, K, xm, ws + n, dots); break;
+          }
+          for (int r = 0; r < TR; ++r) {
+            const float b = bias ? static_cast<float>(bias[n + r]) : 0.f;
+            for (int64_t m = 0; m < mm; ++m)
+              y[(m0 + m) * y_row + n + r] =
+                  from_float<T>(static_cast<float>(dots[r * MAX_ROWS + m]) * xs[m0 + m] * sp[n + r] + b);
+          }
+        }
+      }
+    });
+    return;
+  }
+#else
+  (void)tiled;
+#endif
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     int32_t dots[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
@@ -288,7 +406,7 @@ namespace tokenmill {
 
 // out [M, N] = x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K], scales float32 [N, K / group].
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
-                 const c10::optional<at::Tensor>& bias) {
+                 const c10::optional<at::Tensor>& bias, bool tiled) {
   check_common(out, x, q, bias, "linear_int8");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group == K || (group >= 32 && (group & (group - 1)) == 0 && K % group == 0),
@@ -298,15 +416,16 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
               "linear_int8: scales must be contiguous float32 [N, K / group]");
   if (x.scalar_type() == at::kFloat)
     int8_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, q, scales, group,
-                     bias ? bias->data_ptr<float>() : nullptr);
+                     bias ? bias->data_ptr<float>() : nullptr, tiled);
   else
-    int8_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, q, scales, group, bias ? bias->data_ptr<bf16>() : nullptr);
+    int8_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, q, scales, group, bias ? bias->data_ptr<bf16>() : nullptr,
+                    tiled);
 }
 
 // out [M, N] = dynamic int8 x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K] (|q| <= 127), scales
 // float32 [N], wsums int32 [N] (each row's sum of q).
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias) {
+                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, bool tiled) {
   check_common(out, x, q, bias, "linear_w8a8");
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
                   scales.size(0) == q.size(0),
@@ -316,10 +435,10 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
               "linear_w8a8: wsums must be contiguous int32 [N]");
   if (x.scalar_type() == at::kFloat)
     w8a8_impl<float>(out, x.data_ptr<float>(), x.stride(0), x.size(0), q, scales, wsums,
-                     bias ? bias->data_ptr<float>() : nullptr);
+                     bias ? bias->data_ptr<float>() : nullptr, tiled);
   else
     w8a8_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), x.size(0), q, scales, wsums,
-                    bias ? bias->data_ptr<bf16>() : nullptr);
+                    bias ? bias->data_ptr<bf16>() : nullptr, tiled);
 }
 
 // (xq int8 [M, K], xs float32 [M]): x [M, K] (float32 or bfloat16) quantized per row, symmetric.
@@ -339,9 +458,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, int group, Tensor? bias) -> ()");
+  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, int group, Tensor? bias, bool tiled) -> ()");
   m.impl("linear_int8", c10::DispatchKey::CPU, &tokenmill::linear_int8);
-  m.def("linear_w8a8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor wsums, Tensor? bias) -> ()");
+  m.def(
+      "linear_w8a8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor wsums, Tensor? bias, bool tiled) -> ()");
   m.impl("linear_w8a8", c10::DispatchKey::CPU, &tokenmill::linear_w8a8);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.impl("quantize_rows", c10::DispatchKey::CPU, &tokenmill::quantize_rows);

@@ -11,9 +11,11 @@
 namespace tokenmill {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
               const at::Tensor& slots, int64_t block_size);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
@@ -22,10 +24,10 @@ void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, co
 void argmax_rows(at::Tensor out, const at::Tensor& x);
 void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
-                 const c10::optional<at::Tensor>& bias);
+                 const c10::optional<at::Tensor>& bias, bool tiled);
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias);
+                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, bool tiled);
 
 }  // namespace tokenmill

@@ -50,6 +50,9 @@ class CpuPagedBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size * head_dim)
 
+    def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size)  # beside each (block, KV head) chunk, a scale a token
+
     def build_metadata(
         self,
         query_lens: list[int],
@@ -110,14 +113,15 @@ class CpuPagedBackend:
     ) -> torch.Tensor:  # [T, heads, D]
         md = metadata
         n = md.num_actual_tokens
-        self.ops.write_kv(k, v, cache.k, cache.v, md.slot_mapping, md.block_size)  # the real tokens only
+        # the real tokens only
+        self.ops.write_kv(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, md.slot_mapping, md.block_size)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if out.shape[0] > n:
             out[n:] = 0  # padding rows
         if md.seq_lens.numel():
             self.ops.paged_attention(
-                out, q, cache.k, cache.v, md.block_tables, md.seq_lens, md.query_starts, md.query_lens,
-                md.block_size, scale, sliding_window,
+                out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, md.block_tables, md.seq_lens,
+                md.query_starts, md.query_lens, md.block_size, scale, sliding_window,
             )  # fmt: skip
         gather = partial(self._gather, cache, block_size=md.block_size, kv_heads=k.shape[1], dim=k.shape[2])
         attend_chunks(out, q, k, v, md.prefills, gather, scale, sliding_window)
@@ -130,4 +134,7 @@ class CpuPagedBackend:
         blocks = seq.block_table.numel()
         k = cache.k.index_select(0, seq.block_table).view(blocks, kv_heads, dim, block_size).permute(0, 3, 1, 2)
         v = cache.v.index_select(0, seq.block_table).view(blocks, kv_heads, block_size, dim).transpose(1, 2)
+        if cache.k_scale is not None and cache.v_scale is not None:  # int8: scaled per token [blocks, bs, kv_heads]
+            k = k.float() * cache.k_scale.index_select(0, seq.block_table).transpose(1, 2)[..., None]
+            v = v.float() * cache.v_scale.index_select(0, seq.block_table).transpose(1, 2)[..., None]
         return k.reshape(-1, kv_heads, dim)[: seq.seq_len], v.reshape(-1, kv_heads, dim)[: seq.seq_len]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import KVCache, check_batch
+from tokenmill.layers.attention import KVCache, check_batch, quantize_kv
 
 # Decodes are attended in groups of this many sequences of similar context length: a few more
 # kernel calls, in exchange for not padding every context to the longest one in the step.
@@ -70,6 +70,9 @@ class TorchReferenceBackend:
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads)
 
     def build_metadata(
         self,
@@ -118,8 +121,14 @@ class TorchReferenceBackend:
         n = md.num_actual_tokens
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         # Write only the real tokens: padding never touches the cache.
-        cache.k.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k[:n])
-        cache.v.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v[:n])
+        if cache.k_scale is not None and cache.v_scale is not None:  # int8: values and per-token scales
+            for values, scales, x in ((cache.k, cache.k_scale, k[:n]), (cache.v, cache.v_scale, v[:n])):
+                q8, s = quantize_kv(x)
+                values.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, q8)
+                scales.view(-1, num_kv_heads).index_copy_(0, md.slot_mapping, s)
+        else:
+            cache.k.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k[:n])
+            cache.v.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v[:n])
 
         out = q.new_zeros(q.shape)  # [T, heads, D]; padding rows stay zero
         for group in md.decode_groups:
@@ -138,8 +147,8 @@ class TorchReferenceBackend:
         num_seqs, _, head_dim = q.shape
         ctx = group.max_seq_len
         blocks = group.block_tables.flatten()
-        keys = cache.k.index_select(0, blocks).view(num_seqs, -1, cache.k.shape[2], head_dim)[:, :ctx]
-        values = cache.v.index_select(0, blocks).view(num_seqs, -1, cache.v.shape[2], head_dim)[:, :ctx]
+        keys = _read(cache.k, cache.k_scale, blocks).view(num_seqs, -1, cache.k.shape[2], head_dim)[:, :ctx]
+        values = _read(cache.v, cache.v_scale, blocks).view(num_seqs, -1, cache.v.shape[2], head_dim)[:, :ctx]
         key_pos = torch.arange(ctx, device=q.device)
         lens = group.seq_lens[:, None]  # [G, 1]; the query sits at position len - 1
         mask = key_pos < lens  # [G, ctx]
@@ -175,10 +184,16 @@ def _decode_group(
     )
 
 
+def _read(values: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks [len(blocks), block_size, kv_heads, D]; an int8 cache's dequantized (float32)."""
+    picked = values.index_select(0, blocks)
+    return picked if scales is None else picked.float() * scales.index_select(0, blocks)[..., None]
+
+
 def _gather(cache: KVCache, seq: PrefillSequence) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's keys and values [seq_len, kv_heads, D] from the reference layout."""
-    keys = cache.k.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]
-    values = cache.v.index_select(0, seq.block_table).flatten(0, 1)[: seq.seq_len]
+    keys = _read(cache.k, cache.k_scale, seq.block_table).flatten(0, 1)[: seq.seq_len]
+    values = _read(cache.v, cache.v_scale, seq.block_table).flatten(0, 1)[: seq.seq_len]
     return keys, values
 
 

@@ -1,0 +1,125 @@
+"""Quantization benchmark: decode speed of int8, int4 and W8A8 against the unquantized model in this
+machine's fastest dtype, at batch 1, 8 and 32, and the quality each costs.
+
+Speed, per model (the `small` peer model, and SmolLM2-135M-Instruct where `make serve` set it up):
+`tokenmill bench offline --compare quantization=none quantization=int8 quantization=int4
+quantization=w8a8`, the variants interleaved in each of 3 repeats, one dtype for all: the one
+`--dtype fastest` picks for the unquantized model on this CPU (measured at start, logged). Workload:
+`random`, 128-token prompts, 128 new tokens (EOS ignored), greedy, at concurrency 1 (4 requests),
+8 (16) and 32 (64). Reported per variant and concurrency: output tokens/s, TPOT and TTFT medians,
+and the ratios against `none` (median and spread of the repeats).
+Quality: `tokenmill eval-quant` of each method on the demo model (bfloat16, trained here) and on
+SmolLM2 (its weights are dequantized Q4_1 from the GGUF file: int4 in groups of 32 lands near that
+grid by construction), 16 windows of 512 held-out tokens.
+Writes benchmarks/results/quantization.json and prints the README's table.
+
+Usage: python benchmarks/quantization.py [--repeats 3] [--models small,smollm2] [--skip-quality]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS, ROOT, ensure_model
+from common import bench as run_bench
+
+METHODS = ("none", "int8", "int4", "w8a8")
+CONCURRENCY = {1: 4, 8: 16, 32: 64}  # concurrency -> requests
+SMOLLM2 = ROOT.parent / "models" / "smollm2-135m-instruct"
+DEMO = ROOT.parent / "models" / "tokenmill-demo"
+
+
+def fastest_dtype(model: Path) -> str:
+    """The dtype `--dtype fastest` picks for the unquantized model here (the engine's own measurement)."""
+    from tokenmill import LLM
+
+    llm = LLM(str(model), dtype="fastest", max_num_seqs=32)
+    return str(llm.engine.core.worker.dtype).removeprefix("torch.")
+
+
+def speed(model: Path, dtype: str, repeats: int, tag: str) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for conc, requests in CONCURRENCY.items():
+        out = RESULTS / "quantization" / f"{tag}_c{conc}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = run_bench(
+            "offline", str(model), "--workload", "random", "--num-requests", str(requests),
+            "--input-len", "128", "--output-len", "128", "--max-concurrency", str(conc), "--seed", "0",
+            "--compare", *(f"quantization={m}" for m in METHODS), "--repeats", str(repeats),
+            "--dtype", dtype, "--max-num-seqs", "32", "--no-progress", "--out", str(out),
+        )  # fmt: skip
+        a, g = result.aggregate, result.gains
+        rows[f"c{conc}"] = {
+            m: {
+                "output_tok_per_s": a[f"quantization={m}"]["output_throughput"],
+                "tpot_ms": a[f"quantization={m}"]["tpot.median"],
+                "ttft_ms": a[f"quantization={m}"]["ttft.median"],
+                **(
+                    {"over_none": g[f"quantization={m} over quantization=none"]["output_throughput"]}
+                    if m != "none"
+                    else {}
+                ),
+            }
+            for m in METHODS
+        }
+    return rows
+
+
+def quality(model: Path) -> dict[str, Any]:
+    from tokenmill.eval.quant_eval import evaluate
+    from tokenmill.layers.quantize import QuantSpec
+
+    out = {}
+    for method in METHODS[1:]:
+        report = evaluate(str(model), QuantSpec(method), "auto" if model == DEMO else "bfloat16", None, 16, 512)
+        print(report.render(), flush=True)
+        out[method] = report.to_json()
+    return out
+
+
+def median(stats: dict[str, Any]) -> float:
+    return float(stats["median"]) if isinstance(stats, dict) else float(stats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="small,smollm2")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "quantization.json"))
+    args = parser.parse_args()
+    models = {"small": ensure_model(), "smollm2": SMOLLM2}
+    result: dict[str, Any] = {"speed": {}, "quality": {}}
+    for name in args.models.split(","):
+        folder = models[name]
+        if not (folder / "config.json").is_file():
+            print(f"skipping {name}: {folder} is not set up (make serve fetches it)")
+            continue
+        dtype = fastest_dtype(folder)
+        print(f"{name}: --dtype fastest picks {dtype}", flush=True)
+        result["speed"][name] = {"dtype": dtype, "rows": speed(folder, dtype, args.repeats, name)}
+    if not args.skip_quality:
+        for name, folder in (("demo", DEMO), ("smollm2", SMOLLM2)):
+            if (folder / "config.json").is_file():
+                result["quality"][name] = quality(folder)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for name, entry in result["speed"].items():
+        print(f"\n{name} ({entry['dtype']}): output tok/s, and the ratio over none (median [min-max] of the repeats)")
+        for conc, row in entry["rows"].items():
+            cells = []
+            for m in METHODS:
+                cell_text = f"{m} {median(row[m]['output_tok_per_s']):.0f}"
+                if m != "none":
+                    r = row[m]["over_none"]
+                    cell_text += f" ({r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}])"
+                cells.append(cell_text)
+            tpot = ", ".join(f"{m} {median(row[m]['tpot_ms']):.2f}" for m in METHODS)
+            print(f"  {conc}: " + "; ".join(cells) + f"\n       TPOT ms: {tpot}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
