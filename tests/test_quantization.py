@@ -292,3 +292,19 @@ def test_eval_quant_reports_quality_and_memory(tiny_model_dir, tmp_path):
     assert '"top1_agreement"' in out.read_text()
     with pytest.raises(ValueError, match="fewer than one window of 4096"):
         evaluate(str(folder), QuantSpec("int8"), "float32", text, windows=1, length=4096)
+
+
+def test_the_default_kv_budget_grows_by_the_bytes_quantized_weights_free(tiny_model_dir):
+    from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY
+    from tokenmill.runner.kv_cache import kv_bytes_per_block
+
+    folder = str(tiny_model_dir("qwen2"))
+    dense = LLM(folder, max_model_len=128)
+    int4 = LLM(folder, max_model_len=128, quantization="int4")
+    model = int4.engine.core.worker.runner.model
+    freed = model.dense_weight_bytes() - model.weight_bytes()
+    assert model.dense_weight_bytes() == dense.engine.core.worker.runner.model.weight_bytes() and freed > 0
+    worker = int4.engine.core.worker
+    per_block = kv_bytes_per_block(worker.backend, model.config, worker.block_size, worker.kv_dtype)
+    assert worker.num_blocks == (DEFAULT_CPU_KV_CACHE_MEMORY + freed) // per_block
+    assert int4.stats().kv_tokens > dense.stats().kv_tokens

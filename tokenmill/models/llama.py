@@ -227,6 +227,16 @@ class LlamaForCausalLM(nn.Module):
                 total += module.quantized.nbytes  # type: ignore[attr-defined]
         return total
 
+    def dense_weight_bytes(self) -> int:
+        """Bytes the weights would take unquantized, in the model's dtype (a tied head once: the table)."""
+        element = self.embed_tokens.weight.element_size()
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for name, module in self.named_modules():
+            quantized = isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod)
+            if quantized and not (name == "lm_head" and self.config.tie_word_embeddings):
+                total += module.output_size * module.input_size * element
+        return total
+
     def fill_tied_head(self) -> None:
         """Copy the embedding table into a tied head that is a layer of its own (before it is quantized)."""
         if self.config.tie_word_embeddings and not self.head_from_table:

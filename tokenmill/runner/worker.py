@@ -98,7 +98,13 @@ class Worker:
         dtype = model.embed_tokens.weight.dtype
         ops = model.ops
         self.weight_bytes = model.weight_bytes()
-        logger.info("weights: %.1f MiB (%s, %s)", self.weight_bytes / 2**20, dtype, config.quantization)
+        logger.info(
+            "weights: %.1f MiB (%s, quantization %s; %.1f MiB unquantized)",
+            self.weight_bytes / 2**20,
+            dtype,
+            config.quantization,
+            model.dense_weight_bytes() / 2**20,
+        )
         self.model_config: ModelConfig = model.config
         self.dtype = dtype
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else dtype
@@ -109,9 +115,19 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._warm_up(model, config)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        # on CPU, the default budget grows by what quantized weights free (on a GPU the free memory measured
+        # after loading already counts it)
+        freed = max(0, model.dense_weight_bytes() - self.weight_bytes)
         budget = kv_cache_budget(
-            self.device, config.kv_cache_memory, DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, peak
+            self.device, config.kv_cache_memory, DEFAULT_CPU_KV_CACHE_MEMORY + freed, GPU_MEMORY_FRACTION, peak
         )
+        if freed and config.kv_cache_memory is None and self.device.type == "cpu":
+            logger.info(
+                "KV cache budget: the default %.1f MiB + the %.1f MiB %s weights free",
+                DEFAULT_CPU_KV_CACHE_MEMORY / 2**20,
+                freed / 2**20,
+                config.quantization,
+            )
         per_block = kv_bytes_per_block(self.backend, self.model_config, self.block_size, self.kv_dtype)
         self.num_blocks = budget // per_block
         if self.num_blocks * self.block_size < self.max_model_len:
