@@ -72,7 +72,7 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         self.backend = backend or model.layers[0].self_attn.backend
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         self.caches = allocate_kv_cache(
             self.backend, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
         )

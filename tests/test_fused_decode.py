@@ -35,7 +35,7 @@ def run_steps(model, backend, prompt_ids, steps, batch):
     """A prompt per sequence, then `steps` decode steps of `batch` sequences; hidden states of each."""
     cfg = model.config
     per_seq = -(-(len(prompt_ids) + steps + 1) // BLOCK)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     caches = allocate_kv_cache(backend, cfg.num_layers, batch * per_seq, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     n = len(prompt_ids)

@@ -158,8 +158,8 @@ def dequantized_twin(folder, quantized, dtype, backend):
 @pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False), ("mistral", False)])
 def test_an_int8_model_computes_what_its_dequantized_weights_do(tiny_model_dir, arch, tied):
     """Logits of a prompt and decode steps, quantized (every layer and the head, tied or not) against
-    the dense model holding the dequantized weights. A tied head is a quantized layer of its own while
-    lookups read the dense table: the twin keeps that table and applies the dequantized head apart."""
+    the dense model holding the dequantized weights. A tied head is a quantized layer of its own, and
+    lookups read its rows (the dense table is dropped): the twin's tied table is the dequantized head."""
     folder = tiny_model_dir(arch, tied)
     backend = get_attention_backend("cpu")
     method = get_quant_method(QuantSpec("int8"), KERNELS)
@@ -168,15 +168,12 @@ def test_an_int8_model_computes_what_its_dequantized_weights_do(tiny_model_dir, 
     assert model.weight_bytes() < load_model(folder, dtype="float32").weight_bytes()
     twin_backend = get_attention_backend("cpu")
     twin = dequantized_twin(folder, model, torch.float32, twin_backend)
-    if tied:
-        twin.embed_tokens.weight.data.copy_(model.embed_tokens.weight)
-        twin_head = dequantize_int8(model.lm_head.quantized, torch.float32)
+    assert not any(n.startswith("embed_tokens") for n, _ in model.named_parameters()) or not tied
     ids = list(range(3, 3 + 19))
     ours = run_steps(model, backend, ids, 3, 2)
     theirs = run_steps(twin, twin_backend, ids, 3, 2)
     for a, b in zip(ours, theirs, strict=True):
-        la = model.compute_logits(a)
-        lb = F.linear(b, twin_head) if tied else twin.compute_logits(b)
+        la, lb = model.compute_logits(a), twin.compute_logits(b)
         assert (la - lb).abs().max() / lb.abs().max() < 2e-3  # the activations' 16-bit fixed point
 
 
@@ -308,3 +305,21 @@ def test_the_default_kv_budget_grows_by_the_bytes_quantized_weights_free(tiny_mo
     per_block = kv_bytes_per_block(worker.backend, model.config, worker.block_size, worker.kv_dtype)
     assert worker.num_blocks == (DEFAULT_CPU_KV_CACHE_MEMORY + freed) // per_block
     assert int4.stats().kv_tokens > dense.stats().kv_tokens
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8g32", "int4", "int4pack"])
+def test_rows_of_a_quantized_head_are_its_dequantized_rows(fmt):
+    """What a tied embedding table reads once only its quantized head is kept."""
+    from tokenmill.layers.quantize import int4_rows, int4pack_rows, int8_rows
+
+    w = weights(128, 96)
+    ids = torch.tensor([0, 5, 63, 64, 127, 5])
+    if fmt.startswith("int8"):
+        q = quantize_int8(w, 32 if fmt == "int8g32" else 96)
+        assert torch.equal(int8_rows(q, ids), dequantize_int8(q, torch.float32)[ids])
+    elif fmt == "int4":
+        q4 = quantize_int4(w, 32)
+        assert torch.equal(int4_rows(q4, ids), dequantize_int4(q4, torch.float32)[ids])
+    else:
+        qp = quantize_int4pack(w, 32)
+        assert torch.equal(int4pack_rows(qp, ids), dequantize_int4pack(qp, torch.float32)[ids])

@@ -127,7 +127,7 @@ def _log_probs(loaded: Loaded, ids: torch.Tensor) -> torch.Tensor:  # [L] -> [L 
     cfg = model.config
     length = ids.shape[0]
     blocks = -(-length // BLOCK)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     caches = allocate_kv_cache(backend, cfg.num_layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype)
     md = backend.build_metadata([length], [length], [list(range(blocks))], BLOCK)
     hidden = model(ids, torch.arange(length), caches, md)
@@ -158,7 +158,7 @@ def evaluate(
         agree += int((lp_ref.argmax(-1) == lp_quant.argmax(-1)).sum())
         count += target.shape[0]
     dense, quantized = ref.model, quant.model
-    torch_dtype = dense.embed_tokens.weight.dtype
+    torch_dtype = dense.dtype
     kv_token = kv_bytes_per_block(ref.backend, dense.config, 1, torch_dtype)
     saved = dense.weight_bytes() - quantized.weight_bytes()
     return QuantEvalReport(

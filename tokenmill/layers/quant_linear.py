@@ -51,6 +51,9 @@ from tokenmill.layers.quantize import (
     dequantize_int4,
     dequantize_int4pack,
     dequantize_int8,
+    int4_rows,
+    int4pack_rows,
+    int8_rows,
     quantize_int4,
     quantize_int4pack,
     quantize_int8,
@@ -59,6 +62,20 @@ from tokenmill.layers.quantize import (
 logger = logging.getLogger("tokenmill")
 
 Kernel = Callable[[object, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (weight, x [M, K], bias) -> [M, N]
+
+
+class HeadRows(nn.Module):
+    """An embedding table read from a tied output projection's quantized weights (the dense table
+    dropped): each looked-up row dequantized."""
+
+    def __init__(self, head: LinearBase, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [head]  # not a submodule: the head stays where it is
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        head = self.head[0]
+        return cast(QuantizedLinearMethod, head.linear_method).rows(head, ids, self.dtype)
 
 
 class QuantizedLinearMethod(LinearMethod):
@@ -109,10 +126,14 @@ class QuantizedLinearMethod(LinearMethod):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], shape[0])
 
     @staticmethod
-    def weight_bytes(layer: LinearBase) -> int:
-        quantized = layer.quantized  # type: ignore[attr-defined]
-        bias = layer.bias
-        return cast(int, quantized.nbytes) + (bias.numel() * bias.element_size() if bias is not None else 0)
+    def rows(layer: LinearBase, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # ids [T] -> [T, in]
+        """Rows `ids` of the layer's weights, dequantized: a tied embedding table read from its head."""
+        w = layer.quantized  # type: ignore[attr-defined]
+        if isinstance(w, Int8Weight):
+            return int8_rows(w, ids).to(dtype)
+        if isinstance(w, Int4Weight):
+            return int4_rows(w, ids).to(dtype)
+        return int4pack_rows(cast(Int4PackWeight, w), ids).to(dtype)
 
 
 def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:

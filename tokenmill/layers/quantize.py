@@ -190,3 +190,30 @@ def dequantize_int4pack(w: Int4PackWeight, dtype: torch.dtype) -> torch.Tensor: 
     zero = w.scales_zeros[..., 1].t().float()
     g = (unpack_int4pack(w).float().reshape(n, k // w.group, w.group) - 8) * scale[..., None] + zero[..., None]
     return g.reshape(n, k).to(dtype)
+
+
+def int8_rows(w: Int8Weight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32
+    """Rows `ids` of the weights `w` stands for (a tied embedding table read from its quantized head)."""
+    k = w.q.shape[1]
+    rows = w.q.index_select(0, ids).float().view(-1, k // w.group, w.group)
+    return (rows * w.scales.index_select(0, ids)[..., None]).view(-1, k)
+
+
+def int4_rows(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32
+    picked = Int4Weight(
+        w.packed.index_select(0, ids), w.scales.index_select(0, ids), w.mins.index_select(0, ids), w.group
+    )
+    return dequantize_int4(picked, torch.float32)
+
+
+def int4pack_rows(w: Int4PackWeight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32
+    """Rows of torch's layout: row n is byte (n % 64) % 32 of its block's 32 per k, high nibble from 32."""
+    n, k = w.shape
+    blocks = w.packed.view(n // INT4_ROWS, k, INT4_ROWS // 2)
+    within = ids % INT4_ROWS
+    b = blocks[ids // INT4_ROWS, :, within % (INT4_ROWS // 2)].to(torch.int32)  # [T, K]
+    q = (b >> (4 * (within >= INT4_ROWS // 2).to(torch.int32))[:, None]) & 15
+    scale = w.scales_zeros[:, ids, 0].t().float()  # [T, K / group]
+    zero = w.scales_zeros[:, ids, 1].t().float()
+    g = (q.float().view(-1, k // w.group, w.group) - 8) * scale[..., None] + zero[..., None]
+    return g.view(-1, k)

@@ -30,7 +30,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
-from tokenmill.layers.quant_linear import QuantizedLinearMethod
+from tokenmill.layers.quant_linear import HeadRows, QuantizedLinearMethod
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 
@@ -169,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.dtype = dtype  # of the weights that are not quantized, and of the activations
         method = linear_method or UnquantizedLinearMethod()
         # products with dense weights outside a layer (a tied head, slices of the head): the same
         # method when it is a dense one (the CPU plan applies), plain torch otherwise
@@ -177,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: FusedDecode | None = None
         self.ops = ops = ops or TorchOps()
         table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
+        # the table, or (tied and quantized, once loaded: `finish_loading`) rows read from the quantized head
+        self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, method, dtype, ops) for i in range(cfg.num_layers))
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # a tied output projection is the embedding table itself, but for a quantized method: then the
@@ -229,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
 
     def dense_weight_bytes(self) -> int:
         """Bytes the weights would take unquantized, in the model's dtype (a tied head once: the table)."""
-        element = self.embed_tokens.weight.element_size()
+        element = torch.empty((), dtype=self.dtype).element_size()
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         for name, module in self.named_modules():
             quantized = isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod)
@@ -237,15 +239,21 @@ class LlamaForCausalLM(nn.Module):
                 total += module.output_size * module.input_size * element
         return total
 
+    def finish_loading(self) -> None:
+        """After the layers are quantized: a tied table whose head is a quantized layer of its own is
+        dropped, its lookups reading the head's rows (int8: a byte a weight instead of the dtype's)."""
+        if self.config.tie_word_embeddings and not self.head_from_table:
+            self.embed_tokens = HeadRows(self.lm_head, self.dtype)
+
     def fill_tied_head(self) -> None:
         """Copy the embedding table into a tied head that is a layer of its own (before it is quantized)."""
         if self.config.tie_word_embeddings and not self.head_from_table:
             weight = cast(nn.Parameter, self.lm_head.weight)
-            weight_loader_of(weight)(weight, self.embed_tokens.weight.data, None)
+            weight_loader_of(weight)(weight, cast(torch.Tensor, self.embed_tokens.weight).data, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         if self.head_from_table:
-            return self.dense.product(hidden, self.embed_tokens.weight).float()
+            return self.dense.product(hidden, cast(torch.Tensor, self.embed_tokens.weight)).float()
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
@@ -256,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         a single row's logits fit in one chunk). Ties go to the first index, as argmax. None when the
         head is not one dense matrix (a quantized lm_head): the caller computes logits then."""
         if self.head_from_table:
-            weight = self.embed_tokens.weight
+            weight = cast(torch.Tensor, self.embed_tokens.weight)
         elif isinstance(self.lm_head.linear_method, UnquantizedLinearMethod) and self.lm_head.bias is None:
             weight = self.lm_head.weight
         else:
@@ -277,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tied_head(self) -> torch.Tensor | None:
         """The embedding table when it doubles as the output projection (not a layer's weight)."""
-        return self.embed_tokens.weight if self.head_from_table else None
+        return cast(torch.Tensor, self.embed_tokens.weight) if self.head_from_table else None
 
     def checkpoint_map(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> the parameter (and shard of it) it fills. Derived from the

@@ -191,6 +191,7 @@ def load_model(
                 module.process_weights_after_loading()
             except ValueError as e:  # e.g. a quantization group size that does not divide this layer
                 raise ValueError(f"{name}: {e}") from None
+    model.finish_loading()
     model.init_rotary(device)
     model.requires_grad_(False)
     return model.eval()

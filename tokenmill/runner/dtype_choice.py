@@ -50,7 +50,7 @@ def probe_logits(model: LlamaForCausalLM, backend: AttentionBackend, ids: torch.
     cfg, n = model.config, ids.shape[0]
     blocks = -(-n // PROBE_BLOCK)
     device = ids.device
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     caches = allocate_kv_cache(
         backend, cfg.num_layers, blocks, PROBE_BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype, device
     )
@@ -93,7 +93,7 @@ def fastest_dtype(
     reference_model, reference_backend = models[torch.float32]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(reference_model.config.vocab_size, (PROBE_TOKENS,), generator=generator)
-    ids = ids.to(reference_model.embed_tokens.weight.device)
+    ids = ids.to(reference_model.norm.weight.device)
     reference = probe_logits(reference_model, reference_backend, ids)
     mean_kl: dict[str, float] = {}
     max_kl: dict[str, float] = {}

@@ -30,7 +30,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
-        self.device = model.embed_tokens.weight.device
+        self.device = model.norm.weight.device
         self.sampler = Sampler(model.ops.argmax)
         self.batch = InputBatch(64, model.config.vocab_size, self.device)
         # Greedy-only steps take their tokens from `model.greedy_tokens` (no logits kept) where the

@@ -64,7 +64,7 @@ def prepare_native(
         rows[(model.config.vocab_size, model.config.hidden_size)] = min(max_seqs, max_tokens)
         plan = tune_linear(method, shapes, rows, tuner)
         native = sorted(k for k, v in plan.items() if v == "cpu")
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         logger.info(
             "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
         )
@@ -73,7 +73,7 @@ def prepare_native(
         shapes = quantized_layers(model)
         rows = {shape: max_tokens for shape in shapes}
         rows[(model.config.vocab_size, model.config.hidden_size)] = min(max_seqs, max_tokens)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         plan = tune_quantized(quantized, shapes, rows, dtype, tuner)
         logger.info("%s linear layers (%s): %s", quantized.name, dtype, ", ".join(f"{k} {v}" for k, v in plan.items()))
     kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
@@ -95,7 +95,7 @@ class Worker:
         else:
             dtype = resolve_dtype(config.dtype, read_model_config(source))
             model, self.backend = self._build(config, source, dtype)
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         ops = model.ops
         self.weight_bytes = model.weight_bytes()
         logger.info(
