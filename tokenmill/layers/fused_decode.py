@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 # the kernel names of each method -> decode_layer.cpp's projection kinds
-TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED = 0, 1, 2, 3, 4, 5, 6, 7
+TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX = range(9)
 QUANTIZED_KINDS = {
     (Int8LinearMethod, "native"): INT8,
     (W8A8LinearMethod, "native"): W8A8,
@@ -40,6 +40,7 @@ QUANTIZED_KINDS = {
     (Int4LinearMethod, "native"): INT4,
     (Int8LinearMethod, "tiled"): INT8_TILED,
     (W8A8LinearMethod, "tiled"): W8A8_TILED,
+    (W8A8LinearMethod, "amx"): W8A8_AMX,
 }
 FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
 

@@ -12,8 +12,8 @@ a shape missing from the plan takes `default_kernel`):
   and not weight reads bound the product; the memory saving stays, the dense copy lives for the one
   product).
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
-  products, VNNI where the CPU has it), `tiled` (as int8's) or `int_mm` (torch's integer GEMM
-  `torch._int_mm` after the same per-row quantization).
+  products, VNNI where the CPU has it), `tiled` (as int8's), `amx` (AMX's int8 tiles, where the CPU
+  has them) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same per-row quantization).
 - `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout)
   or `dequant`; where the native kernels do not build, torch's layout and `int4pack` (torch's CPU
   int4 kernel, bfloat16 activations: float32 ones are rounded to bfloat16 for it, as its float32
@@ -188,15 +188,17 @@ class W8A8LinearMethod(QuantizedLinearMethod):
     def kernels(self) -> dict[str, Kernel]:
         out: dict[str, Kernel] = {"int_mm": self._int_mm}
         if self.ops is not None:
-            out["native"] = partial(self._native, tiled=False)
-            out["tiled"] = partial(self._native, tiled=True)
+            out["native"] = partial(self._native, mode=0)
+            out["tiled"] = partial(self._native, mode=1)
+            if self.ops.w8a8_amx_ready():  # AMX's int8 tiles, where this CPU has them and Linux grants them
+                out["amx"] = partial(self._native, mode=2)
         return out
 
-    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, tiled: bool) -> torch.Tensor:
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, mode: int) -> torch.Tensor:
         q = cast(Int8Weight, w)
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)
-        self.ops.linear_w8a8(out, x, q.q, q.scales.view(-1), q.wsums, bias, tiled)  # type: ignore[union-attr]
+        self.ops.linear_w8a8(out, x, q.q, q.scales.view(-1), q.wsums, bias, mode)  # type: ignore[union-attr]
         return out
 
     def _int_mm(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

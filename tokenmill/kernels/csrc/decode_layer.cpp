@@ -26,6 +26,7 @@ enum Kind : int64_t {
   INT4 = 5,       // int4 (linear_int4.cpp): weight = packed [N, K / 2], scales and mins (in wsums) [N, K / group]
   INT8_TILED = 6, // as INT8 and W8A8, 4 weight rows x 4 x rows at a time
   W8A8_TILED = 7,
+  W8A8_AMX = 8,   // W8A8 on AMX's int8 tiles
 };
 
 // One projection's tensors and kernel.
@@ -54,8 +55,9 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
     tokenmill::linear(out, x, p.weight, p.bias);
   else if (p.kind == INT8 || p.kind == INT8_TILED)
     tokenmill::linear_int8(out, x, p.weight, *p.scales, p.group, p.bias, p.kind == INT8_TILED);
-  else if (p.kind == W8A8 || p.kind == W8A8_TILED)
-    tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias, p.kind == W8A8_TILED);
+  else if (p.kind == W8A8 || p.kind == W8A8_TILED || p.kind == W8A8_AMX)
+    tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias,
+                           p.kind == W8A8 ? 0 : p.kind == W8A8_TILED ? 1 : 2);
   else if (p.kind == INT4)
     tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias);
   else

@@ -54,11 +54,12 @@ inline void configure(int m) {
   _tile_loadconfig(&cfg);
 }
 
-// out[p][n] (32-bit) = w[n * K + 2p .. 2p + 1] for 16 rows n and 16 pairs p: the tile layout of a
-// 16-row x 32-k block of bfloat16 weights, by a 16 x 16 transpose of 32-bit elements.
-inline void pack_block(const c10::BFloat16* w, int64_t K, uint32_t* out) {
+// out[p][n] (32-bit) = the p-th 32-bit element of row n (rows `row_bytes` apart) for 16 rows n and
+// 16 elements p: a 16 x 16 transpose of 32-bit elements, the tile layout AMX multiplies (a 16-row x
+// 32-k block of bfloat16 weights, k in pairs; or of int8 weights, 64 k in quads).
+inline void pack_rows(const char* w, int64_t row_bytes, uint32_t* out) {
   __m512i r[16], t[16];
-  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(w + n * K);
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(w + n * row_bytes);
   for (int i = 0; i < 16; i += 2) {  // 32-bit pairs of rows
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -80,6 +81,10 @@ inline void pack_block(const c10::BFloat16* w, int64_t K, uint32_t* out) {
     t[12 + q] = _mm512_shuffle_i32x4(b, d, 0xDD);  // lane 3
   }
   for (int p = 0; p < 16; ++p) _mm512_store_si512(out + p * 16, t[p]);
+}
+
+inline void pack_block(const c10::BFloat16* w, int64_t K, uint32_t* out) {
+  pack_rows(reinterpret_cast<const char*>(w), K * 2, out);
 }
 
 // y[m, n0:n0 + 32] for x rows [m0, m0 + m) (m <= 16), K a multiple of 32.
@@ -128,6 +133,75 @@ inline int64_t linear(const c10::BFloat16* x, int64_t x_row, int64_t M, const c1
   return blocks * NB;
 }
 
+
+#if defined(__AMX_INT8__)
+#define TM_AMX_INT8 1
+// W8A8 on AMX, any number of x rows: xq [M, K] int8 against q [N, K] int8 (K a multiple of 64),
+// int32 sums of each 32-row block (two accumulator tiles of 16 rows each) for up to 32 x rows at a
+// time (two x tiles), the weights turned into the tile layout as they are read (the 16 x 16
+// transpose of pack_rows, 64 k a row) once for those 32 x rows; tdpbssd (signed x signed, 64 products
+// a lane a step). out(m, n, sum) takes each sum. Returns N rounded down to whole blocks (the caller
+// computes the rest), 0 where the tiles are not granted.
+// tiles: 0, 1 sums of x rows 0-15 (weight halves 0, 1), 2, 3 of x rows 16-31, 4, 5 x, 6, 7 weights
+inline void configure_w8a8(int m0, int m1) {
+  TileConfig cfg;
+  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(m0), cfg.colsb[t] = 64;
+  if (m1 > 0)
+    for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(m1), cfg.colsb[t] = 64;
+  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+template <typename Out>
+inline int64_t linear_w8a8(const int8_t* xq, int64_t M, const int8_t* q, int64_t N, int64_t K, Out out) {
+  if (K % 64 != 0 || !enabled()) return 0;
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t packed[512];
+    alignas(64) int32_t sums[32 * NB];
+    int shape0 = 0, shape1 = -1;
+    for (int64_t p0 = 0; p0 < M; p0 += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, M - p0));
+      const int m0 = std::min(rows, 16), m1 = rows - m0;
+      if (m0 != shape0 || m1 != shape1) configure_w8a8(m0, m1), shape0 = m0, shape1 = m1;
+      const int8_t* x = xq + p0 * K;
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * NB;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (m1 > 0) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t k = 0; k < K; k += 64) {
+          pack_rows(reinterpret_cast<const char*>(q + n0 * K + k), K, packed);
+          pack_rows(reinterpret_cast<const char*>(q + (n0 + 16) * K + k), K, packed + 256);
+          _tile_loadd(6, packed, 64);
+          _tile_loadd(7, packed + 256, 64);
+          _tile_loadd(4, x + k, K);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          if (m1 > 0) {
+            _tile_loadd(5, x + 16 * K + k, K);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, sums, 128);
+        _tile_stored(1, sums + 16, 128);
+        if (m1 > 0) {
+          _tile_stored(2, sums + 16 * NB, 128);
+          _tile_stored(3, sums + 16 * NB + 16, 128);
+        }
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < NB; ++j) out(p0 + i, n0 + j, sums[i * NB + j]);
+      }
+    }
+    if (shape1 >= 0) _tile_release();
+  });
+  return blocks * NB;
+}
+#endif
 }  // namespace tm_amx
 
 #endif

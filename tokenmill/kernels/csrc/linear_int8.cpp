@@ -11,8 +11,8 @@
 // integer GEMM on prompt chunks.
 // Both walk one weight row at a time against every x row (up to 8 in registers; more rows: 8 at a
 // time), each thread a contiguous range of rows: one sequential stream of weights a thread; or, with
-// `tiled` (per channel), 4 weight rows against 4 x rows at a time, for batches (which the caller's
-// plan picks by timing).
+// `tiled` (per channel), 4 weight rows against 4 x rows at a time, for batches; W8A8 also on AMX's
+// int8 tiles (linear_amx.h) where the CPU has them (which loop runs: the caller's plan, by timing).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,6 +30,7 @@
 
 #include "convert.h"
 #include "int_dot.h"
+#include "linear_amx.h"
 
 namespace {
 
@@ -116,6 +117,8 @@ inline void int8_row(const int8_t* q, const float* scales, int64_t group, int64_
 // loop above loads MM x vectors for every weight vector: at 8 rows it reads more x than weights).
 // sums[r * MAX_ROWS + m] for weight row r (of q, row stride K) and x row m.
 constexpr int TR = 4;  // weight rows a tile
+// W8A8's loops: one weight row at a time, TR x 4 tiles, AMX tiles (where built and granted; else rows)
+enum Mode : int64_t { ROWS = 0, TILES = 1, AMX = 2 };
 
 template <int MM>
 inline void int8_tile(const int8_t* q, int64_t K, const float* scales, const int16_t* x, float* sums) {
@@ -314,7 +317,8 @@ inline void w8a8_tile(const int8_t* q, int64_t K, const uint8_t* xu, const int32
 
 template <typename T>
 void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& q, const at::Tensor& scales,
-               const at::Tensor& wsums, const T* bias, bool tiled) {
+               const at::Tensor& wsums, const T* bias, int64_t mode) {
+  const bool tiled = mode == TILES;
   const int64_t N = q.size(0), K = q.size(1);
   std::vector<int8_t> xq(M * K);
   std::vector<uint8_t> xu(M * K);
@@ -332,6 +336,15 @@ void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   T* y = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);
+  int64_t n_from = 0;  // rows below are done (by AMX)
+#if defined(TM_AMX_INT8)
+  if (mode == AMX) {
+    n_from = tm_amx::linear_w8a8(xq.data(), M, qp, N, K, [&](int64_t m, int64_t n, int32_t dot) {
+      y[m * y_row + n] = from_float<T>(static_cast<float>(dot) * xs[m] * sp[n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+    });
+    if (n_from == N) return;
+  }
+#endif
 #if defined(__AVX512VNNI__)
   if (tiled && K % 64 == 0 && N % TR == 0) {
     at::parallel_for(0, N / TR, std::max<int64_t>(1, grain / TR), [&](int64_t begin, int64_t end) {
@@ -360,7 +373,7 @@ void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
 #else
   (void)tiled;
 #endif
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(n_from, N, grain, [&](int64_t begin, int64_t end) {
     int32_t dots[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mm = std::min(MAX_ROWS, M - m0);
@@ -425,7 +438,8 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
 // out [M, N] = dynamic int8 x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K] (|q| <= 127), scales
 // float32 [N], wsums int32 [N] (each row's sum of q).
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, bool tiled) {
+                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, int64_t mode) {
+  TORCH_CHECK(mode == ROWS || mode == TILES || mode == AMX, "linear_w8a8: mode 0 (rows), 1 (tiles) or 2 (AMX)");
   check_common(out, x, q, bias, "linear_w8a8");
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
                   scales.size(0) == q.size(0),
@@ -435,10 +449,19 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
               "linear_w8a8: wsums must be contiguous int32 [N]");
   if (x.scalar_type() == at::kFloat)
     w8a8_impl<float>(out, x.data_ptr<float>(), x.stride(0), x.size(0), q, scales, wsums,
-                     bias ? bias->data_ptr<float>() : nullptr, tiled);
+                     bias ? bias->data_ptr<float>() : nullptr, mode);
   else
     w8a8_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), x.size(0), q, scales, wsums,
-                    bias ? bias->data_ptr<bf16>() : nullptr, tiled);
+                    bias ? bias->data_ptr<bf16>() : nullptr, mode);
+}
+
+// Whether linear_w8a8's AMX mode runs here: built for a CPU with AMX's int8 tiles, and granted by Linux.
+bool w8a8_amx_ready() {
+#if defined(TM_AMX_INT8)
+  return tm_amx::enabled();
+#else
+  return false;
+#endif
 }
 
 // (xq int8 [M, K], xs float32 [M]): x [M, K] (float32 or bfloat16) quantized per row, symmetric.
@@ -461,8 +484,9 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, int group, Tensor? bias, bool tiled) -> ()");
   m.impl("linear_int8", c10::DispatchKey::CPU, &tokenmill::linear_int8);
   m.def(
-      "linear_w8a8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor wsums, Tensor? bias, bool tiled) -> ()");
+      "linear_w8a8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor wsums, Tensor? bias, int mode) -> ()");
   m.impl("linear_w8a8", c10::DispatchKey::CPU, &tokenmill::linear_w8a8);
+  m.def("w8a8_amx_ready() -> bool", &tokenmill::w8a8_amx_ready);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.impl("quantize_rows", c10::DispatchKey::CPU, &tokenmill::quantize_rows);
 }

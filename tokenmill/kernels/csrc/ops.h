@@ -28,6 +28,6 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, bool tiled);
+                 const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, int64_t mode);
 
 }  // namespace tokenmill
