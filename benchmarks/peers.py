@@ -8,7 +8,9 @@ repeats, each after an unmeasured pass). tokenmill runs `tokenmill serve` with p
 This script needs the peers built first (`PEERS_DIR=DIR bash ../shared/peers/setup.sh`, 10-30 minutes);
 it runs bench.sh, reads its raw results, and writes one JSON with every row, the machine's CPU flags,
 and tokenmill's ratios at each concurrency to the peers of its precision (float32: llama.cpp f32,
-vLLM fp32, transformers fp32; bfloat16: llama.cpp f16, vLLM bf16, transformers bf16).
+vLLM fp32, transformers fp32; bfloat16: llama.cpp f16, vLLM bf16, transformers bf16), or, when the
+tokenmill arguments quantize (`--tm-args "--no-enable-prefix-caching --quantization int8
+--quantization-group-size 32"`), to llama.cpp's q8_0 GGUF of the same weights.
 
 Usage: python benchmarks/peers.py --peers-dir DIR [--engines "cpp_f32 cpp_f16 ..."] [--out FILE]
 """
@@ -37,6 +39,9 @@ PEERS_OF = {
     "tokenmill_fp32": ("cpp_f32", "vllm_fp32", "hf_fp32"),
     "tokenmill_bf16": ("cpp_f16", "vllm_bf16", "hf_bf16"),
 }
+# a quantized tokenmill (`--tm-args "... --quantization int8 --quantization-group-size 32"`: llama.cpp's
+# Q8_0 grid, one scale per 32 weights) against llama.cpp's q8_0 GGUF of the same weights
+QUANTIZED_PEERS_OF = {"tokenmill_fp32": ("cpp_q8_0",), "tokenmill_bf16": ("cpp_q8_0",)}
 
 
 def medians(row: dict[str, Any]) -> dict[int, dict[str, float]]:
@@ -80,7 +85,8 @@ def main() -> None:
     table = {name: medians(row) for name, row in rows.items()}
     flags = set(cpu_flags().split())
     ratios: dict[str, dict[str, Any]] = {}
-    for ours, peers_of in PEERS_OF.items():
+    quantized = "--quantization" in args.tm_args
+    for ours, peers_of in (QUANTIZED_PEERS_OF if quantized else PEERS_OF).items():
         if ours not in table:
             continue
         ratios[ours] = {

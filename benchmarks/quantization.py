@@ -43,7 +43,7 @@ def fastest_dtype(model: Path) -> str:
 def speed(model: Path, dtype: str, repeats: int, tag: str) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for conc, requests in CONCURRENCY.items():
-        out = RESULTS / "quantization" / f"{tag}_c{conc}.json"
+        out = RESULTS / "quantization" / f"{tag}_c{conc}.json"  # the raw runs (not in git: ~2 MB each)
         out.parent.mkdir(parents=True, exist_ok=True)
         result = run_bench(
             "offline", str(model), "--workload", "random", "--num-requests", str(requests),

@@ -127,7 +127,7 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
         for rows in (1, 3, 8, 11, 70):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             ref = reference(method, w, x, bias)
-            for kernel_name, kernel in method.kernels().items():
+            for kernel_name, kernel in method.kernels(dtype).items():
                 out = kernel(w, x, bias)
                 assert out.dtype == dtype and out.shape == (rows, n)
                 # float32: int8's 16-bit fixed-point activations (under 2^-15 of a row's largest value);
@@ -254,8 +254,8 @@ def test_without_native_kernels_the_torch_paths_run(tiny_model_dir, name):
     backend = get_attention_backend("torch")
     method = get_quant_method(QuantSpec(name), None)
     model = load_model(folder, dtype="float32", backend=backend, linear_method=method)
-    assert set(method.kernels()) == {"int8": {"dequant"}, "int4": {"int4pack", "dequant"}}[name]
-    assert set(get_quant_method(QuantSpec("w8a8"), None).kernels()) == {"int_mm"}
+    assert set(method.kernels(torch.float32)) == {"int8": {"dequant"}, "int4": {"int4pack", "dequant"}}[name]
+    assert set(get_quant_method(QuantSpec("w8a8"), None).kernels(torch.float32)) == {"int_mm"}
     twin_backend = get_attention_backend("torch")
     twin = dequantized_twin(folder, model, torch.float32, twin_backend)
     ids = list(range(7, 7 + 13))

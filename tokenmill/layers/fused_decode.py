@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 # the kernel names of each method -> decode_layer.cpp's projection kinds
-TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX = range(9)
+TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX = range(11)
 QUANTIZED_KINDS = {
     (Int8LinearMethod, "native"): INT8,
     (W8A8LinearMethod, "native"): W8A8,
@@ -41,6 +41,8 @@ QUANTIZED_KINDS = {
     (Int8LinearMethod, "tiled"): INT8_TILED,
     (W8A8LinearMethod, "tiled"): W8A8_TILED,
     (W8A8LinearMethod, "amx"): W8A8_AMX,
+    (Int8LinearMethod, "amx"): INT8_AMX,
+    (Int4LinearMethod, "amx"): INT4_AMX,
 }
 FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
 

@@ -2,23 +2,25 @@
 
 Each method loads the checkpoint's dense weight as `UnquantizedLinearMethod` does (same parameter,
 same weight loader), then quantizes it in `process_weights_after_loading` (layers/quantize.py) and
-drops the dense copy: the layer keeps `layer.quantized` (an `Int8Weight` or `Int4Weight`). A product
+drops the dense copy: the layer keeps `layer.quantized` (an `Int8Weight`, `Int4Weight` or
+`Int4PackWeight`). A product
 runs one of the method's kernels, chosen per weight shape and row count (`plan`, filled by
 `tune_quantized` from timings on the CPU at hand through the autotune cache, as the dense plan is;
 a shape missing from the plan takes `default_kernel`):
 - `int8` weight-only: `native` (kernels/csrc/linear_int8.cpp: few rows, the weights read once),
-  `tiled` (per channel: 4 weight rows x 4 input rows at a time, for batches) or `dequant` (the layer's
-  weights dequantized to the activations' dtype, then torch's GEMM: prompt chunks, where arithmetic
-  and not weight reads bound the product; the memory saving stays, the dense copy lives for the one
-  product).
+  `tiled` (per channel: 4 weight rows x 4 input rows at a time, for batches), `amx` (bfloat16
+  activations where the CPU has AMX: the weights widened to bfloat16 tiles as they are read) or
+  `dequant` (the layer's weights dequantized to the activations' dtype, then torch's GEMM: prompt
+  chunks, where arithmetic and not weight reads bound the product; the memory saving stays, the
+  dense copy lives for the one product).
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
   products, VNNI where the CPU has it), `tiled` (as int8's), `amx` (AMX's int8 tiles, where the CPU
   has them) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same per-row quantization).
-- `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout)
-  or `dequant`; where the native kernels do not build, torch's layout and `int4pack` (torch's CPU
-  int4 kernel, bfloat16 activations: float32 ones are rounded to bfloat16 for it, as its float32
-  path runs 25x slower: 30.8 against 1.15 ms for the peer model's products at one row on the AMX
-  machine) or `dequant`.
+- `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout),
+  `amx` (as int8's, each group dequantized to bfloat16 as it is read) or `dequant`; where the native
+  kernels do not build, torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
+  activations: float32 ones are rounded to bfloat16 for it, as its float32 path runs 25x slower:
+  30.8 against 1.15 ms for the peer model's products at one row on the AMX machine) or `dequant`.
 torchao 0.18 (the release for torch 2.13) was measured first, on the peer model's products on the
 AMX machine (bfloat16, 1 / 4 / 32 rows): its Int8WeightOnlyConfig took 9.9 / 11.2 / 11.4 ms,
 Int8DynamicActivationInt8WeightConfig 8.6 / 9.2 / 14.9, against 4.4 / 4.1 / 5.6 for the dense
@@ -89,6 +91,7 @@ class QuantizedLinearMethod(LinearMethod):
         self.spec = spec
         self.ops = kernels.ops if kernels is not None else None
         self.plan: dict[Shape, tuple[str, ...]] = {}  # (out, in) -> kernel name by row count (index 0: none)
+        self._kernels: dict[torch.dtype, dict[str, Kernel]] = {}
 
     # --- loading ---
     def create_weights(
@@ -111,9 +114,18 @@ class QuantizedLinearMethod(LinearMethod):
         raise NotImplementedError
 
     # --- products ---
-    def kernels(self) -> dict[str, Kernel]:
-        """The kernels this method can run here, by name."""
+    def kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
+        """The kernels this method can run here for activations of `dtype`, by name."""
+        if dtype not in self._kernels:
+            self._kernels[dtype] = self.make_kernels(dtype)
+        return self._kernels[dtype]
+
+    def make_kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
         raise NotImplementedError
+
+    def amx_bf16(self, dtype: torch.dtype) -> bool:
+        """Whether the AMX bfloat16-tile kernels run: bfloat16 activations, tiles built and granted."""
+        return dtype == torch.bfloat16 and self.ops is not None and bool(self.ops.amx_bf16_ready())
 
     def kernel_for(self, shape: Shape, rows: int) -> str:
         plan = self.plan.get(shape)
@@ -122,7 +134,8 @@ class QuantizedLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = (layer.output_size, layer.input_size)
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        out = self.kernels()[self.kernel_for(shape, rows.shape[0])](layer.quantized, rows, bias)  # type: ignore[attr-defined]
+        kernel = self.kernels(x.dtype)[self.kernel_for(shape, rows.shape[0])]
+        out = kernel(layer.quantized, rows, bias)  # type: ignore[attr-defined]
         return out if x.dim() == 2 else out.view(*x.shape[:-1], shape[0])
 
     @staticmethod
@@ -152,19 +165,21 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def quantize(self, weight: torch.Tensor, group: int) -> Int8Weight:
         return quantize_int8(weight, group)
 
-    def kernels(self) -> dict[str, Kernel]:
+    def make_kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
         out: dict[str, Kernel] = {"dequant": self._dequant}
         if self.ops is not None:
-            out["native"] = partial(self._native, tiled=False)
+            out["native"] = partial(self._native, mode=0)
             if self.spec.group_size is None:  # per channel: the tiled loop too
-                out["tiled"] = partial(self._native, tiled=True)
+                out["tiled"] = partial(self._native, mode=1)
+            if self.amx_bf16(dtype):
+                out["amx"] = partial(self._native, mode=2)
         return out
 
-    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, tiled: bool) -> torch.Tensor:
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, mode: int) -> torch.Tensor:
         q = cast(Int8Weight, w)
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)  # [M, N]
-        self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias, tiled)  # type: ignore[union-attr]
+        self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias, mode)  # type: ignore[union-attr]
         return out
 
     @staticmethod
@@ -185,7 +200,7 @@ class W8A8LinearMethod(QuantizedLinearMethod):
     def quantize(self, weight: torch.Tensor, group: int) -> Int8Weight:
         return quantize_int8(weight, group)  # group: the input width (choose_group refuses others)
 
-    def kernels(self) -> dict[str, Kernel]:
+    def make_kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
         out: dict[str, Kernel] = {"int_mm": self._int_mm}
         if self.ops is not None:
             out["native"] = partial(self._native, mode=0)
@@ -233,16 +248,19 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def quantize(self, weight: torch.Tensor, group: int) -> Int4Weight | Int4PackWeight:
         return quantize_int4(weight, group) if self.ops is not None else quantize_int4pack(weight, group)
 
-    def kernels(self) -> dict[str, Kernel]:
-        if self.ops is not None:
-            return {"native": self._native, "dequant": self._dequant}
-        return {"int4pack": self._int4pack, "dequant": self._dequant}
+    def make_kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
+        if self.ops is None:
+            return {"int4pack": self._int4pack, "dequant": self._dequant}
+        out: dict[str, Kernel] = {"native": partial(self._native, amx=False), "dequant": self._dequant}
+        if self.amx_bf16(dtype):
+            out["amx"] = partial(self._native, amx=True)
+        return out
 
-    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, amx: bool) -> torch.Tensor:
         q = cast(Int4Weight, w)
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.packed.shape[0], dtype=x.dtype)
-        self.ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias)  # type: ignore[union-attr]
+        self.ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias, amx)  # type: ignore[union-attr]
         return out
 
     @staticmethod
@@ -304,7 +322,7 @@ def tune_quantized(
     """Fill `method.plan` from timings of each of its kernels on the weights of each shape (every
     layer's for decode row classes, so they come from memory as in a step) at each row class up to
     the shape's `max_rows`, as `tune_linear` does for dense weights. Returns a summary for the log."""
-    kernels = method.kernels()
+    kernels = method.kernels(dtype)
     summary: dict[str, str] = {}
     for (out_f, in_f), weights in shapes.items():
         most = max_rows.get((out_f, in_f), max(max_rows.values()))

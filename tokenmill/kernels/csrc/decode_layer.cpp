@@ -27,6 +27,8 @@ enum Kind : int64_t {
   INT8_TILED = 6, // as INT8 and W8A8, 4 weight rows x 4 x rows at a time
   W8A8_TILED = 7,
   W8A8_AMX = 8,   // W8A8 on AMX's int8 tiles
+  INT8_AMX = 9,   // int8 and int4 on AMX's bfloat16 tiles
+  INT4_AMX = 10,
 };
 
 // One projection's tensors and kernel.
@@ -53,13 +55,14 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
   at::Tensor out = at::empty({x.size(0), p.weight.size(0)}, x.options());  // (int4: packed is [N, K / 2])
   if (p.kind == NATIVE)
     tokenmill::linear(out, x, p.weight, p.bias);
-  else if (p.kind == INT8 || p.kind == INT8_TILED)
-    tokenmill::linear_int8(out, x, p.weight, *p.scales, p.group, p.bias, p.kind == INT8_TILED);
+  else if (p.kind == INT8 || p.kind == INT8_TILED || p.kind == INT8_AMX)
+    tokenmill::linear_int8(out, x, p.weight, *p.scales, p.group, p.bias,
+                           p.kind == INT8 ? 0 : p.kind == INT8_TILED ? 1 : 2);
   else if (p.kind == W8A8 || p.kind == W8A8_TILED || p.kind == W8A8_AMX)
     tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias,
                            p.kind == W8A8 ? 0 : p.kind == W8A8_TILED ? 1 : 2);
-  else if (p.kind == INT4)
-    tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias);
+  else if (p.kind == INT4 || p.kind == INT4_AMX)
+    tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias, p.kind == INT4_AMX);
   else
     TORCH_CHECK(false, "decode_layer: unknown projection kind ", p.kind);
   return out;

@@ -57,9 +57,9 @@ inline void configure(int m) {
 // out[p][n] (32-bit) = the p-th 32-bit element of row n (rows `row_bytes` apart) for 16 rows n and
 // 16 elements p: a 16 x 16 transpose of 32-bit elements, the tile layout AMX multiplies (a 16-row x
 // 32-k block of bfloat16 weights, k in pairs; or of int8 weights, 64 k in quads).
-inline void pack_rows(const char* w, int64_t row_bytes, uint32_t* out) {
-  __m512i r[16], t[16];
-  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(w + n * row_bytes);
+// transpose16: the same from 16 rows already in registers (r is overwritten).
+inline void transpose16(__m512i* r, uint32_t* out) {
+  __m512i t[16];
   for (int i = 0; i < 16; i += 2) {  // 32-bit pairs of rows
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -81,6 +81,12 @@ inline void pack_rows(const char* w, int64_t row_bytes, uint32_t* out) {
     t[12 + q] = _mm512_shuffle_i32x4(b, d, 0xDD);  // lane 3
   }
   for (int p = 0; p < 16; ++p) _mm512_store_si512(out + p * 16, t[p]);
+}
+
+inline void pack_rows(const char* w, int64_t row_bytes, uint32_t* out) {
+  __m512i r[16];
+  for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(w + n * row_bytes);
+  transpose16(r, out);
 }
 
 inline void pack_block(const c10::BFloat16* w, int64_t K, uint32_t* out) {
@@ -134,16 +140,9 @@ inline int64_t linear(const c10::BFloat16* x, int64_t x_row, int64_t M, const c1
 }
 
 
-#if defined(__AMX_INT8__)
-#define TM_AMX_INT8 1
-// W8A8 on AMX, any number of x rows: xq [M, K] int8 against q [N, K] int8 (K a multiple of 64),
-// int32 sums of each 32-row block (two accumulator tiles of 16 rows each) for up to 32 x rows at a
-// time (two x tiles), the weights turned into the tile layout as they are read (the 16 x 16
-// transpose of pack_rows, 64 k a row) once for those 32 x rows; tdpbssd (signed x signed, 64 products
-// a lane a step). out(m, n, sum) takes each sum. Returns N rounded down to whole blocks (the caller
-// computes the rest), 0 where the tiles are not granted.
 // tiles: 0, 1 sums of x rows 0-15 (weight halves 0, 1), 2, 3 of x rows 16-31, 4, 5 x, 6, 7 weights
-inline void configure_w8a8(int m0, int m1) {
+// (64 bytes a row each: 16 float32 or int32 sums, 32 bfloat16 or 64 int8 k)
+inline void configure_panels(int m0, int m1) {
   TileConfig cfg;
   for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(m0), cfg.colsb[t] = 64;
   if (m1 > 0)
@@ -152,6 +151,77 @@ inline void configure_w8a8(int m0, int m1) {
   _tile_loadconfig(&cfg);
 }
 
+
+// Quantized weights on AMX's bfloat16 tiles, any number of bfloat16 x rows: y = x [M, K] @ W^T, W
+// made 32 k of a row at a time by rows(n, k) (a register of 32 bfloat16: int8 values as they are,
+// exact, or dequantized with their scale), transposed into the tile layout once for up to 32 x rows,
+// float32 sums of each 32-row block to out(m, n, sum). K a multiple of 32. Returns N rounded down to
+// whole blocks (the caller computes the rest), 0 where the tiles are not granted.
+template <typename Rows, typename Out>
+inline int64_t linear_rows_bf16(const c10::BFloat16* x, int64_t x_row, int64_t M, int64_t N, int64_t K, Rows rows,
+                                Out out) {
+  if (K % 32 != 0 || !enabled()) return 0;
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t packed[512];
+    alignas(64) float sums[32 * NB];
+    __m512i r[16];
+    int shape0 = 0, shape1 = -1;
+    for (int64_t p0 = 0; p0 < M; p0 += 32) {
+      const int count = static_cast<int>(std::min<int64_t>(32, M - p0));
+      const int m0 = std::min(count, 16), m1 = count - m0;
+      if (m0 != shape0 || m1 != shape1) configure_panels(m0, m1), shape0 = m0, shape1 = m1;
+      const c10::BFloat16* xp = x + p0 * x_row;
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * NB;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (m1 > 0) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t k = 0; k < K; k += 32) {
+          for (int half = 0; half < 2; ++half) {
+            for (int i = 0; i < 16; ++i) r[i] = rows(n0 + 16 * half + i, k);
+            transpose16(r, packed + 256 * half);
+          }
+          _tile_loadd(6, packed, 64);
+          _tile_loadd(7, packed + 256, 64);
+          _tile_loadd(4, xp + k, x_row * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (m1 > 0) {
+            _tile_loadd(5, xp + 16 * x_row + k, x_row * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, sums, 128);
+        _tile_stored(1, sums + 16, 128);
+        if (m1 > 0) {
+          _tile_stored(2, sums + 16 * NB, 128);
+          _tile_stored(3, sums + 16 * NB + 16, 128);
+        }
+        for (int i = 0; i < count; ++i)
+          for (int j = 0; j < NB; ++j) out(p0 + i, n0 + j, sums[i * NB + j]);
+      }
+    }
+    if (shape1 >= 0) _tile_release();
+  });
+  return blocks * NB;
+}
+
+// 32 float32 (lo: k 0-15, hi: k 16-31) -> one register of 32 bfloat16 in k order, rounded to nearest.
+inline __m512i to_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+#if defined(__AMX_INT8__)
+#define TM_AMX_INT8 1
+// W8A8 on AMX, any number of x rows: xq [M, K] int8 against q [N, K] int8 (K a multiple of 64),
+// int32 sums of each 32-row block (two accumulator tiles of 16 rows each) for up to 32 x rows at a
+// time (two x tiles), the weights turned into the tile layout as they are read (the 16 x 16
+// transpose of pack_rows, 64 k a row) once for those 32 x rows; tdpbssd (signed x signed, 64 products
+// a lane a step). out(m, n, sum) takes each sum. Returns N rounded down to whole blocks (the caller
+// computes the rest), 0 where the tiles are not granted.
 template <typename Out>
 inline int64_t linear_w8a8(const int8_t* xq, int64_t M, const int8_t* q, int64_t N, int64_t K, Out out) {
   if (K % 64 != 0 || !enabled()) return 0;
@@ -163,7 +233,7 @@ inline int64_t linear_w8a8(const int8_t* xq, int64_t M, const int8_t* q, int64_t
     for (int64_t p0 = 0; p0 < M; p0 += 32) {
       const int rows = static_cast<int>(std::min<int64_t>(32, M - p0));
       const int m0 = std::min(rows, 16), m1 = rows - m0;
-      if (m0 != shape0 || m1 != shape1) configure_w8a8(m0, m1), shape0 = m0, shape1 = m1;
+      if (m0 != shape0 || m1 != shape1) configure_panels(m0, m1), shape0 = m0, shape1 = m1;
       const int8_t* x = xq + p0 * K;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * NB;

@@ -23,6 +23,7 @@
 
 #include "convert.h"
 #include "int_dot.h"
+#include "linear_amx.h"
 
 namespace {
 
@@ -176,7 +177,7 @@ namespace tokenmill {
 // out [M, N] = x [M, K] @ W^T (+ bias), W as packed [N, K / 2] (uint8, the layout above), scales and mins
 // [N, K / group] (float32).
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias) {
+                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_int4: x must be [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
@@ -198,6 +199,50 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
                                      bias->numel() == N),
               "linear_int4: bias must be contiguous [N] in x's dtype");
+  if (amx) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int4: the AMX mode takes bfloat16 x");
+    int64_t done = 0;
+#if defined(TM_AMX)
+    // the weights dequantized 32 k of a row at a time (q * scale + min: one group a step) into bfloat16 tiles
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    const float* sp = scales.data_ptr<float>();
+    const float* mp = mins.data_ptr<float>();
+    const int64_t G = K / group, full = K / 64 * 64;
+    const int shift = std::countr_zero(static_cast<uint64_t>(group));
+    bf16* y = out.data_ptr<bf16>();
+    const bf16* b = bias ? bias->data_ptr<bf16>() : nullptr;
+    const int64_t y_row = out.stride(0);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const auto rows = [&](int64_t n, int64_t k) {
+      const uint8_t* row = pp + n * (K / 2);
+      __m128i lo, hi;  // the 32 values, k 0-15 and 16-31
+      if (k < full) {  // a run of a 64-k block: low nibbles for its first 32 k, high for the last
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / 64 * 32));
+        const __m256i v = k % 64 == 0 ? _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F))
+                                      : _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+        lo = _mm256_castsi256_si128(v);
+        hi = _mm256_extracti128_si256(v, 1);
+      } else {  // the last block of 32
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + full / 2));
+        lo = _mm_and_si128(bytes, mask);
+        hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+      }
+      const __m512 s = _mm512_set1_ps(sp[n * G + (k >> shift)]), m = _mm512_set1_ps(mp[n * G + (k >> shift)]);
+      const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
+      const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
+      return tm_amx::to_bf16x32(flo, fhi);
+    };
+    done = tm_amx::linear_rows_bf16(x.data_ptr<bf16>(), x.stride(0), M, N, K, rows, [&](int64_t mi, int64_t n, float sum) {
+      y[mi * y_row + n] = from_float<bf16>(sum + (b ? static_cast<float>(b[n]) : 0.f));
+    });
+#endif
+    if (done < N) {  // the rows short of a block (or no tiles): one weight row at a time
+      const c10::optional<at::Tensor> rest_bias = bias ? c10::optional<at::Tensor>(bias->narrow(0, done, N - done)) : bias;
+      linear_int4(out.narrow(1, done, N - done), x, packed.narrow(0, done, N - done), scales.narrow(0, done, N - done),
+                  mins.narrow(0, done, N - done), group, rest_bias, false);
+    }
+    return;
+  }
   if (x.scalar_type() == at::kFloat)
     int4_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, packed, scales, mins, group,
                      bias ? bias->data_ptr<float>() : nullptr);
@@ -209,6 +254,8 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("linear_int4(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor mins, int group, Tensor? bias) -> ()");
+  m.def(
+      "linear_int4(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor mins, int group, Tensor? bias, "
+      "bool amx) -> ()");
   m.impl("linear_int4", c10::DispatchKey::CPU, &tokenmill::linear_int4);
 }

@@ -419,14 +419,52 @@ namespace tokenmill {
 
 // out [M, N] = x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K], scales float32 [N, K / group].
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
-                 const c10::optional<at::Tensor>& bias, bool tiled) {
+                 const c10::optional<at::Tensor>& bias, int64_t mode) {
+  TORCH_CHECK(mode == ROWS || mode == TILES || mode == AMX, "linear_int8: mode 0 (rows), 1 (tiles) or 2 (AMX)");
   check_common(out, x, q, bias, "linear_int8");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(group == K || (group >= 32 && (group & (group - 1)) == 0 && K % group == 0),
               "linear_int8: group must be K (per channel) or a power of two from 32 dividing K, got ", group);
   TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
                   scales.size(0) == q.size(0) && scales.size(1) == K / group,
               "linear_int8: scales must be contiguous float32 [N, K / group]");
+  if (mode == AMX) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int8: the AMX mode takes bfloat16 x");
+    int64_t done = 0;
+#if defined(TM_AMX)
+    // the weights as bfloat16 tiles: int8 values exact (per channel: the scale applied to the sums),
+    // per group multiplied by their group's scale first
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* sp = scales.data_ptr<float>();
+    const int64_t G = K / group;
+    const int shift = std::countr_zero(static_cast<uint64_t>(group));
+    const bool per_channel = group == K;
+    bf16* y = out.data_ptr<bf16>();
+    const bf16* b = bias ? bias->data_ptr<bf16>() : nullptr;
+    const int64_t y_row = out.stride(0);
+    const auto rows = [&](int64_t n, int64_t k) {
+      const int8_t* p = qp + n * K + k;
+      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      if (!per_channel) {
+        const __m512 s = _mm512_set1_ps(sp[n * G + (k >> shift)]);
+        lo = _mm512_mul_ps(lo, s);
+        hi = _mm512_mul_ps(hi, s);
+      }
+      return tm_amx::to_bf16x32(lo, hi);
+    };
+    done = tm_amx::linear_rows_bf16(x.data_ptr<bf16>(), x.stride(0), M, N, K, rows, [&](int64_t m, int64_t n, float sum) {
+      y[m * y_row + n] = from_float<bf16>((per_channel ? sum * sp[n] : sum) + (b ? static_cast<float>(b[n]) : 0.f));
+    });
+#endif
+    if (done < N) {  // the rows short of a block (or no tiles): one weight row at a time
+      const c10::optional<at::Tensor> rest_bias = bias ? c10::optional<at::Tensor>(bias->narrow(0, done, N - done)) : bias;
+      linear_int8(out.narrow(1, done, N - done), x, q.narrow(0, done, N - done), scales.narrow(0, done, N - done),
+                  group, rest_bias, ROWS);
+    }
+    return;
+  }
+  const bool tiled = mode == TILES;
   if (x.scalar_type() == at::kFloat)
     int8_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, q, scales, group,
                      bias ? bias->data_ptr<float>() : nullptr, tiled);
@@ -455,6 +493,15 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
                     bias ? bias->data_ptr<bf16>() : nullptr, mode);
 }
 
+// Whether linear_int8's and linear_int4's AMX mode (bfloat16 tiles) runs here.
+bool amx_bf16_ready() {
+#if defined(TM_AMX)
+  return tm_amx::enabled();
+#else
+  return false;
+#endif
+}
+
 // Whether linear_w8a8's AMX mode runs here: built for a CPU with AMX's int8 tiles, and granted by Linux.
 bool w8a8_amx_ready() {
 #if defined(TM_AMX_INT8)
@@ -481,12 +528,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, int group, Tensor? bias, bool tiled) -> ()");
+  m.def("linear_int8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, int group, Tensor? bias, int mode) -> ()");
   m.impl("linear_int8", c10::DispatchKey::CPU, &tokenmill::linear_int8);
   m.def(
       "linear_w8a8(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor wsums, Tensor? bias, int mode) -> ()");
   m.impl("linear_w8a8", c10::DispatchKey::CPU, &tokenmill::linear_w8a8);
   m.def("w8a8_amx_ready() -> bool", &tokenmill::w8a8_amx_ready);
+  m.def("amx_bf16_ready() -> bool", &tokenmill::amx_bf16_ready);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.impl("quantize_rows", c10::DispatchKey::CPU, &tokenmill::quantize_rows);
 }

@@ -24,9 +24,9 @@ void rotary(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos, co
 void argmax_rows(at::Tensor out, const at::Tensor& x);
 void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
-                 const c10::optional<at::Tensor>& bias, bool tiled);
+                 const c10::optional<at::Tensor>& bias, int64_t mode);
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias);
+                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                  const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, int64_t mode);
 
