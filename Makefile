@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test test-all lint format serve compat bench bench-forward bench-decode bench-engine bench-prefix bench-serve bench-peers clean
+.PHONY: install test test-all lint format serve compat bench bench-forward bench-decode bench-engine bench-prefix bench-serve bench-quant bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,7 +53,7 @@ serve: $(STAMP)
 	$(BIN)/tokenmill serve
 
 # Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
-bench: bench-forward bench-decode bench-engine bench-prefix bench-serve
+bench: bench-forward bench-decode bench-engine bench-prefix bench-serve bench-quant
 
 # the decode step on the reference and the native paths, the fused decode layers against the modules,
 # torch.compile of the step, the time outside the forward, the server at one request
@@ -77,6 +77,10 @@ bench-prefix: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/serve.py
+
+# int8 / int4 / W8A8 against the unquantized model (peer model, and SmolLM2 where set up), and quality
+bench-quant: $(STAMP)
+	$(BIN)/python benchmarks/quantization.py
 
 # tokenmill against llama.cpp, vLLM's CPU build and transformers: needs the peers built first,
 # PEERS_DIR=DIR bash ../shared/peers/setup.sh (10-30 minutes), then make bench-peers PEERS_DIR=DIR

@@ -186,6 +186,9 @@ def test_the_autotuner_measures_once_and_reads_back(tmp_path, caplog):
     # a cached choice that is no longer a candidate is measured again
     other = Autotuner(torch.device("cpu"), path).choose("op", "shape", {"slow": slow}, repeats=1)
     assert other.name == "slow" and not other.cached
+    # and so is one made without a candidate there is now (a kernel added, or AMX granted since)
+    more = Autotuner(torch.device("cpu"), path).choose("op", "shape", {"slow": slow, "fast": fast}, repeats=1)
+    assert more.name == "fast" and not more.cached
     path.write_text("{not json")
     assert not Autotuner(torch.device("cpu"), path).choose("op", "shape", {"fast": fast}, repeats=1).cached
     assert "unreadable" in caplog.text

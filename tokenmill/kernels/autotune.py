@@ -81,9 +81,11 @@ class Autotuner:
 
     def choose(self, op: str, shape: str, candidates: Mapping[str, Callable[[], object]], repeats: int = 5) -> Choice:
         """The fastest of `candidates` for `op` at `shape` (a string the caller makes of what the
-        timing depends on); measured on the first call on this machine, read back after that."""
+        timing depends on); measured on the first call on this machine, read back after that (while the
+        candidates are the same ones)."""
         entry = self._entries.get(f"{op}|{shape}")
-        if entry is not None and entry.get("choice") in candidates:
+        # a choice made among other candidates (a kernel added since, or AMX granted now) is made again
+        if entry is not None and set(entry.get("ms", {})) == set(candidates):
             return Choice(str(entry["choice"]), dict(entry["ms"]), cached=True)  # type: ignore[call-overload]
         timings = time_candidates(candidates, repeats, self._sync)
         name = min(timings, key=lambda n: timings[n])
