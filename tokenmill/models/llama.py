@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
     def finish_loading(self) -> None:
         """After the layers are quantized: a tied table whose head is a quantized layer of its own is
         dropped, its lookups reading the head's rows (int8: a byte a weight instead of the dtype's)."""
-        if self.config.tie_word_embeddings and not self.head_from_table:
+        quantized_head = not self.head_from_table and isinstance(self.lm_head.linear_method, QuantizedLinearMethod)
+        if self.config.tie_word_embeddings and quantized_head:  # (another method's head keeps the table)
             self.embed_tokens = HeadRows(self.lm_head, self.dtype)
 
     def fill_tied_head(self) -> None:
