@@ -15,8 +15,8 @@ through the autotune cache, and the plan it returns says, per (out, in) shape, w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +87,7 @@ class CpuLinearMethod(UnquantizedLinearMethod):
 
 
 def _over(
-    fn: Callable[[torch.Tensor, torch.Tensor], object], inputs: list[torch.Tensor], weights: list[torch.Tensor]
+    fn: Callable[[torch.Tensor, torch.Tensor], object], inputs: list[torch.Tensor], weights: Sequence[torch.Tensor]
 ) -> Callable[[], None]:
     def run() -> None:
         for x in inputs:
@@ -97,33 +97,53 @@ def _over(
     return run
 
 
-def tune_linear(
-    method: CpuLinearMethod, shapes: dict[Shape, list[torch.Tensor]], max_rows: dict[Shape, int], tuner: Autotuner
-) -> dict[str, str]:
-    """Fill `method.native` from timings of both kernels on the weights of each shape in turn (for
-    decode classes every layer's, so they come from memory as in a step, not from cache) at each row
-    class up to the shape's `max_rows` (default: the largest there); rows past it keep the last class's
-    choice. Returns a summary for the log."""
+W = TypeVar("W")  # what a shape's weights are (dense tensors, or a quantized method's weights)
+# (shape, the weights to time, the class's first and last row count, the row counts to time) -> kernel
+ClassChooser = Callable[[Shape, Sequence[W], int, int, list[int]], str]
+
+
+def tune_row_classes(
+    shapes: Mapping[Shape, Sequence[W]], max_rows: Mapping[Shape, int], choose: ClassChooser[W]
+) -> tuple[dict[Shape, tuple[str, ...]], dict[str, str]]:
+    """For each shape, the kernel `choose` names at each row class up to the shape's `max_rows`
+    (default: the largest there), timed on every weight of the shape for decode classes (so they come
+    from memory as in a step, not from cache) and on the first PROMPT_WEIGHTS for prompt chunks, at
+    the class's two ends capped at LONGEST_TIMED. Returns per shape the kernel by row count (index 0,
+    no rows: the first class's; rows past the table: its last entry), and a summary for the log."""
+    plans: dict[Shape, tuple[str, ...]] = {}
     summary: dict[str, str] = {}
     for (out_f, in_f), weights in shapes.items():
-        dtype = weights[0].dtype
         most = max_rows.get((out_f, in_f), max(max_rows.values()))
-        picks: list[bool] = []
+        picks: list[str] = []
         for low, high in ROW_CLASSES:
             if low > most and picks:
                 break
             ends = sorted({min(low, most, LONGEST_TIMED), min(high, most, LONGEST_TIMED)})
             timed = weights if low <= MAX_DECODE_ROWS else weights[:PROMPT_WEIGHTS]
-            inputs = [torch.randn(m, in_f).to(dtype) for m in ends]
-            shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} rows {low}-{high} at {ends} x{len(timed)}"
-            native, torch_gemm = _over(method.native_product, inputs, timed), _over(F.linear, inputs, timed)
-            choice = tuner.choose("linear", shape, {"cpu": native, "torch": torch_gemm})
-            picks.append(choice.name == "cpu")
-            summary[f"{out_f}x{in_f} rows {low}-{high}"] = choice.name
-        table = [False]  # index 0: no rows
+            picks.append(choose((out_f, in_f), timed, low, high, ends))
+            summary[f"{out_f}x{in_f} rows {low}-{high}"] = picks[-1]
+        table = [picks[0]]
         for (low, high), pick in zip(ROW_CLASSES, picks, strict=False):
             table += [pick] * (min(high, most) - low + 1)
-        method.native[(out_f, in_f)] = tuple(table)
+        plans[(out_f, in_f)] = tuple(table)
+    return plans, summary
+
+
+def tune_linear(
+    method: CpuLinearMethod, shapes: dict[Shape, list[torch.Tensor]], max_rows: dict[Shape, int], tuner: Autotuner
+) -> dict[str, str]:
+    """Fill `method.native` from timings of both kernels (`tune_row_classes`). Returns a summary for the log."""
+
+    def choose(shape: Shape, timed: Sequence[torch.Tensor], low: int, high: int, ends: list[int]) -> str:
+        dtype = timed[0].dtype
+        inputs = [torch.randn(m, shape[1]).to(dtype) for m in ends]
+        what = f"{shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} rows {low}-{high} at {ends} x{len(timed)}"
+        native, torch_gemm = _over(method.native_product, inputs, timed), _over(F.linear, inputs, timed)
+        return tuner.choose("linear", what, {"cpu": native, "torch": torch_gemm}).name
+
+    plans, summary = tune_row_classes(shapes, max_rows, choose)
+    for shape, table in plans.items():
+        method.native[shape] = tuple(name == "cpu" for name in table)
     return summary
 
 

@@ -31,7 +31,7 @@ plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are calle
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
 
@@ -42,7 +42,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import CpuKernels
-from tokenmill.layers.cpu_linear import LONGEST_TIMED, MAX_DECODE_ROWS, PROMPT_WEIGHTS, ROW_CLASSES
+from tokenmill.layers.cpu_linear import tune_row_classes
 from tokenmill.layers.linear import LinearBase, LinearMethod, Shape, ShardLoader, register_bias, set_weight_loader
 from tokenmill.layers.quantize import (
     Int4PackWeight,
@@ -303,7 +303,7 @@ def quantized_layers(model: nn.Module) -> dict[Shape, list[object]]:
     return shapes
 
 
-def _over(kernel: Kernel, inputs: list[torch.Tensor], weights: list[object]) -> Callable[[], None]:
+def _over(kernel: Kernel, inputs: list[torch.Tensor], weights: Sequence[object]) -> Callable[[], None]:
     def run() -> None:
         for x in inputs:
             for w in weights:
@@ -319,30 +319,19 @@ def tune_quantized(
     dtype: torch.dtype,
     tuner: Autotuner,
 ) -> dict[str, str]:
-    """Fill `method.plan` from timings of each of its kernels on the weights of each shape (every
-    layer's for decode row classes, so they come from memory as in a step) at each row class up to
-    the shape's `max_rows`, as `tune_linear` does for dense weights. Returns a summary for the log."""
+    """Fill `method.plan` from timings of each of its kernels for `dtype` activations on the weights of
+    each shape, class by class (`tune_row_classes`, as the dense plan). Returns a summary for the log."""
     kernels = method.kernels(dtype)
-    summary: dict[str, str] = {}
-    for (out_f, in_f), weights in shapes.items():
-        most = max_rows.get((out_f, in_f), max(max_rows.values()))
-        picks: list[str] = []
-        for low, high in ROW_CLASSES:
-            if low > most and picks:
-                break
-            ends = sorted({min(low, most, LONGEST_TIMED), min(high, most, LONGEST_TIMED)})
-            timed = weights if low <= MAX_DECODE_ROWS else weights[:PROMPT_WEIGHTS]
-            inputs = [torch.randn(m, in_f).to(dtype) for m in ends]
-            group = getattr(weights[0], "group", in_f)
-            what = (
-                f"{method.name} g{group} {out_f}x{in_f} {str(dtype).removeprefix('torch.')} "
-                f"rows {low}-{high} at {ends} x{len(timed)}"
-            )
-            choice = tuner.choose("quant_linear", what, {name: _over(k, inputs, timed) for name, k in kernels.items()})
-            picks.append(choice.name)
-            summary[f"{out_f}x{in_f} rows {low}-{high}"] = choice.name
-        table = [picks[0]]  # index 0: no rows
-        for (low, high), pick in zip(ROW_CLASSES, picks, strict=False):
-            table += [pick] * (min(high, most) - low + 1)
-        method.plan[(out_f, in_f)] = tuple(table)
+
+    def choose(shape: Shape, timed: Sequence[object], low: int, high: int, ends: list[int]) -> str:
+        inputs = [torch.randn(m, shape[1]).to(dtype) for m in ends]
+        group = getattr(timed[0], "group", shape[1])
+        what = (
+            f"{method.name} g{group} {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} "
+            f"rows {low}-{high} at {ends} x{len(timed)}"
+        )
+        return tuner.choose("quant_linear", what, {name: _over(k, inputs, timed) for name, k in kernels.items()}).name
+
+    plans, summary = tune_row_classes(shapes, max_rows, choose)
+    method.plan.update(plans)
     return summary

@@ -1,7 +1,9 @@
-// float32 <-> storage dtype for the CPU kernels: bfloat16 widened by a shift (vectorizes), float32 copied.
+// float32 <-> storage dtype for the CPU kernels: bfloat16 widened by a shift (vectorizes), float32 copied;
+// and the sum of an AVX2 vector's 8 lanes, which the kernels share.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <bit>
@@ -86,3 +88,12 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const int32_t bits = (k + 127) << 23;
   return y * std::bit_cast<float>(bits);
 }
+
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif

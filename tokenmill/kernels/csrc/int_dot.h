@@ -62,12 +62,7 @@ struct I16 {
   static V add(V a, V b) { return _mm256_add_epi32(a, b); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F scaled(V acc, float s, F into) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), into); }
-  static float sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float sum(F v) { return hsum8(v); }
 };
 #else
 struct I16 {

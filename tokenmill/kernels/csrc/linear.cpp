@@ -78,12 +78,7 @@ struct Lanes {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float sum(V v) { return hsum8(v); }
 };
 #else
 struct Lanes {

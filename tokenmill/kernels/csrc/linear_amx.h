@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace tm_amx {
 
@@ -152,26 +153,27 @@ inline void configure_panels(int m0, int m1) {
 }
 
 
-// Quantized weights on AMX's bfloat16 tiles, any number of bfloat16 x rows: y = x [M, K] @ W^T, W
-// made 32 k of a row at a time by rows(n, k) (a register of 32 bfloat16: int8 values as they are,
-// exact, or dequantized with their scale), transposed into the tile layout once for up to 32 x rows,
-// float32 sums of each 32-row block to out(m, n, sum). K a multiple of 32. Returns N rounded down to
-// whole blocks (the caller computes the rest), 0 where the tiles are not granted.
-template <typename Rows, typename Out>
-inline int64_t linear_rows_bf16(const c10::BFloat16* x, int64_t x_row, int64_t M, int64_t N, int64_t K, Rows rows,
-                                Out out) {
-  if (K % 32 != 0 || !enabled()) return 0;
+// The two-panel loop both quantized AMX paths run: for each block of 32 weight rows, up to 32 x rows
+// at a time (two x tiles of 16 rows, four accumulator tiles), each k step's weights put into the tile
+// layout once by fill(n0, k, packed) (512 32-bit elements: two halves of 16 rows), then multiplied by
+// tdpbssd (INT8: int8 x, 64 k a step, int32 sums) or tdpbf16ps (bfloat16 x, 32 k, float32 sums).
+// out(m, n, sum) takes each sum. x rows are x_row_bytes apart. Returns N rounded down to whole blocks
+// (the caller computes the rest), 0 where the tiles are not granted.
+template <bool INT8, typename Fill, typename Out>
+inline int64_t panels(const char* x, int64_t x_row_bytes, int64_t M, int64_t N, int64_t K, Fill fill, Out out) {
+  constexpr int64_t KSTEP = INT8 ? 64 : 32;
+  using Sum = std::conditional_t<INT8, int32_t, float>;
+  if (K % KSTEP != 0 || !enabled()) return 0;
   const int64_t blocks = N / NB;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint32_t packed[512];
-    alignas(64) float sums[32 * NB];
-    __m512i r[16];
+    alignas(64) Sum sums[32 * NB];
     int shape0 = 0, shape1 = -1;
     for (int64_t p0 = 0; p0 < M; p0 += 32) {
       const int count = static_cast<int>(std::min<int64_t>(32, M - p0));
       const int m0 = std::min(count, 16), m1 = count - m0;
       if (m0 != shape0 || m1 != shape1) configure_panels(m0, m1), shape0 = m0, shape1 = m1;
-      const c10::BFloat16* xp = x + p0 * x_row;
+      const char* xp = x + p0 * x_row_bytes;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * NB;
         _tile_zero(0);
@@ -180,20 +182,28 @@ inline int64_t linear_rows_bf16(const c10::BFloat16* x, int64_t x_row, int64_t M
           _tile_zero(2);
           _tile_zero(3);
         }
-        for (int64_t k = 0; k < K; k += 32) {
-          for (int half = 0; half < 2; ++half) {
-            for (int i = 0; i < 16; ++i) r[i] = rows(n0 + 16 * half + i, k);
-            transpose16(r, packed + 256 * half);
-          }
+        for (int64_t k = 0; k < K; k += KSTEP) {
+          fill(n0, k, packed);
           _tile_loadd(6, packed, 64);
           _tile_loadd(7, packed + 256, 64);
-          _tile_loadd(4, xp + k, x_row * 2);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
+          const char* xk = xp + k * (INT8 ? 1 : 2);
+          _tile_loadd(4, xk, x_row_bytes);
+          if constexpr (INT8) {
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+          } else {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+          }
           if (m1 > 0) {
-            _tile_loadd(5, xp + 16 * x_row + k, x_row * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(5, xk + 16 * x_row_bytes, x_row_bytes);
+            if constexpr (INT8) {
+              _tile_dpbssd(2, 5, 6);
+              _tile_dpbssd(3, 5, 7);
+            } else {
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
           }
         }
         _tile_stored(0, sums, 128);
@@ -211,65 +221,38 @@ inline int64_t linear_rows_bf16(const c10::BFloat16* x, int64_t x_row, int64_t M
   return blocks * NB;
 }
 
+// Quantized weights on AMX's bfloat16 tiles, any number of bfloat16 x rows: y = x [M, K] @ W^T, W
+// made 32 k of a row at a time by rows(n, k) (a register of 32 bfloat16: int8 values as they are,
+// exact, or dequantized with their scale), transposed into the tile layout once for up to 32 x rows,
+// float32 sums to out(m, n, sum). K a multiple of 32.
+template <typename Rows, typename Out>
+inline int64_t linear_rows_bf16(const c10::BFloat16* x, int64_t x_row, int64_t M, int64_t N, int64_t K, Rows rows,
+                                Out out) {
+  const auto fill = [&](int64_t n0, int64_t k, uint32_t* packed) {
+    __m512i r[16];
+    for (int half = 0; half < 2; ++half) {
+      for (int i = 0; i < 16; ++i) r[i] = rows(n0 + 16 * half + i, k);
+      transpose16(r, packed + 256 * half);
+    }
+  };
+  return panels<false>(reinterpret_cast<const char*>(x), x_row * 2, M, N, K, fill, out);
+}
+
 // 32 float32 (lo: k 0-15, hi: k 16-31) -> one register of 32 bfloat16 in k order, rounded to nearest.
 inline __m512i to_bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 
 #if defined(__AMX_INT8__)
 #define TM_AMX_INT8 1
-// W8A8 on AMX, any number of x rows: xq [M, K] int8 against q [N, K] int8 (K a multiple of 64),
-// int32 sums of each 32-row block (two accumulator tiles of 16 rows each) for up to 32 x rows at a
-// time (two x tiles), the weights turned into the tile layout as they are read (the 16 x 16
-// transpose of pack_rows, 64 k a row) once for those 32 x rows; tdpbssd (signed x signed, 64 products
-// a lane a step). out(m, n, sum) takes each sum. Returns N rounded down to whole blocks (the caller
-// computes the rest), 0 where the tiles are not granted.
+// W8A8 on AMX, any number of x rows: xq [M, K] int8 against q [N, K] int8 (K a multiple of 64), the
+// weights put into the tile layout as they are read (pack_rows: 64 k a row), tdpbssd (signed x
+// signed), int32 sums to out(m, n, sum).
 template <typename Out>
 inline int64_t linear_w8a8(const int8_t* xq, int64_t M, const int8_t* q, int64_t N, int64_t K, Out out) {
-  if (K % 64 != 0 || !enabled()) return 0;
-  const int64_t blocks = N / NB;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint32_t packed[512];
-    alignas(64) int32_t sums[32 * NB];
-    int shape0 = 0, shape1 = -1;
-    for (int64_t p0 = 0; p0 < M; p0 += 32) {
-      const int rows = static_cast<int>(std::min<int64_t>(32, M - p0));
-      const int m0 = std::min(rows, 16), m1 = rows - m0;
-      if (m0 != shape0 || m1 != shape1) configure_panels(m0, m1), shape0 = m0, shape1 = m1;
-      const int8_t* x = xq + p0 * K;
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n0 = b * NB;
-        _tile_zero(0);
-        _tile_zero(1);
-        if (m1 > 0) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
-        for (int64_t k = 0; k < K; k += 64) {
-          pack_rows(reinterpret_cast<const char*>(q + n0 * K + k), K, packed);
-          pack_rows(reinterpret_cast<const char*>(q + (n0 + 16) * K + k), K, packed + 256);
-          _tile_loadd(6, packed, 64);
-          _tile_loadd(7, packed + 256, 64);
-          _tile_loadd(4, x + k, K);
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbssd(1, 4, 7);
-          if (m1 > 0) {
-            _tile_loadd(5, x + 16 * K + k, K);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(3, 5, 7);
-          }
-        }
-        _tile_stored(0, sums, 128);
-        _tile_stored(1, sums + 16, 128);
-        if (m1 > 0) {
-          _tile_stored(2, sums + 16 * NB, 128);
-          _tile_stored(3, sums + 16 * NB + 16, 128);
-        }
-        for (int i = 0; i < rows; ++i)
-          for (int j = 0; j < NB; ++j) out(p0 + i, n0 + j, sums[i * NB + j]);
-      }
-    }
-    if (shape1 >= 0) _tile_release();
-  });
-  return blocks * NB;
+  const auto fill = [&](int64_t n0, int64_t k, uint32_t* packed) {
+    pack_rows(reinterpret_cast<const char*>(q + n0 * K + k), K, packed);
+    pack_rows(reinterpret_cast<const char*>(q + (n0 + 16) * K + k), K, packed + 256);
+  };
+  return panels<true>(reinterpret_cast<const char*>(xq), K, M, N, K, fill, out);
 }
 #endif
 }  // namespace tm_amx
