@@ -87,18 +87,25 @@ constexpr int chains() {
   return MM == 1 ? TM_I8_U1 : MM == 2 ? 2 : 1;
 }
 
-// x [M, K] (row stride x_row) -> x16 [M, K], xs [M]: each row in 16-bit fixed point with its own scale.
-template <typename T>
-void to_int16_rows(const T* x, int64_t x_row, int64_t M, int64_t K, int16_t* x16, float* xs) {
+// x [M, K] (row stride x_row) -> q [M, K], xs [M]: each row symmetric with its own scale, |q| <= QMAX,
+// x[m] ~ q[m] * xs[m] (a row of zeros: scale 0); Q int16 (QMAX 32767: the weight-only kernels' 16-bit
+// fixed point) or int8 (127: W8A8's activations).
+template <typename Q, int QMAX, typename T>
+void quantize_rows_to(const T* x, int64_t x_row, int64_t M, int64_t K, Q* q, float* xs) {
   std::vector<float> row(K);
   for (int64_t m = 0; m < M; ++m) {
     to_float(x + m * x_row, row.data(), K);
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    for (int64_t k = 0; k < K; ++k) x16[m * K + k] = static_cast<int16_t>(std::nearbyint(row[k] * inv));
-    xs[m] = amax / 32767.f;
+    const float inv = amax > 0.f ? static_cast<float>(QMAX) / amax : 0.f;
+    for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<Q>(std::nearbyint(row[k] * inv));
+    xs[m] = amax / static_cast<float>(QMAX);
   }
+}
+
+template <typename T>
+void to_int16_rows(const T* x, int64_t x_row, int64_t M, int64_t K, int16_t* x16, float* xs) {
+  quantize_rows_to<int16_t, 32767>(x, x_row, M, K, x16, xs);
 }
 
 }  // namespace tm_int

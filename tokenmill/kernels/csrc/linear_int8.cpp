@@ -216,19 +216,10 @@ void int8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   });
 }
 
-// ---- activations quantized per row ----
-// xq [M, K] (int8, |xq| <= 127), xs [M] (float32): x[m] ~ xq[m] * xs[m]; a row of zeros gets scale 0.
+// ---- activations quantized per row (W8A8): int8, |xq| <= 127 ----
 template <typename T>
 void quantize_impl(const T* x, int64_t x_row, int64_t M, int64_t K, int8_t* xq, float* xs) {
-  std::vector<float> row(K);
-  for (int64_t m = 0; m < M; ++m) {
-    to_float(x + m * x_row, row.data(), K);
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
-    xs[m] = scale;
-  }
+  quantize_rows_to<int8_t, 127>(x, x_row, M, K, xq, xs);
 }
 
 // ---- w8a8: integer dot products ----
