@@ -323,3 +323,16 @@ def test_rows_of_a_quantized_head_are_its_dequantized_rows(fmt):
     else:
         qp = quantize_int4pack(w, 32)
         assert torch.equal(int4pack_rows(qp, ids), dequantize_int4pack(qp, torch.float32)[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", METHODS)
+def test_no_rows_give_an_empty_product(name):
+    """A step that samples nothing hands the output projection no rows: every kernel returns [0, N]."""
+    method = get_quant_method(QuantSpec(name), KERNELS)
+    w = method.quantize(weights(64, 128), 128 if name != "int4" else 32)
+    for dtype in (torch.float32, torch.bfloat16):
+        for kernel in method.kernels(dtype).values():
+            assert kernel(w, torch.empty(0, 128, dtype=dtype), None).shape == (0, 64)
+    dense = torch.empty(0, 64)
+    KERNELS.ops.linear(dense, torch.empty(0, 128), weights(64, 128), None)

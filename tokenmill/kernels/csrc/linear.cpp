@@ -391,6 +391,7 @@ void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const
                                      bias->numel() == weight.size(0)),
               "linear: bias must be contiguous [N] in x's dtype");
   const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0 || weight.size(0) == 0) return;  // nothing to compute (an empty x has no data to point at)
   if (x.scalar_type() == at::kFloat) {
     linear_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, weight, bias);
   } else if (x.scalar_type() == at::kBFloat16) {

@@ -199,6 +199,7 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
                                      bias->numel() == N),
               "linear_int4: bias must be contiguous [N] in x's dtype");
+  if (M == 0 || N == 0) return;
   if (amx) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int4: the AMX mode takes bfloat16 x");
     int64_t done = 0;

@@ -419,6 +419,7 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
   TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
                   scales.size(0) == q.size(0) && scales.size(1) == K / group,
               "linear_int8: scales must be contiguous float32 [N, K / group]");
+  if (M == 0 || N == 0) return;
   if (mode == AMX) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int8: the AMX mode takes bfloat16 x");
     int64_t done = 0;
@@ -476,6 +477,7 @@ void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
   TORCH_CHECK(wsums.dim() == 1 && wsums.is_contiguous() && wsums.scalar_type() == at::kInt &&
                   wsums.size(0) == q.size(0),
               "linear_w8a8: wsums must be contiguous int32 [N]");
+  if (x.size(0) == 0 || q.size(0) == 0) return;
   if (x.scalar_type() == at::kFloat)
     w8a8_impl<float>(out, x.data_ptr<float>(), x.stride(0), x.size(0), q, scales, wsums,
                      bias ? bias->data_ptr<float>() : nullptr, mode);
