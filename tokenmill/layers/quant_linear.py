@@ -90,7 +90,7 @@ class QuantizedLinearMethod(LinearMethod):
     def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
         self.spec = spec
         self.ops = kernels.ops if kernels is not None else None
-        self.plan: dict[Shape, tuple[str, ...]] = {}  # (out, in) -> kernel name by row count (index 0: none)
+        self.plan: dict[Shape, tuple[str, ...]] = {}  # (out, in) -> kernel name by row count (tune_row_classes)
         self._kernels: dict[torch.dtype, dict[str, Kernel]] = {}
 
     # --- loading ---
