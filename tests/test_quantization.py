@@ -336,3 +336,20 @@ def test_no_rows_give_an_empty_product(name):
             assert kernel(w, torch.empty(0, 128, dtype=dtype), None).shape == (0, 64)
     dense = torch.empty(0, 64)
     KERNELS.ops.linear(dense, torch.empty(0, 128), weights(64, 128), None)
+
+
+@needs_kernels
+def test_fastest_dtype_times_the_quantized_layers(tiny_model_dir):
+    """`--dtype fastest` with a quantization times each candidate's quantized kernels (not dense ones
+    the model no longer has) and serves the pick."""
+    llm = LLM(
+        str(tiny_model_dir("llama", True)),
+        max_model_len=64,
+        kv_cache_memory=16 * 24576,
+        quantization="int8",
+        dtype="fastest",
+    )
+    assert llm.engine.core.worker.dtype in (torch.float32, torch.bfloat16)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert_no_leaks(llm)

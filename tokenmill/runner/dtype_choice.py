@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.layers.attention import AttentionBackend, allocate_kv_cache
-from tokenmill.layers.cpu_linear import dense_weight_shapes
+from tokenmill.layers.linear import LinearBase
 from tokenmill.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tokenmill")
@@ -68,15 +69,20 @@ def next_token_kl(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor
 
 
 def linear_stack(model: LlamaForCausalLM, rows: int) -> Callable[[], None]:
-    """Runs every dense weight of the model (and a tied head) once on `rows` input rows."""
-    weights = [w for ws in dense_weight_shapes(model, model.tied_head()).values() for w in ws]
-    dtype, device = weights[0].dtype, weights[0].device
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], device=device).to(dtype) for w in weights}
+    """Runs every linear layer of the model (dense or quantized, through its method) and a tied head
+    once on `rows` input rows."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    tied = model.tied_head()
+    device = model.norm.weight.device
+    widths = {layer.input_size for layer in layers} | ({tied.shape[1]} if tied is not None else set())
+    inputs = {k: torch.randn(rows, k, device=device).to(model.dtype) for k in widths}
 
     def run() -> None:
         with torch.inference_mode():
-            for w in weights:
-                model.dense.product(inputs[w.shape[1]], w)
+            for layer in layers:
+                layer(inputs[layer.input_size])
+            if tied is not None:
+                model.dense.product(inputs[tied.shape[1]], tied)
 
     return run
 
@@ -101,8 +107,15 @@ def fastest_dtype(
         logits = reference if dtype == torch.float32 else probe_logits(model, backend, ids)
         kl = next_token_kl(reference, logits)
         mean_kl[_name(dtype)], max_kl[_name(dtype)] = float(kl.mean()), float(kl.max())
-    shapes = dense_weight_shapes(reference_model, reference_model.tied_head())
-    signature = " ".join(f"{o}x{i}*{len(ws)}" for (o, i), ws in sorted(shapes.items()))
+    # the linear layers timed: each shape, its count and method (a quantized model times its own kernels)
+    layers = Counter(
+        (m.output_size, m.input_size, type(m.linear_method).__name__)
+        for m in reference_model.modules()
+        if isinstance(m, LinearBase)
+    )
+    tied = reference_model.tied_head()
+    signature = " ".join(f"{o}x{i}*{n} {method}" for (o, i, method), n in sorted(layers.items()))
+    signature += f" tied {tied.shape[0]}x{tied.shape[1]}" if tied is not None else ""
     step_ms: dict[str, list[float]] = {_name(d): [] for d in models}
     cached = True
     for m in sorted({1, max_rows}):
