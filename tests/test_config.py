@@ -129,6 +129,7 @@ def test_each_flag_sets_its_field():
         "quantization": "int4",
         "quantization_group_size": 64,
         "quantization_group_fallback": True,
+        "quantization_head": "int8",
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

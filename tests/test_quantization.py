@@ -241,7 +241,7 @@ def test_a_group_size_that_does_not_divide_names_the_layer(tiny_model_dir):
     llm = LLM(str(folder), quantization="int8", quantization_group_size=64, quantization_group_fallback=True)
     down = llm.engine.core.worker.runner.model.layers[0].mlp.down_proj
     assert down.quantized.group == 32
-    with pytest.raises(ValueError, match="quantization_group_size: applies to a quantization"):
+    with pytest.raises(ValueError, match="quantization_group_size, quantization_head: apply to a quantization"):
         LLM(str(folder), quantization_group_size=64)
 
 
@@ -353,3 +353,20 @@ def test_fastest_dtype_times_the_quantized_layers(tiny_model_dir):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert_no_leaks(llm)
+
+
+@needs_kernels
+def test_the_output_projection_can_stay_int8_under_int4_layers(tiny_model_dir):
+    """`quantization_head="int8"`: the layers in int4, the (tied) head in int8, tuned apart; its logits
+    are the int4 model's with the head's error cut (closer to the dense model's than all-int4)."""
+    folder = str(tiny_model_dir("llama", True))
+    common = {"max_model_len": 64, "kv_cache_memory": 16 * 24576, "quantization": "int4"}
+    mixed = LLM(folder, quantization_head="int8", **common)
+    model = mixed.engine.core.worker.runner.model
+    assert model.lm_head.linear_method.name == "int8" and model.layers[0].mlp.down_proj.linear_method.name == "int4"
+    assert [m.name for m in model.quantized_methods()] == ["int4", "int8"]
+    out = mixed.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert_no_leaks(mixed)
+    with pytest.raises(ValueError, match="quantization_head"):
+        LLM(folder, quantization_head="int8")

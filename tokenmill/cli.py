@@ -153,7 +153,7 @@ def _eval_quant(args: argparse.Namespace) -> int:
 
     if args.windows < 1 or args.window_len < 2:
         raise ValueError("windows: at least one window of at least 2 tokens")
-    spec = QuantSpec(args.quantization, args.group_size, args.group_fallback)
+    spec = QuantSpec(args.quantization, args.group_size, args.group_fallback, args.head)
     text = Path(args.text) if args.text else None
     report = evaluate(args.model or default_model(), spec, args.dtype, text, args.windows, args.window_len)
     print(report.render())
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-size", type=int, default=None, help="inputs sharing one scale (as --quantization-group-size)"
     )
     ev.add_argument("--group-fallback", action="store_true", help="as --quantization-group-fallback")
+    ev.add_argument("--head", default="same", choices=("same", "int8"), help="as --quantization-head")
     ev.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="of both models")
     ev.add_argument("--text", default=None, help="a text file (default: the standard library's held-out files)")
     ev.add_argument("--windows", type=int, default=16, help="windows of text to read (at most)")

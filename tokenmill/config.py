@@ -25,6 +25,7 @@ from typing import Any
 GREEDY_HEAD = ("auto", "head", "logits")
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATION_HEADS = ("same", "int8")
 SCHEDULING = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes
@@ -170,6 +171,12 @@ class EngineConfig:
     )
     quantization_group_size: int | None = setting(
         None, "inputs sharing one scale (a power of two from 32; default: per channel for int8, 32 for int4)", minimum=1
+    )
+    quantization_head: str = setting(
+        "same",
+        "the output projection's quantization: the same as the layers', or int8 per channel (as llama.cpp keeps "
+        "its output tensor wider under 4-bit types)",
+        choices=QUANTIZATION_HEADS,
     )
     quantization_group_fallback: bool = setting(
         False, "a layer whose input width the group size does not divide takes the largest power of two that does"

@@ -28,7 +28,7 @@ from tokenmill.layers.attention import AttentionBackend, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import get_dense_linear_method
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.layers.quant_linear import get_quant_method
+from tokenmill.layers.quant_linear import get_head_method, get_quant_method
 from tokenmill.layers.quantize import QuantSpec
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
@@ -43,6 +43,7 @@ class QuantEvalReport:
     model: str
     quantization: str
     group_size: int | None  # as asked (None: the method's default)
+    head: str  # the output projection's quantization ("same": the layers')
     dtype: str
     text: str  # where the text came from
     windows: int
@@ -70,6 +71,7 @@ class QuantEvalReport:
             [
                 f"{self.model}: {self.quantization}"
                 + (f" (groups of {self.group_size})" if self.group_size else "")
+                + (f", output projection {self.head}" if self.head != "same" else "")
                 + f" against {self.dtype}, {self.predicted_tokens} predicted tokens of {self.text}",
                 f"  perplexity      {self.perplexity_unquantized:.4f} -> {self.perplexity_quantized:.4f} "
                 f"({100 * self.perplexity_change:+.2f}%)",
@@ -116,7 +118,10 @@ def _load(model: str, dtype: str, spec: QuantSpec | None, length: int, tuner: Au
     backend = get_attention_backend("auto")
     kernels = load_cpu_kernels()
     method = get_dense_linear_method("auto") if spec is None else get_quant_method(spec, kernels)
-    loaded = load_model(model, dtype=dtype, backend=backend, ops=get_layer_ops("auto"), linear_method=method)
+    head = None if spec is None else get_head_method(spec, kernels)
+    loaded = load_model(
+        model, dtype=dtype, backend=backend, ops=get_layer_ops("auto"), linear_method=method, head_method=head
+    )
     prepare_native(loaded, tuner, 1, length, tune=True, fused=False)
     return Loaded(loaded, backend)
 
@@ -165,6 +170,7 @@ def evaluate(
         model=str(model),
         quantization=spec.method,
         group_size=spec.group_size,
+        head=spec.head,
         dtype=str(torch_dtype).removeprefix("torch."),
         text=source,
         windows=len(wins),

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import QUANTIZATIONS
+from tokenmill.config import QUANTIZATION_HEADS, QUANTIZATIONS
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import CpuKernels
 from tokenmill.layers.cpu_linear import tune_row_classes
@@ -294,11 +294,20 @@ def get_quant_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLi
     return cls(spec, kernels)
 
 
-def quantized_layers(model: nn.Module) -> dict[Shape, list[object]]:
-    """Every quantized layer's weight of `model`, grouped by (out, in), in layer order."""
+def get_head_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLinearMethod | None:
+    """The output projection's own method when `spec.head` asks for one (None: the layers')."""
+    if spec.head == "same" or spec.head == spec.method:
+        return None
+    if spec.head != "int8":
+        raise ValueError(f"quantization_head: expected one of {', '.join(QUANTIZATION_HEADS)}, got {spec.head!r}")
+    return Int8LinearMethod(QuantSpec("int8"), kernels)
+
+
+def quantized_layers(model: nn.Module, method: QuantizedLinearMethod) -> dict[Shape, list[object]]:
+    """The weights of `model`'s layers that `method` holds, grouped by (out, in), in layer order."""
     shapes: dict[Shape, list[object]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod):
+        if isinstance(module, LinearBase) and module.linear_method is method:
             shapes.setdefault((module.output_size, module.input_size), []).append(module.quantized)  # type: ignore[attr-defined]
     return shapes
 

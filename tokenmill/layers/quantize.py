@@ -27,12 +27,13 @@ INT4_ROWS = 64  # torch's CPU int4 layout packs output rows in blocks of this ma
 @dataclass(frozen=True)
 class QuantSpec:
     """What the user asked for: the method (`int8`, `int4`, `w8a8`), the group size (None: per
-    channel for int8 and w8a8, 32 for int4) and whether a group that does not divide a layer's input
-    width falls back to one that does (else it is an error)."""
+    channel for int8 and w8a8, 32 for int4), whether a group that does not divide a layer's input
+    width falls back to one that does (else it is an error), and the output projection's method."""
 
     method: str
     group_size: int | None = None
     group_fallback: bool = False
+    head: str = "same"  # the output projection: "same" as the layers, or "int8" (per channel)
 
 
 @dataclass(frozen=True)

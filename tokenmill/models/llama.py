@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created uninitialized (the loader fills them) in `dtype`, on the ambient device
     (build it under `with torch.device(...)`); `linear_method` holds and applies every projection's
-    and the untied lm_head's weights (None: unquantized)."""
+    and the lm_head's weights (None: unquantized), `head_method` the lm_head's when it differs."""
 
     def __init__(
         self,
@@ -164,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         *,
         linear_method: LinearMethod | None = None,
+        head_method: LinearMethod | None = None,
         dtype: torch.dtype = torch.float32,
         ops: LayerOps | None = None,
     ) -> None:
@@ -185,9 +186,11 @@ class LlamaForCausalLM(nn.Module):
         # a tied output projection is the embedding table itself, but for a quantized method: then the
         # head is a layer of its own, filled from the table once loaded (`fill_tied_head`), so its
         # products read the quantized bytes (a fifth of a step's for SmolLM2) while lookups read the table
-        self.head_from_table = cfg.tie_word_embeddings and isinstance(method, UnquantizedLinearMethod)
+        # (`head_method`: the output projection's own method, e.g. int8 under int4 layers; None: the layers')
+        head = head_method or method
+        self.head_from_table = cfg.tie_word_embeddings and isinstance(head, UnquantizedLinearMethod)
         if not self.head_from_table:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, linear_method=method, dtype=dtype)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, linear_method=head, dtype=dtype)
 
     def init_rotary(self, device: torch.device) -> None:
         """Build the RoPE tables; called once the parameters live on their device."""
@@ -215,11 +218,14 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.add(x, residual)[0]
 
-    def quantized_method(self) -> QuantizedLinearMethod | None:
-        """The quantized method the projections use, or None for dense ones."""
-        layers = list(self.layers)
-        method = layers[0].self_attn.qkv_proj.linear_method if layers else self.lm_head.linear_method
-        return method if isinstance(method, QuantizedLinearMethod) else None
+    def quantized_methods(self) -> list[QuantizedLinearMethod]:
+        """The quantized methods the linear layers use (the projections', then a head's own), each once."""
+        methods: list[QuantizedLinearMethod] = []
+        for module in self.modules():
+            method = module.linear_method if isinstance(module, LinearBase) else None
+            if isinstance(method, QuantizedLinearMethod) and all(method is not m for m in methods):
+                methods.append(method)
+        return methods
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as held: parameters (the embedding table once) and quantized layers."""

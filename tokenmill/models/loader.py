@@ -163,6 +163,7 @@ def load_model(
     backend: AttentionBackend | None = None,
     linear_method: LinearMethod | None = None,
     ops: LayerOps | None = None,
+    head_method: LinearMethod | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model folder or GGUF file (a path, or an opened `GGUFCheckpoint`) for
     inference (eval mode, no gradients). `linear_method`
@@ -179,7 +180,9 @@ def load_model(
     device = torch.device(device)
     attention: AttentionBackend = backend or TorchReferenceBackend()
     with device:  # parameters are allocated uninitialized, in their final dtype, on their device
-        model = LlamaForCausalLM(cfg, attention, linear_method=linear_method, dtype=torch_dtype, ops=ops)
+        model = LlamaForCausalLM(
+            cfg, attention, linear_method=linear_method, head_method=head_method, dtype=torch_dtype, ops=ops
+        )
     if checkpoint:
         load_gguf_weights(model, checkpoint)
     else:

@@ -24,7 +24,7 @@ from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, ge
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.linear import LinearMethod
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.layers.quant_linear import get_quant_method, quantized_layers, tune_quantized
+from tokenmill.layers.quant_linear import get_head_method, get_quant_method, quantized_layers, tune_quantized
 from tokenmill.layers.quantize import QuantSpec
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
@@ -68,11 +68,12 @@ def prepare_native(
         logger.info(
             "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
         )
-    quantized = model.quantized_method()
-    if tune and quantized is not None:
-        shapes = quantized_layers(model)
+    for quantized in model.quantized_methods() if tune else []:
+        shapes = quantized_layers(model, quantized)
         rows = {shape: max_tokens for shape in shapes}
-        rows[(model.config.vocab_size, model.config.hidden_size)] = min(max_seqs, max_tokens)
+        head = (model.config.vocab_size, model.config.hidden_size)
+        if head in rows:
+            rows[head] = min(max_seqs, max_tokens)
         dtype = model.dtype
         plan = tune_quantized(quantized, shapes, rows, dtype, tuner)
         logger.info("%s linear layers (%s): %s", quantized.name, dtype, ", ".join(f"{k} {v}" for k, v in plan.items()))
@@ -171,8 +172,10 @@ class Worker:
             native_or_reference(config.attention_backend, "attention_backend", self.device, dtype)
         )
         ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
-        method = self._linear_method(config, dtype)
-        model = load_model(source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method)
+        method, head = self._linear_methods(config, dtype)
+        model = load_model(
+            source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method, head_method=head
+        )
         prepare_native(
             model,
             self.tuner,
@@ -183,19 +186,26 @@ class Worker:
         )
         return model, backend
 
-    def _linear_method(self, config: EngineConfig, dtype: torch.dtype) -> LinearMethod:
-        """The dense method (`linear_backend`), or the quantized one `quantization` names."""
+    def _linear_methods(self, config: EngineConfig, dtype: torch.dtype) -> tuple[LinearMethod, LinearMethod | None]:
+        """The dense method (`linear_backend`), or the quantized one `quantization` names; and the
+        output projection's own (`quantization_head`; None: the layers')."""
         if config.quantization == "none":
-            if config.quantization_group_size is not None:
-                raise ValueError("quantization_group_size: applies to a quantization; quantization is none")
-            return get_dense_linear_method(
+            if config.quantization_group_size is not None or config.quantization_head != "same":
+                raise ValueError("quantization_group_size, quantization_head: apply to a quantization; it is none")
+            method = get_dense_linear_method(
                 native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
             )
+            return method, None
         if self.device.type != "cpu":
             raise ValueError(f"quantization: {config.quantization} runs on a CPU device, not {self.device}")
-        spec = QuantSpec(config.quantization, config.quantization_group_size, config.quantization_group_fallback)
-        native = config.linear_backend != "torch" and dtype in NATIVE_DTYPES
-        return get_quant_method(spec, load_cpu_kernels() if native else None)
+        spec = QuantSpec(
+            config.quantization,
+            config.quantization_group_size,
+            config.quantization_group_fallback,
+            config.quantization_head,
+        )
+        kernels = load_cpu_kernels() if config.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
+        return get_quant_method(spec, kernels), get_head_method(spec, kernels)
 
     def _fastest(self, config: EngineConfig, source: str | GGUFCheckpoint) -> tuple[LlamaForCausalLM, AttentionBackend]:
         built: dict[torch.dtype, tuple[LlamaForCausalLM, AttentionBackend]] = {}
