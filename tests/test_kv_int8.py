@@ -12,8 +12,9 @@ from tests.helpers import assert_same_up_to_near_tie, top_logprobs
 from tests.test_engine import assert_no_leaks, greedy, prompts
 from tokenmill import LLM
 from tokenmill.kernels.cpu_build import load_cpu_kernels
-from tokenmill.layers.attention import allocate_kv_cache, quantize_kv
+from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.quantize import int8_rows_symmetric
 
 BACKENDS = ["torch"] + (["cpu"] if load_cpu_kernels() is not None else [])
 BLOCK = 16
@@ -35,12 +36,12 @@ def assert_near(int8_out, float_out) -> None:
     assert_same_up_to_near_tie(a.token_ids, la, b.token_ids, lb, tie_nats=INT8_KV_TIE_NATS)
 
 
-def test_quantize_kv_rounds_each_row_to_its_own_grid():
+def test_int8_kv_rounds_each_row_to_its_own_grid():
     x = torch.randn(5, 3, 32) * torch.tensor([0.01, 1.0, 100.0])[None, :, None]
-    q, s = quantize_kv(x)
+    q, s = int8_rows_symmetric(x)
     assert q.dtype == torch.int8 and s.shape == (5, 3) and q.abs().max() <= 127
     assert ((q.float() * s[..., None] - x).abs() <= s[..., None] / 2 + 1e-6).all()
-    zq, zs = quantize_kv(torch.zeros(2, 1, 8))
+    zq, zs = int8_rows_symmetric(torch.zeros(2, 1, 8))
     assert (zq == 0).all() and (zs == 0).all()
 
 
@@ -56,7 +57,7 @@ def test_both_backends_attend_over_the_same_int8_cache(dtype):
     for name in ("torch", "cpu"):
         backend = get_attention_backend(name)
         cache = allocate_kv_cache(backend, 1, 8, BLOCK, kv_heads, dim, torch.int8)[0]
-        assert cache.quantized and cache.k.dtype == torch.int8
+        assert cache.k_scale is not None and cache.k.dtype == torch.int8
         tables = [[3, 1, 6], [0, 2, 5]]
         g.manual_seed(1)
         k = torch.randn(2 * ctx, kv_heads, dim, generator=g).to(dtype)

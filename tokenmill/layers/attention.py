@@ -31,19 +31,6 @@ class KVCache:
     k_scale: torch.Tensor | None = None  # float32, int8 caches only
     v_scale: torch.Tensor | None = None
 
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
-
-
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (int8 [..., D], float32 scales [...]): one scale per row, max |x| / 127 (rounding
-    half to even, as the native write does)."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv[..., None]).to(torch.int8), amax / 127
-
 
 class AttentionMetadata(Protocol):
     """What every backend's per-step metadata carries; the rest is the backend's own."""

@@ -31,7 +31,7 @@ plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are calle
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import cast
 
@@ -56,6 +56,7 @@ from tokenmill.layers.quantize import (
     int4_rows,
     int4pack_rows,
     int8_rows,
+    int8_rows_symmetric,
     quantize_int4,
     quantize_int4pack,
     quantize_int8,
@@ -191,7 +192,6 @@ class W8A8LinearMethod(QuantizedLinearMethod):
     """int8 weights per output channel, int8 activations per row (dynamic), integer products."""
 
     name = "w8a8"
-    default_kernel = "int_mm"
 
     def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
         super().__init__(spec, kernels)
@@ -229,10 +229,7 @@ class W8A8LinearMethod(QuantizedLinearMethod):
         """x [M, K] -> (int8 [M, K], float32 scales [M]): symmetric, one scale a row."""
         if self.ops is not None:
             return cast(tuple[torch.Tensor, torch.Tensor], self.ops.quantize_rows(x))
-        xf = x.float()
-        amax = xf.abs().amax(1)
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-        return torch.round(xf * inv[:, None]).to(torch.int8), amax / 127
+        return int8_rows_symmetric(x)
 
 
 class Int4LinearMethod(QuantizedLinearMethod):
@@ -303,12 +300,11 @@ def get_head_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLin
     return Int8LinearMethod(QuantSpec("int8"), kernels)
 
 
-def quantized_layers(model: nn.Module, method: QuantizedLinearMethod) -> dict[Shape, list[object]]:
-    """The weights of `model`'s layers that `method` holds, grouped by (out, in), in layer order."""
+def weights_by_shape(layers: Iterable[LinearBase]) -> dict[Shape, list[object]]:
+    """The quantized weights of `layers`, grouped by (out, in), in order."""
     shapes: dict[Shape, list[object]] = {}
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.linear_method is method:
-            shapes.setdefault((module.output_size, module.input_size), []).append(module.quantized)  # type: ignore[attr-defined]
+    for layer in layers:
+        shapes.setdefault((layer.output_size, layer.input_size), []).append(layer.quantized)  # type: ignore[attr-defined]
     return shapes
 
 

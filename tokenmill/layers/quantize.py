@@ -103,6 +103,16 @@ def choose_group(spec: QuantSpec, in_features: int, layer: str) -> int:
     )
 
 
+def int8_rows_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float32 scales [...]): each row over its last dimension, scale
+    max |x| / 127 (0 for a row of zeros), rounding half to even as the native kernels do. W8A8's
+    activations (without the native kernels) and the int8 KV cache's reference write."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[..., None]).to(torch.int8), amax / 127
+
+
 def quantize_int8(w: torch.Tensor, group: int) -> Int8Weight:
     """w [N, K] (any float dtype) -> symmetric int8 with one scale per `group` inputs of a row."""
     n, k = w.shape

@@ -185,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # a tied output projection is the embedding table itself, but for a quantized method: then the
         # head is a layer of its own, filled from the table once loaded (`fill_tied_head`), so its
-        # products read the quantized bytes (a fifth of a step's for SmolLM2) while lookups read the table
+        # products read the quantized bytes (a fifth of a step's for SmolLM2); once quantized, lookups
+        # read its rows and the table goes (`finish_loading`)
         # (`head_method`: the output projection's own method, e.g. int8 under int4 layers; None: the layers')
         head = head_method or method
         self.head_from_table = cfg.tie_word_embeddings and isinstance(head, UnquantizedLinearMethod)
@@ -218,32 +219,38 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.add(x, residual)[0]
 
+    def quantized_layers(self) -> list[tuple[str, LinearBase]]:
+        """(name, layer) of every linear layer a quantized method holds, in module order."""
+        return [
+            (name, module)
+            for name, module in self.named_modules()
+            if isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod)
+        ]
+
     def quantized_methods(self) -> list[QuantizedLinearMethod]:
         """The quantized methods the linear layers use (the projections', then a head's own), each once."""
         methods: list[QuantizedLinearMethod] = []
-        for module in self.modules():
-            method = module.linear_method if isinstance(module, LinearBase) else None
-            if isinstance(method, QuantizedLinearMethod) and all(method is not m for m in methods):
+        for _, layer in self.quantized_layers():
+            method = cast(QuantizedLinearMethod, layer.linear_method)
+            if all(method is not m for m in methods):
                 methods.append(method)
         return methods
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as held: parameters (the embedding table once) and quantized layers."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
-        for module in self.modules():
-            if isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod):
-                total += module.quantized.nbytes  # type: ignore[attr-defined]
-        return total
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        return params + sum(layer.quantized.nbytes for _, layer in self.quantized_layers())  # type: ignore[attr-defined]
 
     def dense_weight_bytes(self) -> int:
         """Bytes the weights would take unquantized, in the model's dtype (a tied head once: the table)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
-        for name, module in self.named_modules():
-            quantized = isinstance(module, LinearBase) and isinstance(module.linear_method, QuantizedLinearMethod)
-            if quantized and not (name == "lm_head" and self.config.tie_word_embeddings):
-                total += module.output_size * module.input_size * element
-        return total
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        tied = self.config.tie_word_embeddings
+        return params + sum(
+            layer.output_size * layer.input_size * element
+            for name, layer in self.quantized_layers()
+            if not (tied and name == "lm_head")
+        )
 
     def finish_loading(self) -> None:
         """After the layers are quantized: a tied table whose head is a quantized layer of its own is

@@ -24,7 +24,7 @@ from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, ge
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.linear import LinearMethod
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.layers.quant_linear import get_head_method, get_quant_method, quantized_layers, tune_quantized
+from tokenmill.layers.quant_linear import get_head_method, get_quant_method, tune_quantized, weights_by_shape
 from tokenmill.layers.quantize import QuantSpec
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
@@ -69,7 +69,7 @@ def prepare_native(
             "linear layers (%s): native kernel for %s; torch's GEMM otherwise", dtype, ", ".join(native) or "none"
         )
     for quantized in model.quantized_methods() if tune else []:
-        shapes = quantized_layers(model, quantized)
+        shapes = weights_by_shape(layer for _, layer in model.quantized_layers() if layer.linear_method is quantized)
         rows = {shape: max_tokens for shape in shapes}
         head = (model.config.vocab_size, model.config.hidden_size)
         if head in rows:
@@ -99,12 +99,13 @@ class Worker:
         dtype = model.dtype
         ops = model.ops
         self.weight_bytes = model.weight_bytes()
+        dense_bytes = model.dense_weight_bytes()
         logger.info(
             "weights: %.1f MiB (%s, quantization %s; %.1f MiB unquantized)",
             self.weight_bytes / 2**20,
             dtype,
             config.quantization,
-            model.dense_weight_bytes() / 2**20,
+            dense_bytes / 2**20,
         )
         self.model_config: ModelConfig = model.config
         self.dtype = dtype
@@ -118,7 +119,7 @@ class Worker:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         # on CPU, the default budget grows by what quantized weights free (on a GPU the free memory measured
         # after loading already counts it)
-        freed = max(0, model.dense_weight_bytes() - self.weight_bytes)
+        freed = max(0, dense_bytes - self.weight_bytes)
         budget = kv_cache_budget(
             self.device, config.kv_cache_memory, DEFAULT_CPU_KV_CACHE_MEMORY + freed, GPU_MEMORY_FRACTION, peak
         )

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import KVCache, check_batch, quantize_kv
+from tokenmill.layers.attention import KVCache, check_batch
+from tokenmill.layers.quantize import int8_rows_symmetric
 
 # Decodes are attended in groups of this many sequences of similar context length: a few more
 # kernel calls, in exchange for not padding every context to the longest one in the step.
@@ -123,7 +124,7 @@ class TorchReferenceBackend:
         # Write only the real tokens: padding never touches the cache.
         if cache.k_scale is not None and cache.v_scale is not None:  # int8: values and per-token scales
             for values, scales, x in ((cache.k, cache.k_scale, k[:n]), (cache.v, cache.v_scale, v[:n])):
-                q8, s = quantize_kv(x)
+                q8, s = int8_rows_symmetric(x)
                 values.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, q8)
                 scales.view(-1, num_kv_heads).index_copy_(0, md.slot_mapping, s)
         else:
