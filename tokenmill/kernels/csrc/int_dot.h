@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "convert.h"
@@ -22,9 +23,6 @@ namespace tm_int {
 // AMX machine: 1.24 ms that way, 1.12 this way). Sums are exact in int32 over chunks of at most CHUNK
 // k (|sum| <= 256 * 127 * 32767 < 2^31), then scaled into float32.
 constexpr int64_t CHUNK = 256;
-#ifndef TM_I8_U1
-#define TM_I8_U1 4
-#endif
 #ifndef TM_I8_HINT
 #define TM_I8_HINT _MM_HINT_T1
 #endif
@@ -81,10 +79,19 @@ struct I16 {
 #endif
 
 // Independent sums a row keeps so that chains of dependent instructions do not bound it (one x row:
-// four, two rows: two; more rows are independent chains themselves).
+// four, two rows: two; more rows are independent chains themselves; at one row 2, 4 and 8 measured alike).
 template <int MM>
 constexpr int chains() {
-  return MM == 1 ? TM_I8_U1 : MM == 2 ? 2 : 1;
+  return MM == 1 ? 4 : MM == 2 ? 2 : 1;
+}
+
+// f.template operator()<MM>() for the run-time row count mm in [1, MAXM] (the kernels' loops are
+// compiled per count, so their accumulators stay in registers).
+template <int MAXM, typename F>
+inline void with_rows(int64_t mm, F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (void)((mm == I + 1 ? (f.template operator()<I + 1>(), true) : false) || ...);
+  }(std::make_integer_sequence<int, MAXM>{});
 }
 
 // x [M, K] (row stride x_row) -> q [M, K], xs [M]: each row symmetric with its own scale, |q| <= QMAX,

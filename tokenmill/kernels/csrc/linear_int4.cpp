@@ -153,16 +153,7 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
       for (int64_t n = begin; n < end; ++n) {
         const uint8_t* pn = pp + n * (K / 2);
         const float *sn = sp + n * G, *mn = mp + n * G;
-        switch (mm) {
-          case 1: int4_row<1>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          case 2: int4_row<2>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          case 3: int4_row<3>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          case 4: int4_row<4>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          case 5: int4_row<5>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          case 6: int4_row<6>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          case 7: int4_row<7>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-          default: int4_row<8>(pn, sn, mn, shift, K, xm, xgm, G, sums); break;
-        }
+        with_rows<8>(mm, [&]<int MM>() { int4_row<MM>(pn, sn, mn, shift, K, xm, xgm, G, sums); });
         const float b = bias ? static_cast<float>(bias[n]) : 0.f;
         for (int64_t m = 0; m < mm; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m] * xs[m0 + m] + b);
       }

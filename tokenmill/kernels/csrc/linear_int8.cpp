@@ -175,12 +175,7 @@ void int8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int64_t mm = std::min<int64_t>(4, M - m0);
           const int16_t* xm = x16.data() + m0 * K;
-          switch (mm) {
-            case 1: int8_tile<1>(qp + n * K, K, sp + n, xm, sums); break;
-            case 2: int8_tile<2>(qp + n * K, K, sp + n, xm, sums); break;
-            case 3: int8_tile<3>(qp + n * K, K, sp + n, xm, sums); break;
-            default: int8_tile<4>(qp + n * K, K, sp + n, xm, sums); break;
-          }
+          with_rows<4>(mm, [&]<int MM>() { int8_tile<MM>(qp + n * K, K, sp + n, xm, sums); });
           for (int r = 0; r < TR; ++r) {
             const float b = bias ? static_cast<float>(bias[n + r]) : 0.f;
             for (int64_t m = 0; m < mm; ++m)
@@ -199,16 +194,7 @@ void int8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
       for (int64_t n = begin; n < end; ++n) {
         const int8_t* qn = qp + n * K;
         const float* sn = sp + n * G;
-        switch (mm) {
-          case 1: int8_row<1>(qn, sn, group, K, xm, sums); break;
-          case 2: int8_row<2>(qn, sn, group, K, xm, sums); break;
-          case 3: int8_row<3>(qn, sn, group, K, xm, sums); break;
-          case 4: int8_row<4>(qn, sn, group, K, xm, sums); break;
-          case 5: int8_row<5>(qn, sn, group, K, xm, sums); break;
-          case 6: int8_row<6>(qn, sn, group, K, xm, sums); break;
-          case 7: int8_row<7>(qn, sn, group, K, xm, sums); break;
-          default: int8_row<8>(qn, sn, group, K, xm, sums); break;
-        }
+        with_rows<8>(mm, [&]<int MM>() { int8_row<MM>(qn, sn, group, K, xm, sums); });
         const float b = bias ? static_cast<float>(bias[n]) : 0.f;
         for (int64_t m = 0; m < mm; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m] * xs[m0 + m] + b);
       }
@@ -344,12 +330,7 @@ void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int64_t mm = std::min<int64_t>(4, M - m0);
           const uint8_t* xm = xu.data() + m0 * K;
-          switch (mm) {
-            case 1: w8a8_tile<1>(qp + n * K, K, xm, ws + n, dots); break;
-            case 2: w8a8_tile<2>(qp + n * K, K, xm, ws + n, dots); break;
-            case 3: w8a8_tile<3>(qp + n * K, K, xm, ws + n, dots); break;
-            default: w8a8_tile<4>(qp + n * K, K, xm, ws + n, dots); break;
-          }
+          with_rows<4>(mm, [&]<int MM>() { w8a8_tile<MM>(qp + n * K, K, xm, ws + n, dots); });
           for (int r = 0; r < TR; ++r) {
             const float b = bias ? static_cast<float>(bias[n + r]) : 0.f;
             for (int64_t m = 0; m < mm; ++m)
@@ -372,16 +353,7 @@ void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
       const uint8_t* xum = xu.data() + m0 * K;
       for (int64_t n = begin; n < end; ++n) {
         const int8_t* qn = qp + n * K;
-        switch (mm) {
-          case 1: w8a8_row<1>(qn, K, xqm, xum, ws[n], dots); break;
-          case 2: w8a8_row<2>(qn, K, xqm, xum, ws[n], dots); break;
-          case 3: w8a8_row<3>(qn, K, xqm, xum, ws[n], dots); break;
-          case 4: w8a8_row<4>(qn, K, xqm, xum, ws[n], dots); break;
-          case 5: w8a8_row<5>(qn, K, xqm, xum, ws[n], dots); break;
-          case 6: w8a8_row<6>(qn, K, xqm, xum, ws[n], dots); break;
-          case 7: w8a8_row<7>(qn, K, xqm, xum, ws[n], dots); break;
-          default: w8a8_row<8>(qn, K, xqm, xum, ws[n], dots); break;
-        }
+        with_rows<8>(mm, [&]<int MM>() { w8a8_row<MM>(qn, K, xqm, xum, ws[n], dots); });
         const float b = bias ? static_cast<float>(bias[n]) : 0.f;
         for (int64_t m = 0; m < mm; ++m)
           y[(m0 + m) * y_row + n] = from_float<T>(static_cast<float>(dots[m]) * xs[m0 + m] * sp[n] + b);
