@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.autotune import time_candidates
 from tokenmill.kernels.cpu_build import cpu_flags, load_cpu_kernels
 
 SHAPES = ((768, 512), (512, 512), (2752, 512), (512, 1376))  # the peer model's qkv, o, gate_up, down
@@ -60,19 +59,6 @@ def int4_weights(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 1)
     sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [K / group, N, 2]
     return packed, sz, deq
-
-
-def time_all(fns: dict[str, Callable[[], None]], repeats: int = 7) -> dict[str, float]:
-    """Median ms of each, interleaved."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - t) * 1e3)
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def products(
@@ -159,7 +145,7 @@ def main() -> None:
         xs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
         xb = {k: x.bfloat16() for k, x in xs.items()}
         fns = products(dense, bf16, q8, q8_bf16_scales, q4, q4_bf16, xs, xb, m, kernels)
-        ms = time_all(fns)
+        ms = time_candidates(fns, repeats=7, sync=lambda: None)  # interleaved medians, the autotuner's timer
         # accuracy of each quantized op against the dense product of its own dequantized weights (first shape)
         x = xs[dense[0].shape[1]]
         q, s = q8[0]
