@@ -11,7 +11,8 @@ and the ratios against `none` (median and spread of the repeats).
 Quality: `tokenmill eval-quant` of each method, and of int4 with the output projection in int8, on
 the demo model (bfloat16, trained here) and on SmolLM2 (its layers are dequantized Q4_1 from the
 GGUF file: int4 in groups of 32 lands on that grid; its tied embedding / head was Q8_0), 16 windows of
-512 held-out tokens. `--models ""` runs the quality part alone.
+512 held-out tokens; and the KV tokens the default budget holds for the peer model in bfloat16 with
+a bfloat16 and an int8 KV cache. `--models ""` runs the quality and KV parts alone.
 Writes benchmarks/results/quantization.json and prints the README's table.
 
 Usage: python benchmarks/quantization.py [--repeats 3] [--models small,smollm2] [--skip-quality]
@@ -82,6 +83,15 @@ def quality(model: Path) -> dict[str, Any]:
     return out
 
 
+def kv_capacity(model: Path) -> dict[str, Any]:
+    """KV tokens the default budget holds for the model in bfloat16, with its own and an int8 cache
+    (the engine's own arithmetic: `llm.stats().kv_tokens`)."""
+    from tokenmill import LLM
+
+    tokens = {kv: LLM(str(model), dtype="bfloat16", kv_cache_dtype=kv).stats().kv_tokens for kv in ("auto", "int8")}
+    return {"bfloat16": tokens["auto"], "int8": tokens["int8"], "ratio": tokens["int8"] / tokens["auto"]}
+
+
 def median(stats: dict[str, Any]) -> float:
     return float(stats["median"]) if isinstance(stats, dict) else float(stats)
 
@@ -94,7 +104,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "quantization.json"))
     args = parser.parse_args()
     models = {"small": ensure_model(), "smollm2": SMOLLM2}
-    result: dict[str, Any] = {"speed": {}, "quality": {}}
+    result: dict[str, Any] = {"speed": {}, "quality": {}, "kv_cache_int8": {}}
     for name in filter(None, args.models.split(",")):
         folder = models[name]
         if not (folder / "config.json").is_file():
@@ -107,6 +117,8 @@ def main() -> None:
         for name, folder in (("demo", DEMO), ("smollm2", SMOLLM2)):
             if (folder / "config.json").is_file():
                 result["quality"][name] = quality(folder)
+        result["kv_cache_int8"]["small"] = kv_capacity(models["small"])
+        print(f"int8 KV cache, peer model in bfloat16: {result['kv_cache_int8']['small']}", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for name, entry in result["speed"].items():
         print(f"\n{name} ({entry['dtype']}): output tok/s, and the ratio over none (median [min-max] of the repeats)")
