@@ -21,11 +21,11 @@ a shape missing from the plan takes `default_kernel`):
   kernels do not build, torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
   activations: float32 ones are rounded to bfloat16 for it, as its float32 path runs 25x slower:
   30.8 against 1.15 ms for the peer model's products at one row on the AMX machine) or `dequant`.
-torchao 0.18 (the release for torch 2.13) was measured first, on the peer model's products on the
-AMX machine (bfloat16, 1 / 4 / 32 rows): its Int8WeightOnlyConfig took 9.9 / 11.2 / 11.4 ms,
-Int8DynamicActivationInt8WeightConfig 8.6 / 9.2 / 14.9, against 4.4 / 4.1 / 5.6 for the dense
-bfloat16 layers it replaces; Int4WeightOnlyConfig has no CPU packing format there (plain needs mslk,
-plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are called directly.
+torchao 0.18 (the release for torch 2.13) was measured first (benchmarks/torchao_probe.py, on the peer
+model's layers, bfloat16, 1 / 4 / 32 rows): its Int8WeightOnlyConfig took 9.8 / 9.2 / 9.8 ms,
+Int8DynamicActivationInt8WeightConfig 7.4 / 8.1 / 14.8, against 4.1 / 3.9 / 4.5 for the dense bfloat16
+layers they replace; Int4WeightOnlyConfig has no CPU packing format there (plain and preshuffled need
+mslk, plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are called directly.
 """
 
 from __future__ import annotations
