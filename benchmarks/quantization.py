@@ -83,6 +83,24 @@ def quality(model: Path) -> dict[str, Any]:
     return out
 
 
+def int4_grid_error(model: Path) -> dict[str, Any]:
+    """Relative RMS error of int4 in groups of 32 on two of the model's tensors, from its float32 file
+    and from a bfloat16 copy: whether its weights already sit on that grid (SmolLM2's layers were Q4_1)."""
+    import torch
+    from safetensors import safe_open
+
+    from tokenmill.layers.quantize import dequantize_int4, quantize_int4
+
+    out: dict[str, Any] = {}
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        for name in ("model.layers.3.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+            w = f.get_tensor(name).float()
+            for src, x in (("float32", w), ("bfloat16", w.bfloat16().float())):
+                err = dequantize_int4(quantize_int4(x, 32), torch.float32) - w
+                out[f"{name} from {src}"] = float(err.pow(2).mean().sqrt() / w.pow(2).mean().sqrt())
+    return out
+
+
 def kv_capacity(model: Path) -> dict[str, Any]:
     """KV tokens the default budget holds for the model in bfloat16, with its own and an int8 cache
     (the engine's own arithmetic: `llm.stats().kv_tokens`)."""
@@ -117,6 +135,9 @@ def main() -> None:
         for name, folder in (("demo", DEMO), ("smollm2", SMOLLM2)):
             if (folder / "config.json").is_file():
                 result["quality"][name] = quality(folder)
+        if (SMOLLM2 / "config.json").is_file():
+            result["int4_grid_error"] = {"smollm2": int4_grid_error(SMOLLM2)}
+            print(f"int4 g32 relative error on SmolLM2's tensors: {result['int4_grid_error']}", flush=True)
         result["kv_cache_int8"]["small"] = kv_capacity(models["small"])
         print(f"int8 KV cache, peer model in bfloat16: {result['kv_cache_int8']['small']}", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
