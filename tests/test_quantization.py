@@ -65,8 +65,10 @@ def test_int4_round_trips_through_both_layouts(k, group):
     ours, torchs = quantize_int4(w, group), quantize_int4pack(w, group)
     assert ours.packed.shape == (128, k // 2) and torch.equal(unpack_int4(ours), q)
     assert torch.equal(unpack_int4pack(torchs), q)  # the layout the dequantize path reads is torch's own
-    step = ours.scales.repeat_interleave(group, dim=1)
-    assert ((dequantize_int4(ours, torch.float32) - w).abs() <= step / 2 + 1e-6).all()
+    step = ours.scales.float().repeat_interleave(group, dim=1)
+    low = ours.mins.float().repeat_interleave(group, dim=1)
+    # within half a step of the grid, plus float16's rounding (2^-11) of the minimum and of 15 steps
+    assert ((dequantize_int4(ours, torch.float32) - w).abs() <= step / 2 + 2**-11 * (low.abs() + 15 * step)).all()
     # torch's: within half a step of the grid, plus the bfloat16 rounding of its scale and zero
     assert ((dequantize_int4pack(torchs, torch.float32) - w).abs() <= step / 2 + 0.01 * w.abs().amax()).all()
     with pytest.raises(ValueError, match="64 at a time; this layer has 96"):
@@ -108,6 +110,20 @@ def reference(method: QuantizedLinearMethod, w: object, x: torch.Tensor, bias: t
     return F.linear(x.float(), dense, None if bias is None else bias.float())
 
 
+def int4_native_reference(w: Int4Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the native int4 kernel computes: x rounded to int8 in runs of 32 (one scale a run, as
+    llama.cpp's Q8_0 activations) against q * scale, plus min * (each group's exact sum of x)."""
+    n, k = w.shape
+    runs = x.float().reshape(x.shape[0], k // 32, 32)
+    amax = runs.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = (torch.round(runs / scale) * scale).reshape(x.shape[0], k)
+    q = unpack_int4(w).float().reshape(n, k // w.group, w.group)
+    steps = (q * w.scales.float()[..., None]).reshape(n, k)
+    mins = w.mins.float().repeat_interleave(w.group, dim=1)
+    return xq @ steps.t() + x.float() @ mins.t() + (0 if bias is None else bias.float())
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,12 +142,15 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
         bias = (torch.randn(n) * 0.1).to(dtype)
         for rows in (1, 3, 8, 11, 70):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            ref = reference(method, w, x, bias)
             for kernel_name, kernel in method.kernels(dtype).items():
                 out = kernel(w, x, bias)
+                if kernel_name == "native" and name == "int4":
+                    ref = int4_native_reference(w, x, bias)
+                else:
+                    ref = reference(method, w, x, bias)
                 assert out.dtype == dtype and out.shape == (rows, n)
-                # float32: int8's 16-bit fixed-point activations (under 2^-15 of a row's largest value);
-                # bfloat16, and int4's bfloat16 kernel: the output's rounding
+                # float32: int8's 16-bit fixed-point activations (under 2^-15 of a row's largest value),
+                # int4's summation order; bfloat16, and int4's bfloat16 kernel: the output's rounding
                 tol = 3e-4 if dtype == torch.float32 and kernel_name != "int4pack" else 2e-2
                 err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                 assert err < tol, (name, kernel_name, n, k, rows, err)

@@ -53,8 +53,8 @@ class Int4Weight:
     """int4 in tokenmill's layout (kernels/csrc/linear_int4.cpp): W[n, k] ~ q * scales[n, g] + mins[n, g]."""
 
     packed: torch.Tensor  # [N, K / 2] uint8: per row, blocks of 64 k, byte j = k j (low) | k 32 + j (high)
-    scales: torch.Tensor  # [N, K / group] float32
-    mins: torch.Tensor  # [N, K / group] float32
+    scales: torch.Tensor  # [N, K / group] float16
+    mins: torch.Tensor  # [N, K / group] float16
     group: int
 
     @property
@@ -131,11 +131,13 @@ def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N
 
 def int4_values(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q [N, K] in 0..15 as int32, scale [N, K / group], zero [N, K / group]) (float32),
-    with W ~ (q - 8) * scale + zero."""
+    with W ~ (q - 8) * scale + zero. Each group's scale and minimum are rounded to float16 first (the
+    grid GGUF's Q4_1 stores, and what tokenmill's layout keeps), q rounded against them."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15
+    scale = ((hi - lo) / 15).half().float()
+    lo = lo.half().float()
     q = torch.round((g - lo[..., None]) / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(0, 15)
     return q.reshape(n, k).to(torch.int32), scale, lo + 8 * scale
 
@@ -144,7 +146,7 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
     """w [N, K] (K a multiple of 32) -> asymmetric int4 in groups of `group`, tokenmill's layout."""
     n, k = w.shape
     q, scale, zero = int4_values(w, group)
-    mins = zero - 8 * scale  # W ~ q * scale + min
+    mins = zero - 8 * scale  # W ~ q * scale + min (the float16 minimum: exact)
     full = k // 64 * 64
     blocks = q[:, :full].reshape(n, full // 64, 2, 32)
     parts = [(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, full // 2)]
@@ -152,7 +154,7 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
         tail = q[:, full:].reshape(n, 2, 16)
         parts.append(tail[:, 0] | (tail[:, 1] << 4))
     packed = torch.cat(parts, dim=1).to(torch.uint8).contiguous()
-    return Int4Weight(packed, scale.contiguous(), mins.contiguous(), group)
+    return Int4Weight(packed, scale.half().contiguous(), mins.half().contiguous(), group)
 
 
 def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
@@ -169,7 +171,7 @@ def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
     n, k = w.shape
-    g = unpack_int4(w).float().reshape(n, k // w.group, w.group) * w.scales[..., None] + w.mins[..., None]
+    g = unpack_int4(w).float().reshape(n, k // w.group, w.group) * w.scales.float()[..., None] + w.mins.float()[..., None]
     return g.reshape(n, k).to(dtype)
 
 

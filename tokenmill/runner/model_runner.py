@@ -63,7 +63,8 @@ class ModelRunner:
         with torch.inference_mode():
             start = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            if self.greedy_head and self._argmax_only(inputs):  # greedy tokens from the hidden states
+            argmax_only = self._argmax_only(inputs)
+            if self.greedy_head and argmax_only:  # greedy tokens from the hidden states
                 tokens = self.model.greedy_tokens(hidden[inputs.logits_rows])
                 if tokens is not None:
                     result.forward_seconds = time.perf_counter() - start
@@ -86,16 +87,18 @@ class ModelRunner:
                 state.next_prompt_logprob = rows.first_position + n
 
             if inputs.sample_rows:
-                self._sample(logits, inputs.sample_rows, result)
+                self._sample(logits, inputs.sample_rows, argmax_only, result)
         return result
 
-    def _sample(self, logits: torch.Tensor, sample_rows: dict[str, int], result: StepOutput) -> None:
+    def _sample(self, logits: torch.Tensor, sample_rows: dict[str, int], argmax_only: bool, result: StepOutput) -> None:
         ids = list(sample_rows)
-        metadata = self.batch.sampling_metadata(ids)
         rows = [sample_rows[i] for i in ids]
         if rows != list(range(logits.shape[0])):  # prompt-logprob rows are mixed in: pick the sampling ones
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
-        out = self.sampler(logits, metadata)
+        if argmax_only:  # nothing between the logits and their argmax: no sampling metadata to build
+            self._record(ids, self.sampler.argmax(logits).tolist(), None, result)
+            return
+        out = self.sampler(logits, self.batch.sampling_metadata(ids))
         self._record(ids, out.token_ids.tolist(), out.logprobs, result)
 
     def _record(self, ids: list[str], tokens: list[int], logprobs: LogprobsTensors | None, result: StepOutput) -> None:

@@ -13,10 +13,11 @@
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  // (floats written as floats: writing them through a uint32_t pointer breaks strict aliasing, and a
+  // local array read right after came back unwritten)
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(bits[i]) << 16);
 }
 
 // Rounds to the storage dtype (bfloat16: round to nearest even, NaN kept a quiet NaN, as torch does;
@@ -38,11 +39,10 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
 inline void from_float_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void from_float_row(const float* src, c10::BFloat16* dst, int64_t n) {
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(src);
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = in[i];
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
     const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
     out[i] = static_cast<uint16_t>(nan ? 0x7FC0u : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   }

@@ -1,23 +1,30 @@
 // Linear layers with int4 weights on the CPU, for decode batches (few x rows): y [M, N] = x [M, K] @
 // W^T (+ bias), W in asymmetric groups: W[n, k] = q[n, k] * scales[n, g] + mins[n, g], g = k / group,
-// q in 0..15.
+// q in 0..15, scales and mins float16 (the grid GGUF's Q4_1 stores).
 //
 // Layout (`packed` [N, K / 2] uint8, tokenmill's own): each row in blocks of 64 k, byte j (0..31) of a
 // block holding k = j in its low nibble and k = 32 + j in its high one, so one 32-byte load gives two
 // runs of 32 consecutive k; a last block of 32 k (K % 64 == 32) holds k = j and 16 + j in its 16 bytes.
-// x rows in 16-bit fixed point (int_dot.h): a group's sum is s * sum(q * x16) + m * sum(x16), the first
-// integer (vpdpwssd on the nibbles widened to int16), the second from per-group sums of x16 made
-// once per call. One weight row at a time against up to 8 x rows, each thread a contiguous range of
-// rows; group a power of two from 32 dividing K.
+//
+// x rows are quantized to int8 in runs of 32 k, one float scale a run (llama.cpp's Q8_0 activations),
+// so a run's product is one integer dot of unsigned nibbles with signed bytes (vpdpbusd: 64 products an
+// instruction; AVX2: vpmaddubsw + vpmaddwd), scaled once by scale(w) * scale(x); the mins' share,
+// min * sum(x over the group), takes the runs' float sums of x, made once per call. On the AMX machine
+// this took the peer model's int4 products at one row from 1.03 ms (x in 16-bit fixed point, nibbles
+// widened to int16, vpdpwssd) to the figure in benchmarks/results/quantization.json. One weight row at
+// a time against up to 8 x rows, each thread a contiguous range of rows; group a power of two from 32
+// dividing K.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -30,23 +37,54 @@ namespace {
 using namespace tm_int;
 using bf16 = c10::BFloat16;
 constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t RUN = 32;  // k per x scale
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// 32 bytes of a 64-k block -> its two runs of 32 k as int16 (low nibbles, then high)
-inline void unpack64(const uint8_t* p, __m512i& lo, __m512i& hi) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  lo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
-  hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
-}
-// 16 bytes of a 32-k block -> its 32 k as int16
-inline __m512i unpack32(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-  return _mm512_cvtepu8_epi16(both);
-}
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define TM_INT4_512 1
+// AVX-512 reads 128 k (64 bytes, two blocks) a load: its low nibbles are k 0-31 and 64-95, its high
+// ones k 32-63 and 96-127, so x is stored in that order within each whole 128 k.
+constexpr bool CHUNKED = true;
+#else
+constexpr bool CHUNKED = false;
 #endif
+
+// Where run r of a row's x goes (the order above within whole 128-k chunks, natural elsewhere).
+inline int64_t run_offset(int64_t r, int64_t K) {
+  if (!CHUNKED || r >= K / 128 * 4) return r * RUN;
+  constexpr int64_t place[4] = {0, 64, 32, 96};
+  return r / 4 * 128 + place[r % 4];
+}
+
+// x [M, K] -> xq [M, K] (int8, each run of 32 symmetric with its own scale, in run_offset order),
+// xs [M, K / 32] the runs' scales, xsum [M, K / 32] their float sums.
+template <typename T>
+void quantize_runs(const T* x, int64_t x_row, int64_t M, int64_t K, int8_t* xq, float* xs, float* xsum) {
+  const int64_t R = K / RUN;
+  float v[RUN];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < R; ++r) {
+      to_float(x + m * x_row + r * RUN, v, RUN);
+#if defined(TM_INT4_512)
+      // (vectorized: at one row the scalar loop cost a tenth of the product of a 512 x 512 layer)
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      int8_t* q = xq + m * K + run_offset(r, K);  // rounded to nearest even, as nearbyint
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+      xs[m * R + r] = amax / 127.f;
+      xsum[m * R + r] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+#else
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < RUN; ++i) amax = std::max(amax, std::fabs(v[i])), sum += v[i];
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = xq + m * K + run_offset(r, K);
+      for (int i = 0; i < RUN; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      xs[m * R + r] = amax / 127.f;
+      xsum[m * R + r] = sum;
+#endif
+    }
+}
 
 // The value of k in a row's packed bytes.
 inline int32_t nibble(const uint8_t* row, int64_t K, int64_t k) {
@@ -55,92 +93,222 @@ inline int32_t nibble(const uint8_t* row, int64_t K, int64_t k) {
   return (row[block * 32 + in % 16] >> (in < 16 ? 0 : 4)) & 15;  // the last block of 32
 }
 
-// sums[m] = sum over g of scales[g] * sum(q * x16[m]) + mins[g] * xg[m][g] (times xs[m] later) for one
-// weight row (its packed bytes, scales, mins), MM x rows (x16 row stride K; xg [MM, G] float).
-template <int MM>
-inline void int4_row(const uint8_t* p, const float* scales, const float* mins, int shift, int64_t K,
-                     const int16_t* x, const float* xg, int64_t G, float* sums) {
-  float bias_part[MM] = {};
-  for (int64_t g = 0; g < G; ++g)
-    for (int m = 0; m < MM; ++m) bias_part[m] += mins[g] * xg[m * G + g];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 tot[MM][2];
-  for (int m = 0; m < MM; ++m) tot[m][0] = tot[m][1] = _mm512_setzero_ps();
-  const int64_t full = K / 64 * 64;
-  if (shift == 5) {  // groups of 32: each run of a block is a group
-    for (int64_t k = 0; k < full; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + k / 2 + TM_I8_PREFETCH), TM_I8_HINT);
-      __m512i lo, hi;
-      unpack64(p + k / 2, lo, hi);
-      const __m512 s_lo = _mm512_set1_ps(scales[k >> 5]), s_hi = _mm512_set1_ps(scales[(k >> 5) + 1]);
-      for (int m = 0; m < MM; ++m) {
-        const __m512i a = I16::dot(I16::zero(), lo, I16::load_x(x + m * K + k));
-        const __m512i b = I16::dot(I16::zero(), hi, I16::load_x(x + m * K + k + 32));
-        tot[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s_lo, tot[m][0]);
-        tot[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s_hi, tot[m][1]);
-      }
-    }
-  } else {  // groups of 64 and more: whole blocks, summed in int32 until the group ends
-    const int64_t group = int64_t{1} << shift;
-    for (int64_t g0 = 0; g0 < full; g0 += group) {
-      __m512i acc[MM][2];
-      for (int m = 0; m < MM; ++m) acc[m][0] = acc[m][1] = I16::zero();
-      for (int64_t k = g0; k < std::min(full, g0 + group); k += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + k / 2 + TM_I8_PREFETCH), TM_I8_HINT);
-        __m512i lo, hi;
-        unpack64(p + k / 2, lo, hi);
-        for (int m = 0; m < MM; ++m) {
-          acc[m][0] = I16::dot(acc[m][0], lo, I16::load_x(x + m * K + k));
-          acc[m][1] = I16::dot(acc[m][1], hi, I16::load_x(x + m * K + k + 32));
-        }
-      }
-      const __m512 s = _mm512_set1_ps(scales[g0 >> shift]);
-      for (int m = 0; m < MM; ++m) {
-        tot[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][0]), s, tot[m][0]);
-        tot[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][1]), s, tot[m][1]);
-      }
-    }
-  }
-  if (full < K) {  // the last block of 32 (a group of its own only when group == 32)
-    const __m512i w = unpack32(p + full / 2);
-    const __m512 s = _mm512_set1_ps(scales[full >> shift]);
-    for (int m = 0; m < MM; ++m)
-      tot[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I16::dot(I16::zero(), w, I16::load_x(x + m * K + full))), s,
-                                  tot[m][0]);
-  }
-  for (int m = 0; m < MM; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(tot[m][0], tot[m][1])) + bias_part[m];
+inline float half_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
 #else
-  // other instruction sets: scalar, one group at a time
-  const int64_t group = int64_t{1} << shift;
-  for (int m = 0; m < MM; ++m) sums[m] = bias_part[m];
-  for (int64_t g0 = 0; g0 < K; g0 += group) {
-    int64_t dot[MM] = {};
-    for (int64_t k = g0; k < g0 + group; ++k) {
-      const int32_t q = nibble(p, K, k);
-      for (int m = 0; m < MM; ++m) dot[m] += q * x[m * K + k];
-    }
-    for (int m = 0; m < MM; ++m) sums[m] += scales[g0 >> shift] * static_cast<float>(dot[m]);
-  }
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
 }
+
+// One weight row against a few x rows: what a kernel needs to know of them.
+struct RowArgs {
+  const uint8_t* p;   // the row's packed bytes
+  const uint16_t* s;  // its scales [G] (float16 bits)
+  const uint16_t* mn; // its mins [G]
+  int shift;          // log2(group) - 5: runs a group
+  int64_t K;
+  const int8_t* xq;   // x rows [MM, K]
+  const float* xs;    // [MM, R]
+  const float* xsum;  // [MM, R]
+};
+
+#if defined(TM_INT4_512)
+// unsigned bytes u . signed bytes s, four adjacent products summed into each int32 lane
+inline __m512i dot512(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+inline __m256i dot256(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+inline __m128i dot128(__m128i u, __m128i s) {
+#if defined(__AVX512VNNI__)
+  return _mm_dpbusd_epi32(_mm_setzero_si128(), u, s);
+#else
+  return _mm_madd_epi16(_mm_maddubs_epi16(u, s), _mm_set1_epi16(1));
+#endif
+}
+
+// 16 lanes: the float16 values of runs r0 .. r0 + 15 (value index r >> shift), zero past `count` runs
+inline __m512 per_run(const uint16_t* v, int64_t r0, int count, int shift) {
+  const int64_t first = r0 >> shift;
+  const int values = ((r0 + count - 1) >> shift) - first + 1;
+  const __m512 h = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << values) - 1), v + first));
+  if (shift == 0) return h;
+  const __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(r0)),
+                                                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                                         shift),
+                                       _mm512_set1_epi32(static_cast<int>(first)));
+  return _mm512_maskz_permutexvar_ps(static_cast<__mmask16>((1u << count) - 1), idx, h);
+}
+
+// Lane permutations putting a segment's 16 run scales where a chunk's products are: chunk j's low
+// nibbles hold runs 4j (lanes 0-7) and 4j + 2 (lanes 8-15), its high ones runs 4j + 1 and 4j + 3.
+alignas(64) constexpr int32_t RUN_LANES[8][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2},         {1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6},         {5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 10, 10, 10, 10, 10, 10, 10, 10}, {9, 9, 9, 9, 9, 9, 9, 9, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 14, 14, 14, 14, 14, 14, 14, 14},
+    {13, 13, 13, 13, 13, 13, 13, 13, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+// Whole 128-k chunks [c0, c1) of a segment of runs from r0 = 4 * c0 (at most four), into tot.
+template <int MM>
+__attribute__((always_inline)) inline void chunks(const RowArgs& a, int64_t c0, int64_t c1, const __m512 (&sc)[MM],
+                                                  __m512 (&tot)[MM][2]) {
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t c = c0; c < c1; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.p + c * 64 + TM_I8_PREFETCH), TM_I8_HINT);
+    const __m512i w = _mm512_loadu_si512(a.p + c * 64);
+    const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+    const __m512i lo_idx = _mm512_load_si512(RUN_LANES[2 * (c - c0)]), hi_idx = _mm512_load_si512(RUN_LANES[2 * (c - c0) + 1]);
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* x = a.xq + m * a.K + c * 128;
+      const __m512i dlo = dot512(lo, _mm512_loadu_si512(x)), dhi = dot512(hi, _mm512_loadu_si512(x + 64));
+      tot[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), _mm512_permutexvar_ps(lo_idx, sc[m]), tot[m][0]);
+      tot[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(hi_idx, sc[m]), tot[m][1]);
+    }
+  }
+}
+
+// Runs r0 .. r0 + count - 1 (count <= 16) of the weight row against MM x rows, into tot; G32: groups of
+// 32 (one scale a run, read straight from the row's float16 values).
+template <int MM, bool G32>
+__attribute__((always_inline)) inline void segment(const RowArgs& a, int64_t r0, int count, __m512 (&tot)[MM][2]) {
+  const int64_t K = a.K, R = K / RUN, whole = K / 128;
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  __m512 sw, mw;
+  if (G32 && count == 16) {
+    sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + r0)));
+    mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.mn + r0)));
+  } else {
+    sw = per_run(a.s, r0, count, a.shift), mw = per_run(a.mn, r0, count, a.shift);
+  }
+  __m512 sc[MM];  // scale(w) * scale(x) of each run
+  for (int m = 0; m < MM; ++m) {
+    sc[m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mask, a.xs + m * R + r0));
+    tot[m][1] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(mask, a.xsum + m * R + r0), tot[m][1]);
+  }
+  if (count == 16) return chunks<MM>(a, r0 / 4, r0 / 4 + 4, sc, tot);
+  chunks<MM>(a, r0 / 4, std::min(whole, (r0 + count) / 4), sc, tot);
+  // the tail past the whole chunks (the row's last runs): a block of 64 k, then one of 32
+  int64_t k = whole * 128;
+  int lane = static_cast<int>(whole * 4 - r0);
+  if (K - k >= 64) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.p + k / 2));
+    const __m256i n4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(w, n4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), n4);
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* x = a.xq + m * K + k;
+      const __m256 slo = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set1_epi32(lane), sc[m]));
+      const __m256 shi = _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_set1_epi32(lane + 1), sc[m]));
+      const __m256i dlo = dot256(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+      const __m256i dhi = dot256(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+      const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), shi, _mm256_mul_ps(_mm256_cvtepi32_ps(dlo), slo));
+      tot[m][0] = _mm512_add_ps(tot[m][0], _mm512_zextps256_ps512(part));
+    }
+    k += 64, lane += 2;
+  }
+  if (K - k == 32) {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.p + k / 2));
+    const __m128i n4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(w, n4), hi = _mm_and_si128(_mm_srli_epi16(w, 4), n4);
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* x = a.xq + m * K + k;
+      const __m128i d = _mm_add_epi32(dot128(lo, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x))),
+                                      dot128(hi, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16))));
+      const __m128 s = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set1_epi32(lane), sc[m]));
+      tot[m][0] = _mm512_add_ps(tot[m][0], _mm512_zextps128_ps512(_mm_mul_ps(_mm_cvtepi32_ps(d), s)));
+    }
+  }
+}
+
+template <int MM, bool G32>
+__attribute__((always_inline)) inline void int4_row(const RowArgs& a, float* sums) {
+  const int64_t R = a.K / RUN;
+  __m512 tot[MM][2];
+  for (int m = 0; m < MM; ++m) tot[m][0] = tot[m][1] = _mm512_setzero_ps();
+  int64_t r0 = 0;
+  for (; r0 + 16 <= R; r0 += 16) segment<MM, G32>(a, r0, 16, tot);
+  if (r0 < R) segment<MM, G32>(a, r0, static_cast<int>(R - r0), tot);
+  for (int m = 0; m < MM; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(tot[m][0], tot[m][1]));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2: 64 k (one block, two runs) a load, x in natural order; the runs' scales as scalars
+template <int MM, bool G32>
+inline void int4_row(const RowArgs& a, float* sums) {
+  const int64_t K = a.K, R = K / RUN, full = K / 64 * 64;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 tot[MM][2];
+  float mins_part[MM] = {};
+  for (int m = 0; m < MM; ++m) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < full; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.p + k / 2 + TM_I8_PREFETCH), TM_I8_HINT);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.p + k / 2));
+    const __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
+    const int64_t r = k / RUN;
+    const float s_lo = half_float(a.s[r >> a.shift]), s_hi = half_float(a.s[(r + 1) >> a.shift]);
+    const float m_lo = half_float(a.mn[r >> a.shift]), m_hi = half_float(a.mn[(r + 1) >> a.shift]);
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* x = a.xq + m * K + k;
+      const __m256i dlo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), ones);
+      const __m256i dhi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))), ones);
+      const float* xs = a.xs + m * R + r;
+      tot[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(s_lo * xs[0]), tot[m][0]);
+      tot[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(s_hi * xs[1]), tot[m][1]);
+      mins_part[m] += m_lo * a.xsum[m * R + r] + m_hi * a.xsum[m * R + r + 1];
+    }
+  }
+  if (full < K) {  // the last block of 32: one run
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.p + full / 2));
+    const __m128i n4 = _mm_set1_epi8(0x0F);
+    const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(w, 4), n4), _mm_and_si128(w, n4));
+    const int64_t r = full / RUN;
+    const float s = half_float(a.s[r >> a.shift]), mn = half_float(a.mn[r >> a.shift]);
+    for (int m = 0; m < MM; ++m) {
+      const __m256i d = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(both, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + m * K + full))), ones);
+      tot[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s * a.xs[m * R + r]), tot[m][0]);
+      mins_part[m] += mn * a.xsum[m * R + r];
+    }
+  }
+  for (int m = 0; m < MM; ++m) sums[m] = hsum8(_mm256_add_ps(tot[m][0], tot[m][1])) + mins_part[m];
+}
+#else
+// other instruction sets: scalar, one run at a time
+template <int MM, bool G32>
+inline void int4_row(const RowArgs& a, float* sums) {
+  const int64_t K = a.K, R = K / RUN;
+  for (int m = 0; m < MM; ++m) sums[m] = 0.f;
+  for (int64_t r = 0; r < R; ++r) {
+    const float s = half_float(a.s[r >> a.shift]), mn = half_float(a.mn[r >> a.shift]);
+    for (int m = 0; m < MM; ++m) {
+      int32_t dot = 0;
+      for (int64_t i = 0; i < RUN; ++i) dot += nibble(a.p, K, r * RUN + i) * a.xq[m * K + r * RUN + i];
+      sums[m] += s * a.xs[m * R + r] * static_cast<float>(dot) + mn * a.xsum[m * R + r];
+    }
+  }
+}
+#endif
 
 template <typename T>
 void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& packed,
                const at::Tensor& scales, const at::Tensor& mins, int64_t group, const T* bias) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, G = K / group;
-  std::vector<int16_t> x16(M * K);
-  std::vector<float> xs(M), xg(M * G);  // xg: each group's sum of x16, per x row
-  to_int16_rows(x, x_row, M, K, x16.data(), xs.data());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      int64_t sum = 0;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x16[m * K + k];
-      xg[m * G + g] = static_cast<float>(sum);
-    }
-  const int shift = std::countr_zero(static_cast<uint64_t>(group));
+  const int64_t N = packed.size(0), K = packed.size(1) * 2, G = K / group, R = K / RUN;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * R), xsum(M * R);
+  quantize_runs(x, x_row, M, K, xq.data(), xs.data(), xsum.data());
+  const int shift = std::countr_zero(static_cast<uint64_t>(group)) - 5;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   T* y = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / K);  // ~128 KB of weights a thread at least
@@ -148,15 +316,21 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
     float sums[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mm = std::min(MAX_ROWS, M - m0);
-      const int16_t* xm = x16.data() + m0 * K;
-      const float* xgm = xg.data() + m0 * G;
-      for (int64_t n = begin; n < end; ++n) {
-        const uint8_t* pn = pp + n * (K / 2);
-        const float *sn = sp + n * G, *mn = mp + n * G;
-        with_rows<8>(mm, [&]<int MM>() { int4_row<MM>(pn, sn, mn, shift, K, xm, xgm, G, sums); });
-        const float b = bias ? static_cast<float>(bias[n]) : 0.f;
-        for (int64_t m = 0; m < mm; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m] * xs[m0 + m] + b);
-      }
+      RowArgs a{nullptr, nullptr, nullptr, shift, K, xq.data() + m0 * K, xs.data() + m0 * R, xsum.data() + m0 * R};
+      const auto rows = [&]<int MM, bool G32>() {
+        for (int64_t n = begin; n < end; ++n) {
+          a.p = pp + n * (K / 2), a.s = sp + n * G, a.mn = mp + n * G;
+          int4_row<MM, G32>(a, sums);
+          const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+          for (int64_t m = 0; m < MM; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m] + b);
+        }
+      };
+      with_rows<8>(mm, [&]<int MM>() {
+        if (shift == 0)
+          rows.template operator()<MM, true>();
+        else
+          rows.template operator()<MM, false>();
+      });
     }
   });
 }
@@ -166,7 +340,7 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
 namespace tokenmill {
 
 // out [M, N] = x [M, K] @ W^T (+ bias), W as packed [N, K / 2] (uint8, the layout above), scales and mins
-// [N, K / group] (float32).
+// [N, K / group] (float16).
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_int4: x must be [M, K] with contiguous rows");
@@ -174,14 +348,13 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.size(1) * 2 == K && K % 32 == 0,
               "linear_int4: packed must be contiguous uint8 [N, K / 2] for x [M, K], K a multiple of 32");
-  // (a group's int32 sum stays under 4096 * 15 * 32767 < 2^31)
-  TORCH_CHECK(group >= 32 && group <= 4096 && (group & (group - 1)) == 0 && K % group == 0,
+    TORCH_CHECK(group >= 32 && group <= 4096 && (group & (group - 1)) == 0 && K % group == 0,
               "linear_int4: group must be a power of two from 32 to 4096 dividing K, got ", group);
   const int64_t N = packed.size(0);
   for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->scalar_type() == at::kFloat && t->size(0) == N &&
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->scalar_type() == at::kHalf && t->size(0) == N &&
                     t->size(1) == K / group,
-                "linear_int4: scales and mins must be contiguous float32 [N, K / group]");
+                "linear_int4: scales and mins must be contiguous float16 [N, K / group]");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M && out.size(1) == N,
               "linear_int4: out must be [M, N] with contiguous rows");
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -197,8 +370,8 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 #if defined(TM_AMX)
     // the weights dequantized 32 k of a row at a time (q * scale + min: one group a step) into bfloat16 tiles
     const uint8_t* pp = packed.data_ptr<uint8_t>();
-    const float* sp = scales.data_ptr<float>();
-    const float* mp = mins.data_ptr<float>();
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    const uint16_t* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
     const int64_t G = K / group, full = K / 64 * 64;
     const int shift = std::countr_zero(static_cast<uint64_t>(group));
     bf16* y = out.data_ptr<bf16>();
@@ -219,7 +392,8 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
         lo = _mm_and_si128(bytes, mask);
         hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
       }
-      const __m512 s = _mm512_set1_ps(sp[n * G + (k >> shift)]), m = _mm512_set1_ps(mp[n * G + (k >> shift)]);
+      const __m512 s = _mm512_set1_ps(_cvtsh_ss(sp[n * G + (k >> shift)]));
+      const __m512 m = _mm512_set1_ps(_cvtsh_ss(mp[n * G + (k >> shift)]));
       const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
       const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
       return tm_amx::to_bf16x32(flo, fhi);
