@@ -171,7 +171,8 @@ def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
     n, k = w.shape
-    g = unpack_int4(w).float().reshape(n, k // w.group, w.group) * w.scales.float()[..., None] + w.mins.float()[..., None]
+    q = unpack_int4(w).float().reshape(n, k // w.group, w.group)
+    g = q * w.scales.float()[..., None] + w.mins.float()[..., None]
     return g.reshape(n, k).to(dtype)
 
 
