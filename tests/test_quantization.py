@@ -260,7 +260,7 @@ def test_a_group_size_that_does_not_divide_names_the_layer(tiny_model_dir):
     llm = LLM(str(folder), quantization="int8", quantization_group_size=64, quantization_group_fallback=True)
     down = llm.engine.core.worker.runner.model.layers[0].mlp.down_proj
     assert down.quantized.group == 32
-    with pytest.raises(ValueError, match="quantization_group_size, quantization_head: apply to a quantization"):
+    with pytest.raises(ValueError, match="quantization_group_size, quantization_head: apply to int8, int4 or w8a8"):
         LLM(str(folder), quantization_group_size=64)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 GREEDY_HEAD = ("auto", "head", "logits")
-QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATION_HEADS = ("same", "int8")
 SCHEDULING = ("continuous", "static")
@@ -163,10 +163,12 @@ class EngineConfig:
         choices=KV_CACHE_DTYPES,
     )
     quantization: str = setting(
-        "none",
-        "quantize the linear layers (the output projection included) at load: int8 (weight-only, per output "
-        "channel, or per group with --quantization-group-size), int4 (weight-only, asymmetric groups of 32 "
-        "by default), w8a8 (int8 weights per channel, int8 activations per row at run time)",
+        "auto",
+        "the linear layers' weights: auto (as the checkpoint holds them: a GGUF file's Q8_0, Q4_0 and Q4_1 "
+        "matrices stay quantized, everything else in --dtype), none (everything in --dtype), or quantized at "
+        "load, the output projection included: int8 (weight-only, per output channel, or per group with "
+        "--quantization-group-size), int4 (weight-only, asymmetric groups of 32 by default), w8a8 (int8 "
+        "weights per channel, int8 activations per row at run time)",
         choices=QUANTIZATIONS,
     )
     quantization_group_size: int | None = setting(

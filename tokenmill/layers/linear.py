@@ -12,6 +12,9 @@ included in that one copy), or raises `WeightShapeError`. `shard_id` is None for
 the shard's name for a `MergedLinear` ("q", "k", "v" or "gate", "up" in the Llama family). A
 method names its parameters after the checkpoint tensors' suffixes (`weight`, `bias`; a pre-quantized
 format's `qweight`, `scales`, ...), so the model maps `...q_proj.<suffix>` to `...qkv_proj.<suffix>`.
+A checkpoint that holds a layer quantized already (GGUF's Q8_0 / Q4_x blocks) hands its loader the
+quantized weights instead of a tensor (`QuantizedShardLoader` in quant_linear.py); the layer is
+switched to that method before loading (`LinearBase.use_method`).
 Parameters without a `weight_loader` (embedding, norms) are filled by `default_weight_loader`.
 The attribute lives on the Parameter object: load before moving the model (`.to()` makes new ones).
 """
@@ -169,6 +172,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., input_size] -> [..., output_size]
         return self.linear_method.apply(self, x, self.bias)
+
+    def use_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
+        """Hold this layer's weights with `method` instead: its parameters are made anew (before loading)."""
+        bias = self.bias is not None
+        for name in list(self._parameters):
+            del self._parameters[name]
+        self.register_parameter("bias", None)
+        self.linear_method = method
+        method.create_weights(self, self.input_size, self.output_sizes, bias, dtype)
 
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)

@@ -16,9 +16,10 @@ a shape missing from the plan takes `default_kernel`):
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
   products, VNNI where the CPU has it), `tiled` (as int8's), `amx` (AMX's int8 tiles, where the CPU
   has them) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same per-row quantization).
-- `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout),
-  `amx` (as int8's, each group dequantized to bfloat16 as it is read) or `dequant`; where the native
-  kernels do not build, torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
+- `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout;
+  the activations rounded to int8 in runs of 32, as llama.cpp's Q8_0 activations), `amx` (as int8's,
+  each group dequantized to bfloat16 as it is read) or `dequant`; where the native kernels do not build,
+  torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
   activations: float32 ones are rounded to bfloat16 for it, as its float32 path runs 25x slower:
   30.8 against 1.15 ms for the peer model's products at one row on the AMX machine) or `dequant`.
 torchao 0.18 (the release for torch 2.13) was measured first (benchmarks/torchao_probe.py, on the peer
@@ -31,9 +32,10 @@ mslk, plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +45,25 @@ from tokenmill.config import QUANTIZATION_HEADS, QUANTIZATIONS
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import CpuKernels
 from tokenmill.layers.cpu_linear import tune_row_classes
-from tokenmill.layers.linear import LinearBase, LinearMethod, Shape, ShardLoader, register_bias, set_weight_loader
+from tokenmill.layers.linear import (
+    LinearBase,
+    LinearMethod,
+    Shape,
+    Shard,
+    ShardId,
+    ShardLoader,
+    WeightLoadError,
+    WeightShapeError,
+    register_bias,
+    set_weight_loader,
+)
 from tokenmill.layers.quantize import (
     Int4PackWeight,
     Int4Weight,
     Int8Weight,
     QuantSpec,
     choose_group,
+    concat_rows,
     dequantize_int4,
     dequantize_int4pack,
     dequantize_int8,
@@ -81,16 +95,45 @@ class HeadRows(nn.Module):
         return cast(QuantizedLinearMethod, head.linear_method).rows(head, ids, self.dtype)
 
 
+@dataclass(frozen=True)
+class QuantizedShardLoader:
+    """The weight loader of a layer whose checkpoint holds it quantized already (GGUF's Q8_0 / Q4_0 /
+    Q4_1 blocks): each shard arrives as an `Int8Weight` / `Int4Weight` and waits in `pieces` until
+    the layer stacks them after loading."""
+
+    shards: dict[ShardId, Shard]
+    input_size: int
+    format: type
+    pieces: dict[ShardId, object]
+
+    def __call__(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            names = ", ".join(repr(s) for s in self.shards)
+            raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
+        if not isinstance(loaded, self.format):
+            raise WeightLoadError(f"expected quantized weights ({self.format.__name__}), got {type(loaded).__name__}")
+        shape = cast(Int8Weight | Int4Weight, loaded).shape
+        if tuple(shape) != (shard.size, self.input_size):
+            raise WeightShapeError(tuple(shape), (shard.size, self.input_size), shard_id)
+        self.pieces[shard_id] = loaded
+
+
 class QuantizedLinearMethod(LinearMethod):
-    """A dense weight at load, quantized after it; products by the kernel the plan names for the
-    weight's shape at the input's row count."""
+    """A dense weight at load, quantized after it (or, `prequantized`, the checkpoint's quantized
+    weights as they are); products by the kernel the plan names for the weight's shape at the input's
+    row count."""
 
     name = "quantized"
     default_kernel = "dequant"
+    format: type = object  # the quantized weights this method holds
+    # kernels kept to decode batches (at most this many rows), whatever they time at more
+    row_limits: ClassVar[Mapping[str, int]] = {}
 
-    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None, prequantized: bool = False) -> None:
         self.spec = spec
         self.ops = kernels.ops if kernels is not None else None
+        self.prequantized = prequantized
         self.plan: dict[Shape, tuple[str, ...]] = {}  # (out, in) -> kernel name by row count (tune_row_classes)
         self._kernels: dict[torch.dtype, dict[str, Kernel]] = {}
 
@@ -98,14 +141,26 @@ class QuantizedLinearMethod(LinearMethod):
     def create_weights(
         self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
-        weight = torch.empty(sum(output_sizes), input_size, dtype=dtype)  # [out, in]: dropped once quantized
-        layer.register_parameter(
-            "weight", set_weight_loader(nn.Parameter(weight, requires_grad=False), ShardLoader(layer.shards))
-        )
+        if self.prequantized:  # a placeholder whose loader collects the shards' quantized weights
+            pieces: dict[ShardId, object] = {}
+            layer.quantized_pieces = pieces  # type: ignore[assignment]
+            loader = QuantizedShardLoader(layer.shards, input_size, self.format, pieces)
+            placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+            layer.register_parameter("weight", set_weight_loader(placeholder, loader))
+        else:
+            weight = torch.empty(sum(output_sizes), input_size, dtype=dtype)  # [out, in]: dropped once quantized
+            layer.register_parameter(
+                "weight", set_weight_loader(nn.Parameter(weight, requires_grad=False), ShardLoader(layer.shards))
+            )
         if bias:
             register_bias(layer, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if self.prequantized:
+            pieces = cast(dict[ShardId, Int8Weight | Int4Weight], layer.quantized_pieces)
+            layer.quantized = concat_rows([pieces[sid] for sid in layer.shards])  # type: ignore[arg-type, assignment]
+            del layer.quantized_pieces, layer.weight
+            return
         weight = cast(torch.Tensor, layer.weight)
         group = choose_group(self.spec, weight.shape[1], "this layer")
         layer.quantized = self.quantize(weight.data, group)  # type: ignore[assignment]
@@ -130,7 +185,9 @@ class QuantizedLinearMethod(LinearMethod):
 
     def kernel_for(self, shape: Shape, rows: int) -> str:
         plan = self.plan.get(shape)
-        return self.default_kernel if plan is None else plan[min(rows, len(plan) - 1)]
+        if plan is not None:
+            return plan[min(rows, len(plan) - 1)]
+        return self.default_kernel if rows <= self.row_limits.get(self.default_kernel, rows) else "dequant"
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = (layer.output_size, layer.input_size)
@@ -158,9 +215,10 @@ class Int8LinearMethod(QuantizedLinearMethod):
     """int8 weight-only, per output channel or per group."""
 
     name = "int8"
+    format = Int8Weight
 
-    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
-        super().__init__(spec, kernels)
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None, prequantized: bool = False) -> None:
+        super().__init__(spec, kernels, prequantized)
         self.default_kernel = "native" if self.ops is not None else "dequant"
 
     def quantize(self, weight: torch.Tensor, group: int) -> Int8Weight:
@@ -237,16 +295,24 @@ class Int4LinearMethod(QuantizedLinearMethod):
     build) torch's layout and CPU int4 kernel."""
 
     name = "int4"
+    format = Int4Weight
+    # the native kernel rounds activations to int8 in runs of 32: fine for a decode step, not for a
+    # prompt's rows (SmolLM2's GGUF in float32 answered "La femme de France, ..." to "What is the
+    # capital of France?" with its prompt through it; through the dequantizing kernel, "... Paris.")
+    row_limits: ClassVar[Mapping[str, int]] = {"native": 8}
 
-    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None) -> None:
-        super().__init__(spec, kernels)
-        self.default_kernel = "native" if self.ops is not None else "int4pack"
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels | None, prequantized: bool = False) -> None:
+        super().__init__(spec, kernels, prequantized)
+        # (a checkpoint's int4 weights stay in tokenmill's layout: torch's holds its scales in bfloat16)
+        self.default_kernel = "native" if self.ops is not None else "dequant" if prequantized else "int4pack"
 
     def quantize(self, weight: torch.Tensor, group: int) -> Int4Weight | Int4PackWeight:
         return quantize_int4(weight, group) if self.ops is not None else quantize_int4pack(weight, group)
 
     def make_kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
         if self.ops is None:
+            if self.prequantized:
+                return {"dequant": self._dequant}
             return {"int4pack": self._int4pack, "dequant": self._dequant}
         out: dict[str, Kernel] = {"native": partial(self._native, amx=False), "dequant": self._dequant}
         if self.amx_bf16(dtype):
@@ -335,7 +401,9 @@ def tune_quantized(
             f"{method.name} g{group} {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} "
             f"rows {low}-{high} at {ends} x{len(timed)}"
         )
-        return tuner.choose("quant_linear", what, {name: _over(k, inputs, timed) for name, k in kernels.items()}).name
+        allowed = {name: k for name, k in kernels.items() if high <= method.row_limits.get(name, high)}
+        candidates = {name: _over(k, inputs, timed) for name, k in (allowed or kernels).items()}
+        return tuner.choose("quant_linear", what, candidates).name
 
     plans, summary = tune_row_classes(shapes, max_rows, choose)
     method.plan.update(plans)

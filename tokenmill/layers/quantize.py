@@ -17,6 +17,7 @@ from 32 below it that divides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -42,6 +43,10 @@ class Int8Weight:
     scales: torch.Tensor  # [N, K // group] float32
     group: int
     wsums: torch.Tensor  # [N] int32: each row's sum of q
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +124,7 @@ def quantize_int8(w: torch.Tensor, group: int) -> Int8Weight:
     g = w.float().reshape(n, k // group, group)
     scales = g.abs().amax(-1) / 127  # [N, K / group]
     q = torch.round(g / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
-    q8 = q.to(torch.int8).reshape(n, k)
-    return Int8Weight(q8.contiguous(), scales.contiguous(), group, q8.sum(1, dtype=torch.int32))
+    return int8_weight(q.to(torch.int8).reshape(n, k), scales, group)
 
 
 def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
@@ -144,9 +148,15 @@ def int4_values(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 
 def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
     """w [N, K] (K a multiple of 32) -> asymmetric int4 in groups of `group`, tokenmill's layout."""
-    n, k = w.shape
     q, scale, zero = int4_values(w, group)
     mins = zero - 8 * scale  # W ~ q * scale + min (the float16 minimum: exact)
+    return pack_int4(q, scale.half(), mins.half(), group)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> Int4Weight:
+    """Values q [N, K] in 0..15 (K a multiple of 32), scales and mins [N, K / group] (float16) ->
+    tokenmill's layout, W = q * scale + min."""
+    n, k = q.shape
     full = k // 64 * 64
     blocks = q[:, :full].reshape(n, full // 64, 2, 32)
     parts = [(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, full // 2)]
@@ -154,7 +164,31 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
         tail = q[:, full:].reshape(n, 2, 16)
         parts.append(tail[:, 0] | (tail[:, 1] << 4))
     packed = torch.cat(parts, dim=1).to(torch.uint8).contiguous()
-    return Int4Weight(packed, scale.half().contiguous(), mins.half().contiguous(), group)
+    return Int4Weight(packed, scales.contiguous(), mins.contiguous(), group)
+
+
+def int8_weight(q: torch.Tensor, scales: torch.Tensor, group: int) -> Int8Weight:
+    """q [N, K] int8 with its scales [N, K / group] (float32) as an `Int8Weight`."""
+    return Int8Weight(q.contiguous(), scales.float().contiguous(), group, q.sum(1, dtype=torch.int32))
+
+
+def concat_rows(parts: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
+    """Quantized weights of one input width and group stacked along the output rows (a fused
+    layer's shards, in order)."""
+    first = parts[0]
+    if any(type(p) is not type(first) or p.group != first.group for p in parts):
+        raise ValueError("the shards of one layer must share a format and a group size")
+    if isinstance(first, Int8Weight):
+        int8 = cast(list[Int8Weight], parts)
+        return Int8Weight(
+            torch.cat([p.q for p in int8]), torch.cat([p.scales for p in int8]), first.group,
+            torch.cat([p.wsums for p in int8]),
+        )  # fmt: skip
+    int4 = cast(list[Int4Weight], parts)
+    return Int4Weight(
+        torch.cat([p.packed for p in int4]), torch.cat([p.scales for p in int4]), torch.cat([p.mins for p in int4]),
+        first.group,
+    )  # fmt: skip
 
 
 def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15

@@ -4,7 +4,8 @@ Owns opening a GGUF with the `gguf` package's reader (never parsing the format b
 llama.cpp's metadata keys to the fields of a Hugging Face `config.json` (validated by the same
 `parse_config` as a folder's, errors naming the GGUF key), mapping tensor names (`blk.3.attn_q.weight`)
 to the model's checkpoint names (`model.layers.3.self_attn.q_proj.weight`), dequantizing every
-supported tensor type to float32 with `gguf.quants.dequantize`, and undoing the row permutation
+supported tensor type to float32 with `gguf.quants.dequantize` (or handing the Q8_0 / Q4_0 / Q4_1
+matrices the model keeps quantized over as they are: gguf_blocks.py), and undoing the row permutation
 llama.cpp's converter applies to a llama model's Q and K projections (it stores each head's rotary
 pairs interleaved, `[x0, y0, x1, y1, ...]`, where the Hugging Face layout has `[x0, x1, ..., y0, y1, ...]`).
 The tokenizer the file describes is built by `engine/tokenizer.py`.
@@ -22,7 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelConfig, ModelLoadError, parse_config
+from tokenmill.models.gguf_blocks import decode, pack
 
 # general.architecture -> the Hugging Face architecture it is (llama.cpp writes Mistral as llama).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -234,20 +237,37 @@ class GGUFCheckpoint:
         types = {i.type_name for i in self.infos if len(i.shape) == 2}
         return {"F16": "float16", "BF16": "bfloat16"}.get(types.pop(), "float32") if len(types) == 1 else "float32"
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, float32 tensor in the Hugging Face layout) for every tensor, read one at a time."""
+    def tensors(
+        self, keep: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | Int8Weight | Int4Weight]]:
+        """(checkpoint name, float32 tensor in the Hugging Face layout) for every tensor, read one at a
+        time; the Q8_0 / Q4_0 / Q4_1 matrices named in `keep` as they are stored (gguf_blocks.py)."""
         import gguf
 
-        cfg = self.config
         for info in self.infos:
             t = self._stored[info.gguf_name]
+            if info.hf_name in keep:
+                try:
+                    blocks = decode(info.type_name, np.asarray(t.data), (info.shape[0], info.shape[1]))
+                except ValueError as e:
+                    raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}': {e}") from None
+                heads = self._rotary_heads(info.gguf_name)
+                if heads:  # the rows in the Hugging Face order, scales with them
+                    blocks = blocks.permute_rows(unpermute_rotary_rows(torch.arange(info.shape[0]), heads))
+                yield info.hf_name, pack(blocks)
+                continue
             try:
                 array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
             except (ValueError, NotImplementedError) as e:
                 raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}' cannot be dequantized ({e})") from None
             tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(info.shape)  # a writable copy
-            if self.arch == "llama" and info.gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-                tensor = unpermute_rotary_rows(tensor, cfg.num_heads)
-            elif self.arch == "llama" and info.gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
-                tensor = unpermute_rotary_rows(tensor, cfg.num_kv_heads)
-            yield info.hf_name, tensor
+            heads = self._rotary_heads(info.gguf_name)
+            yield info.hf_name, unpermute_rotary_rows(tensor, heads) if heads else tensor
+
+    def _rotary_heads(self, gguf_name: str) -> int:
+        """The heads whose rows llama.cpp's converter permuted in this tensor (0: none)."""
+        if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            return self.config.num_heads
+        if self.arch == "llama" and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            return self.config.num_kv_heads
+        return 0

@@ -14,6 +14,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -51,7 +52,7 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: str = "auto", overwri
 def _write(checkpoint: GGUFCheckpoint, folder: Path, dtype: torch.dtype) -> None:
     cfg = checkpoint.config
     tensors = {
-        name: tensor.to(dtype).contiguous()
+        name: cast(torch.Tensor, tensor).to(dtype).contiguous()  # (nothing kept quantized: all tensors)
         for name, tensor in checkpoint.tensors()
         if not (name == "lm_head.weight" and cfg.tie_word_embeddings)
     }

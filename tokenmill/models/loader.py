@@ -6,14 +6,19 @@ and streaming each tensor, memory-mapped, to its parameter's `weight_loader` (la
 which checks its shape against the config before reading it and copies it once, straight into its
 slice of the final (fused, converted) parameter. Then each linear layer's method gets its
 `process_weights_after_loading` call. A GGUF file (`models/gguf_checkpoint.py`) gives its config
-and its tensors, dequantized one at a time, through the same checks. Pickle checkpoints (`*.bin`,
+and its tensors, dequantized one at a time, through the same checks; with `checkpoint_methods`, its
+Q8_0 / Q4_0 / Q4_1 matrices stay quantized as stored (`keep_quantized`). Pickle checkpoints (`*.bin`,
 `*.pt`) are refused, never loaded.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,6 +27,7 @@ from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 from tokenmill.layers.linear import LinearBase, LinearMethod, WeightLoadError, WeightShapeError, weight_loader_of
 from tokenmill.layers.ops import LayerOps
+from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM, WeightTarget
@@ -30,6 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the forward recomputes rather than loads.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+logger = logging.getLogger("tokenmill")
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
@@ -82,10 +90,11 @@ def _load_tensor(
     params: dict[str, torch.nn.Parameter],
     targets: dict[str, WeightTarget],
     name: str,
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | Int8Weight | Int4Weight,
     where: str,
 ) -> str | None:
-    """Copy one checkpoint tensor into its parameter; returns the name loaded (None: skipped)."""
+    """Copy one checkpoint tensor (or a matrix kept quantized) into its parameter; returns the name
+    loaded (None: skipped)."""
     if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return None
     target = targets.get(name)
@@ -95,7 +104,7 @@ def _load_tensor(
         )
     param = params[target.param]
     try:  # a view of the mapped file: nothing is read before the shape check
-        weight_loader_of(param)(param, tensor, target.shard_id)
+        weight_loader_of(param)(param, cast(torch.Tensor, tensor), target.shard_id)
     except WeightShapeError as e:
         raise ModelLoadError(
             f"{where}: tensor '{name}' has shape {list(e.got)}, the config implies {list(e.expected)}"
@@ -135,13 +144,45 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     _check_complete(model, seen, f"{folder}")
 
 
-def load_gguf_weights(model: LlamaForCausalLM, checkpoint: GGUFCheckpoint) -> None:
-    """Fill every parameter of `model` from a GGUF file, each tensor dequantized as it is read."""
+def keep_quantized(
+    model: LlamaForCausalLM, checkpoint: GGUFCheckpoint, methods: Mapping[str, LinearMethod], dtype: torch.dtype
+) -> frozenset[str]:
+    """Switch every linear layer whose GGUF matrices share one type that `methods` maps (Q8_0, Q4_0,
+    Q4_1) to that method, which takes them as stored; the checkpoint names read that way. The other
+    matrices (the K-quants, a fused layer of mixed types, the embedding table) are dequantized at load,
+    and the log says which."""
+    types = {i.hf_name: i.type_name for i in checkpoint.infos}
+    layers = dict(model.named_modules())
+    by_layer: dict[str, list[str]] = {}
+    for name, target in model.checkpoint_map().items():
+        module, _, suffix = target.param.rpartition(".")
+        if suffix == "weight" and isinstance(layers.get(module), LinearBase) and name in types:
+            by_layer.setdefault(module, []).append(name)
+    keep: set[str] = set()
+    for module, names in by_layer.items():
+        kinds = {types[n] for n in names}
+        method = methods.get(next(iter(kinds))) if len(kinds) == 1 else None
+        if method is not None:
+            cast(LinearBase, layers[module]).use_method(method, dtype)
+            keep.update(names)
+    dequantized = Counter(i.type_name for i in checkpoint.infos if len(i.shape) == 2 and i.hf_name not in keep)
+    logger.info(
+        "GGUF matrices kept quantized: %s; dequantized at load to %s: %s",
+        ", ".join(f"{n} {t}" for t, n in sorted(Counter(types[n] for n in keep).items())) or "none",
+        str(dtype).removeprefix("torch."),
+        ", ".join(f"{n} {t}" for t, n in sorted(dequantized.items())) or "none",
+    )
+    return frozenset(keep)
+
+
+def load_gguf_weights(model: LlamaForCausalLM, checkpoint: GGUFCheckpoint, keep: frozenset[str] = frozenset()) -> None:
+    """Fill every parameter of `model` from a GGUF file, each tensor dequantized as it is read (those in
+    `keep` handed over quantized)."""
     params = dict(model.named_parameters())
     targets = model.checkpoint_map()
     seen: set[str] = set()
     with torch.no_grad():
-        for name, tensor in checkpoint.tensors():
+        for name, tensor in checkpoint.tensors(keep):
             if _load_tensor(model, params, targets, name, tensor, str(checkpoint.path)):
                 seen.add(name)
     _check_complete(model, seen, str(checkpoint.path))
@@ -164,11 +205,13 @@ def load_model(
     linear_method: LinearMethod | None = None,
     ops: LayerOps | None = None,
     head_method: LinearMethod | None = None,
+    checkpoint_methods: Mapping[str, LinearMethod] | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model folder or GGUF file (a path, or an opened `GGUFCheckpoint`) for
     inference (eval mode, no gradients). `linear_method`
     holds and applies the projections' weights (None: unquantized, in `dtype`); `ops` runs the
-    norms, activations and rotary embeddings (None: the torch reference)."""
+    norms, activations and rotary embeddings (None: the torch reference); `checkpoint_methods`: a GGUF
+    tensor type -> the method that keeps such matrices quantized as stored (`keep_quantized`)."""
     if isinstance(folder, GGUFCheckpoint):
         checkpoint: GGUFCheckpoint | None = folder
         folder = folder.path
@@ -184,7 +227,8 @@ def load_model(
             cfg, attention, linear_method=linear_method, head_method=head_method, dtype=torch_dtype, ops=ops
         )
     if checkpoint:
-        load_gguf_weights(model, checkpoint)
+        keep = keep_quantized(model, checkpoint, checkpoint_methods, torch_dtype) if checkpoint_methods else frozenset()
+        load_gguf_weights(model, checkpoint, keep)
     else:
         load_weights(model, folder)
     model.fill_tied_head()

@@ -24,9 +24,17 @@ from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, ge
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.linear import LinearMethod
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.layers.quant_linear import get_head_method, get_quant_method, tune_quantized, weights_by_shape
+from tokenmill.layers.quant_linear import (
+    Int4LinearMethod,
+    Int8LinearMethod,
+    get_head_method,
+    get_quant_method,
+    tune_quantized,
+    weights_by_shape,
+)
 from tokenmill.layers.quantize import QuantSpec
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.gguf_blocks import BLOCK
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model, read_model_config, resolve_dtype
@@ -175,7 +183,14 @@ class Worker:
         ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
         method, head = self._linear_methods(config, dtype)
         model = load_model(
-            source, dtype=dtype, device=self.device, backend=backend, ops=ops, linear_method=method, head_method=head
+            source,
+            dtype=dtype,
+            device=self.device,
+            backend=backend,
+            ops=ops,
+            linear_method=method,
+            head_method=head,
+            checkpoint_methods=self._checkpoint_methods(config, source, dtype),
         )
         prepare_native(
             model,
@@ -190,9 +205,12 @@ class Worker:
     def _linear_methods(self, config: EngineConfig, dtype: torch.dtype) -> tuple[LinearMethod, LinearMethod | None]:
         """The dense method (`linear_backend`), or the quantized one `quantization` names; and the
         output projection's own (`quantization_head`; None: the layers')."""
-        if config.quantization == "none":
+        if config.quantization in ("auto", "none"):
             if config.quantization_group_size is not None or config.quantization_head != "same":
-                raise ValueError("quantization_group_size, quantization_head: apply to a quantization; it is none")
+                raise ValueError(
+                    "quantization_group_size, quantization_head: apply to int8, int4 or w8a8; "
+                    f"quantization is {config.quantization}"
+                )
             method = get_dense_linear_method(
                 native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
             )
@@ -207,6 +225,18 @@ class Worker:
         )
         kernels = load_cpu_kernels() if config.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
         return get_quant_method(spec, kernels), get_head_method(spec, kernels)
+
+    def _checkpoint_methods(
+        self, config: EngineConfig, source: str | GGUFCheckpoint, dtype: torch.dtype
+    ) -> dict[str, LinearMethod] | None:
+        """With `quantization` auto on a CPU, a GGUF file's Q8_0 matrices load into int8 and its Q4_0 /
+        Q4_1 ones into int4 (groups of 32: the same grids), as stored; None: everything dense."""
+        if config.quantization != "auto" or not isinstance(source, GGUFCheckpoint) or self.device.type != "cpu":
+            return None
+        kernels = load_cpu_kernels() if config.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
+        int8 = Int8LinearMethod(QuantSpec("int8", BLOCK), kernels, prequantized=True)
+        int4 = Int4LinearMethod(QuantSpec("int4", BLOCK), kernels, prequantized=True)
+        return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
 
     def _fastest(self, config: EngineConfig, source: str | GGUFCheckpoint) -> tuple[LlamaForCausalLM, AttentionBackend]:
         built: dict[torch.dtype, tuple[LlamaForCausalLM, AttentionBackend]] = {}
