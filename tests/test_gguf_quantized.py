@@ -121,6 +121,17 @@ def test_the_engine_keeps_a_gguf_quantized_by_default(gguf_file, type_name, capl
     assert f"GGUF matrices kept quantized: 28 {type_name}" in caplog.text  # 4 layers x 7 projections
     dense = LLM(str(gguf_file(type_name)), quantization="none", **kwargs)
     assert kept.stats().weight_bytes < dense.stats().weight_bytes
+    model = kept.engine.core.worker.runner.model
+    if type_name == "Q8_0":  # the tied output projection: int8 of its own on the table's grid, exactly
+        reader = gguf.GGUFReader(str(gguf_file(type_name)))
+        table = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        blocks = gguf.quants.dequantize(np.asarray(table.data), table.tensor_type).reshape(8192, 256)
+        head = model.lm_head.quantized
+        assert isinstance(head, Int8Weight) and head.group == 32
+        assert np.array_equal(dequantize_int8(head, torch.float32).numpy(), blocks)
+        assert not isinstance(model.embed_tokens, torch.nn.Embedding)  # the dense table dropped
+    else:
+        assert model.head_from_table  # (a Q4 table: the head reads the dequantized table)
     outs = kept.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False)
     for a, b in zip(*outs, strict=True):
         x, y = a.outputs[0], b.outputs[0]

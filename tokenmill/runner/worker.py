@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
-from tokenmill.kernels.cpu_build import NATIVE_DTYPES, load_cpu_kernels
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
@@ -182,6 +182,9 @@ class Worker:
         )
         ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
         method, head = self._linear_methods(config, dtype)
+        checkpoint_methods = self._checkpoint_methods(config, source, dtype)
+        if checkpoint_methods and isinstance(source, GGUFCheckpoint):
+            head = head or self._tied_gguf_head(source, self._quant_kernels(config, dtype))
         model = load_model(
             source,
             dtype=dtype,
@@ -190,7 +193,7 @@ class Worker:
             ops=ops,
             linear_method=method,
             head_method=head,
-            checkpoint_methods=self._checkpoint_methods(config, source, dtype),
+            checkpoint_methods=checkpoint_methods,
         )
         prepare_native(
             model,
@@ -223,7 +226,7 @@ class Worker:
             config.quantization_group_fallback,
             config.quantization_head,
         )
-        kernels = load_cpu_kernels() if config.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
+        kernels = self._quant_kernels(config, dtype)
         return get_quant_method(spec, kernels), get_head_method(spec, kernels)
 
     def _checkpoint_methods(
@@ -233,10 +236,25 @@ class Worker:
         Q4_1 ones into int4 (groups of 32: the same grids), as stored; None: everything dense."""
         if config.quantization != "auto" or not isinstance(source, GGUFCheckpoint) or self.device.type != "cpu":
             return None
-        kernels = load_cpu_kernels() if config.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
+        kernels = self._quant_kernels(config, dtype)
         int8 = Int8LinearMethod(QuantSpec("int8", BLOCK), kernels, prequantized=True)
         int4 = Int4LinearMethod(QuantSpec("int4", BLOCK), kernels, prequantized=True)
         return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
+
+    @staticmethod
+    def _quant_kernels(config: EngineConfig, dtype: torch.dtype) -> CpuKernels | None:
+        """The native kernels the quantized methods run, where they build and are asked for."""
+        return load_cpu_kernels() if config.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
+
+    @staticmethod
+    def _tied_gguf_head(source: GGUFCheckpoint, kernels: CpuKernels | None) -> LinearMethod | None:
+        """A tied output projection over a Q8_0 embedding table: an int8 layer of its own, quantized from
+        the table in groups of 32 (Q8_0's grid again, exactly: each block's largest value is its scale
+        times 127), the dense table then dropped; None (the table itself) for other types."""
+        table = next(i for i in source.infos if i.hf_name == "model.embed_tokens.weight")
+        if not source.config.tie_word_embeddings or table.type_name != "Q8_0":
+            return None
+        return Int8LinearMethod(QuantSpec("int8", BLOCK), kernels)
 
     def _fastest(self, config: EngineConfig, source: str | GGUFCheckpoint) -> tuple[LlamaForCausalLM, AttentionBackend]:
         built: dict[torch.dtype, tuple[LlamaForCausalLM, AttentionBackend]] = {}
