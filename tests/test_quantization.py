@@ -5,6 +5,9 @@ decode stack gives the modules' outputs to the bit, and the engine runs them wit
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,9 +141,11 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
     ):
         if name == "int4" and k % 32:
             continue
-        w = method.quantize(weights(n, k, seed=n), grp or choose_group(QuantSpec(name), k, "t"))
+        w0 = method.quantize(weights(n, k, seed=n), grp or choose_group(QuantSpec(name), k, "t"))
         bias = (torch.randn(n) * 0.1).to(dtype)
-        for rows in (1, 3, 8, 11, 70):
+        # int4: minimums in float16 (quantized here, GGUF) and in float32 (AWQ / GPTQ checkpoints)
+        variants = [w0, dataclasses.replace(w0, mins=w0.mins.float())] if isinstance(w0, Int4Weight) else [w0]
+        for w, rows in itertools.product(variants, (1, 3, 8, 11, 70)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             for kernel_name, kernel in method.kernels(dtype).items():
                 out = kernel(w, x, bias)

@@ -45,6 +45,7 @@ class ModelConfig:
     dtype: str | None  # the checkpoint's dtype as config.json states it
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: CheckpointQuantization | None = None  # config.json's quantization_config (AWQ, GPTQ)
 
     @property
     def q_size(self) -> int:
@@ -53,6 +54,20 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a checkpoint's linear layers are stored quantized (config.json's `quantization_config`):
+    AWQ (GEMM packing) or GPTQ, 4 bits, groups of `group_size` inputs (None: the whole input width)."""
+
+    method: str  # "awq" | "gptq"
+    bits: int
+    group_size: int | None
+    gptq_v2: bool  # GPTQ's checkpoint_format gptq_v2 stores the true zero points (v1: zero - 1)
+
+
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq")
 
 
 class _Fields:
@@ -86,6 +101,33 @@ class _Fields:
         if value <= 0:
             raise self.error(field, f"must be a positive integer, got {value}")
         return value
+
+
+def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
+    raw = f.get("quantization_config", dict, default=None, allow_none=True)
+    if raw is None:
+        return None
+    q = _Fields(raw, f.where)
+    field = "quantization_config"
+    method = q.get("quant_method", str, default=None)
+    if method not in CHECKPOINT_QUANTIZATIONS:
+        raise f.error(f"{field}.quant_method", f"is {method!r}; tokenmill loads {', '.join(CHECKPOINT_QUANTIZATIONS)}")
+    bits = q.get("bits", int, default=q.get("w_bit", int, default=None))
+    if bits != 4:
+        raise f.error(f"{field}.bits", f"is {bits!r}; tokenmill loads 4-bit {method} checkpoints")
+    group = q.get("group_size", int, default=q.get("q_group_size", int, default=128))
+    if group != -1 and (group < 32 or group & (group - 1)):
+        raise f.error(f"{field}.group_size", f"is {group}; tokenmill loads groups of a power of two from 32, or -1")
+    if method == "awq":
+        version = q.get("version", str, default="gemm").lower()
+        if version != "gemm":
+            raise f.error(f"{field}.version", f"is {version!r}; tokenmill loads AWQ's GEMM packing")
+        if not q.get("zero_point", bool, default=True):
+            raise f.error(f"{field}.zero_point", "is false; tokenmill loads AWQ checkpoints with zero points")
+    if method == "gptq" and q.get("desc_act", bool, default=False):
+        raise f.error(f"{field}.desc_act", "is true: activation-order GPTQ checkpoints are not supported yet")
+    v2 = method == "gptq" and q.get("checkpoint_format", str, default="gptq") == "gptq_v2"
+    return CheckpointQuantization(method, bits, None if group == -1 else group, v2)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -231,6 +273,7 @@ def parse_config(raw: Any, where: str) -> ModelConfig:
         dtype=dtype,
         bos_token_id=f.get("bos_token_id", int, default=None, allow_none=True),
         eos_token_ids=eos_ids,
+        quantization=_parse_quantization(f),
     )
 
 

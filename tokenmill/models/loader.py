@@ -25,7 +25,14 @@ from safetensors import SafetensorError, safe_open
 
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
-from tokenmill.layers.linear import LinearBase, LinearMethod, WeightLoadError, WeightShapeError, weight_loader_of
+from tokenmill.layers.linear import (
+    LinearBase,
+    LinearMethod,
+    UnquantizedLinearMethod,
+    WeightLoadError,
+    WeightShapeError,
+    weight_loader_of,
+)
 from tokenmill.layers.ops import LayerOps
 from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
@@ -219,6 +226,10 @@ def load_model(
         folder = Path(folder)
         checkpoint = GGUFCheckpoint(folder) if is_gguf(folder) else None
     cfg = checkpoint.config if checkpoint else load_config(folder)
+    if cfg.quantization is not None and linear_method is None:  # an AWQ / GPTQ folder: its layers as stored
+        from tokenmill.layers.int4_checkpoints import checkpoint_method
+
+        linear_method, head_method = checkpoint_method(cfg.quantization, None), head_method or UnquantizedLinearMethod()
     torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     attention: AttentionBackend = backend or TorchReferenceBackend()

@@ -22,6 +22,7 @@ from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_ca
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
 from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.int4_checkpoints import checkpoint_method
 from tokenmill.layers.linear import LinearMethod
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.layers.quant_linear import (
@@ -99,6 +100,7 @@ class Worker:
         self.tuner = Autotuner(self.device, default_cache_path())
         # a GGUF file is read once (its metadata parse takes seconds), then built from as often as needed
         source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
+        self.checkpoint_quantization = read_model_config(source).quantization  # AWQ / GPTQ as stored, or None
         if config.dtype == "fastest":
             model, self.backend = self._fastest(config, source)
         else:
@@ -208,6 +210,7 @@ class Worker:
     def _linear_methods(self, config: EngineConfig, dtype: torch.dtype) -> tuple[LinearMethod, LinearMethod | None]:
         """The dense method (`linear_backend`), or the quantized one `quantization` names; and the
         output projection's own (`quantization_head`; None: the layers')."""
+        stored = self.checkpoint_quantization
         if config.quantization in ("auto", "none"):
             if config.quantization_group_size is not None or config.quantization_head != "same":
                 raise ValueError(
@@ -217,7 +220,19 @@ class Worker:
             method = get_dense_linear_method(
                 native_or_reference(config.linear_backend, "linear_backend", self.device, dtype)
             )
-            return method, None
+            if stored is None:
+                return method, None
+            if config.quantization == "none" or self.device.type != "cpu":
+                raise ValueError(
+                    f"quantization: this checkpoint is {stored.method.upper()}-quantized; it loads as stored "
+                    f"(quantization auto) on a CPU device, not with quantization {config.quantization} on {self.device}"
+                )
+            return checkpoint_method(stored, self._quant_kernels(config, dtype)), method  # (the head: dense)
+        if stored is not None:
+            raise ValueError(
+                f"quantization: this checkpoint is {stored.method.upper()}-quantized already; "
+                f"leave quantization auto, not {config.quantization}"
+            )
         if self.device.type != "cpu":
             raise ValueError(f"quantization: {config.quantization} runs on a CPU device, not {self.device}")
         spec = QuantSpec(

@@ -1,0 +1,198 @@
+"""AWQ and GPTQ checkpoints loaded as they are stored (layers/int4_checkpoints.py).
+
+Each test folder is a tiny random model whose projections are quantized here and packed by this
+file's own packers, written from the formats' descriptions (AWQ: along the output, nibble i of a
+word holding column ORDER[i] of its eight; GPTQ: along the input, nibble i of row r holding k = 8 r
++ i, zero points stored minus one in v1), not by the loader's code. The reference is the same model
+with the dequantized weights (q - z) * s written dense. transformers loads neither format on a CPU
+without their kernel packages (autoawq, gptqmodel), so the reference is that dense folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import PagedRunner, assert_logits_close, assert_same_up_to_near_tie, top_logprobs
+from tests.test_engine import assert_no_leaks
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.quantize import Int4Weight, dequantize_int4
+from tokenmill.models.config import ModelLoadError
+from tokenmill.models.loader import load_model
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+IDS = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(2))
+
+
+def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> q [K, N] in 0..15, zeros [K / g, N] in 0..15, scales [K / g, N] float16."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).half()
+    zero = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = (torch.round(g / scale.float()[..., None]) + zero[..., None]).clamp(0, 15).reshape(n, k)
+    return q.t().int(), zero.t().int(), scale.t().contiguous()
+
+
+def dequantized(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """[K, N] values -> the dense weight [N, K]."""
+    z = zeros.repeat_interleave(group, 0).float()
+    s = scales.repeat_interleave(group, 0).float()
+    return ((q.float() - z) * s).t().contiguous()
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C / 8]
+    r, c = values.shape
+    packed = torch.zeros(r, c // 8, dtype=torch.int64)
+    for word in range(c // 8):
+        for i, col in enumerate(AWQ_ORDER):
+            packed[:, word] |= values[:, 8 * word + col].long() << (4 * i)
+    return packed.to(torch.int32)  # (bits past 31 wrap, as the int32 files hold them)
+
+
+def pack_gptq_rows(values: torch.Tensor) -> torch.Tensor:  # [K, N] -> [K / 8, N]
+    k, n = values.shape
+    packed = torch.zeros(k // 8, n, dtype=torch.int64)
+    for row in range(k // 8):
+        for i in range(8):
+            packed[row] |= values[8 * row + i].long() << (4 * i)
+    return packed.to(torch.int32)
+
+
+def pack_gptq_columns(values: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C / 8]
+    r, c = values.shape
+    packed = torch.zeros(r, c // 8, dtype=torch.int64)
+    for word in range(c // 8):
+        for i in range(8):
+            packed[:, word] |= values[:, 8 * word + i].long() << (4 * i)
+    return packed.to(torch.int32)
+
+
+def write_quantized(source: Path, out: Path, method: str, group: int = 32, v2: bool = False) -> tuple[Path, Path]:
+    """(quantized folder, dense reference folder) of the model in `source`."""
+    ref = out.with_name(out.name + "-dense")
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):  # (one file, or shards: written back as one file)
+        weights |= load_file(str(file))
+    for folder in (out, ref):
+        shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    packed, dense = {}, {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
+            packed[name] = dense[name] = w
+            continue
+        q, zeros, scales = quantize(w, group)
+        dense[name] = dequantized(q, zeros, scales, group).to(w.dtype)
+        if method == "awq":
+            packed |= {f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(zeros)}
+        else:
+            stored_zeros = zeros if v2 else zeros - 1  # v1 stores zero - 1
+            packed |= {f"{prefix}.qweight": pack_gptq_rows(q), f"{prefix}.qzeros": pack_gptq_columns(stored_zeros & 15)}
+            packed[f"{prefix}.g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // group
+        packed[f"{prefix}.scales"] = scales
+    save_file(packed, str(out / "model.safetensors"))
+    save_file(dense, str(ref / "model.safetensors"))
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+        if method == "awq"
+        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False}
+        | ({"checkpoint_format": "gptq_v2"} if v2 else {})
+    )
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, ref
+
+
+def logits(model) -> torch.Tensor:
+    return PagedRunner(model, num_blocks=8, block_size=16, block_order=[4, 1, 6, 3, 0, 7, 2, 5]).step({0: IDS})[0]
+
+
+@pytest.mark.parametrize(
+    ("arch", "method", "v2"),
+    [("llama", "awq", False), ("qwen2", "awq", False), ("llama", "gptq", False), ("qwen2", "gptq", True)],
+)
+def test_a_quantized_checkpoint_computes_what_its_dequantized_weights_do(tiny_model_dir, tmp_path, arch, method, v2):
+    folder, ref = write_quantized(tiny_model_dir(arch), tmp_path / method, method, v2=v2)
+    model = load_model(folder, dtype="float32")
+    dense = load_model(ref, dtype="float32")
+    ref_layers = dict(dense.named_modules())
+    for name, layer in model.named_modules():
+        if isinstance(layer, LinearBase) and name != "lm_head":
+            assert isinstance(layer.quantized, Int4Weight) and layer.quantized.group == 32, name
+            assert not hasattr(layer, "qweight"), name  # the packed tensors go once unpacked
+            # the weights as stored: (q - z) * s, to float rounding
+            ours, theirs = dequantize_int4(layer.quantized, torch.float32), ref_layers[name].weight
+            assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7), name
+    assert_logits_close(logits(model), logits(dense), rel=1e-5)
+
+
+def test_the_engine_serves_an_awq_folder(tiny_model_dir, tmp_path):
+    folder, ref = write_quantized(tiny_model_dir("llama"), tmp_path / "awq", "awq")
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5)
+    kwargs = {"dtype": "float32", "kv_cache_memory": 8 * 2**20, "max_num_seqs": 4}
+    llm, dense = LLM(str(folder), **kwargs), LLM(str(ref), **kwargs)
+    assert llm.stats().weight_bytes < dense.stats().weight_bytes
+    prompts = [[5, 9, 33, 100], [7, 7, 7]]
+    for a, b in zip(
+        llm.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False), strict=True
+    ):
+        x, y = a.outputs[0], b.outputs[0]
+        # (the int4 kernel's int8 activations: a tie as wide as the GGUF int4 tests')
+        assert_same_up_to_near_tie(
+            x.token_ids, top_logprobs(x.logprobs), y.token_ids, top_logprobs(y.logprobs), tie_nats=0.3
+        )
+    assert_no_leaks(llm)
+    with pytest.raises(ValueError, match="this checkpoint is AWQ-quantized; it loads as stored"):
+        LLM(str(folder), quantization="none", **kwargs)
+    with pytest.raises(ValueError, match="AWQ-quantized already; leave quantization auto, not int8"):
+        LLM(str(folder), quantization="int8", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"bits": 8}, r"field 'quantization_config\.bits' is 8; tokenmill loads 4-bit awq"),
+        ({"group_size": 48}, r"field 'quantization_config\.group_size' is 48"),
+        ({"version": "gemv"}, r"field 'quantization_config\.version' is 'gemv'"),
+        ({"quant_method": "fp8"}, r"field 'quantization_config\.quant_method' is 'fp8'; tokenmill loads awq, gptq"),
+    ],
+)
+def test_an_unsupported_quantization_config_names_the_field(tiny_model_dir, tmp_path, change, message):
+    folder, _ = write_quantized(tiny_model_dir("llama"), tmp_path / "awq", "awq")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] |= change
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(folder)
+
+
+def test_inconsistent_tensors_are_refused_by_name(tiny_model_dir, tmp_path):
+    folder, _ = write_quantized(tiny_model_dir("llama"), tmp_path / "gptq", "gptq")
+    tensors = load_file(str(folder / "model.safetensors"))
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.scales"]
+    save_file(missing, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"tensor 'model\.layers\.1\.mlp\.up_proj\.scales' missing"):
+        load_model(folder)
+    bad = dict(tensors)
+    bad["model.layers.0.self_attn.k_proj.qweight"] = bad["model.layers.0.self_attn.k_proj.qweight"][:, :32].contiguous()
+    save_file(bad, str(folder / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError, match=r"tensor 'model\.layers\.0\.self_attn\.k_proj\.qweight' has shape \[16, 32\]"
+    ):
+        load_model(folder)
+    permuted = dict(tensors)
+    permuted["model.layers.0.mlp.down_proj.g_idx"] = permuted["model.layers.0.mlp.down_proj.g_idx"].flip(0)
+    save_file(permuted, str(folder / "model.safetensors"))
+    with pytest.raises(
+        ModelLoadError, match=r"down_proj\.g_idx'.*activation-order \(desc_act\) files are not supported"
+    ):
+        load_model(folder)

@@ -1,0 +1,133 @@
+"""AWQ and GPTQ checkpoints' 4-bit layers, loaded into tokenmill's int4 format without dequantizing.
+
+Owns the two formats' tensors and packings (config.json's `quantization_config`, parsed into
+`CheckpointQuantization` by models/config.py) and the linear methods that take them:
+- AWQ (GEMM version): `qweight` int32 [K, N / 8], eight 4-bit values a word packed along the output
+  dimension in the order [0, 2, 4, 6, 1, 3, 5, 7] (word nibble i holds output column 8 j + ORDER[i]);
+  `qzeros` int32 [K / g, N / 8] packed alike; `scales` [K / g, N]. W[n, k] = (q - z) * s.
+- GPTQ: `qweight` int32 [K / 8, N], packed along the input dimension in order (nibble i of row r:
+  k = 8 r + i); `qzeros` int32 [K / g, N / 8] packed along the output in order; `scales` [K / g, N];
+  `g_idx` [K] (each input's group: k // g here; `desc_act` files, whose g_idx is permuted, are refused
+  by the config parser). v1 files store zero - 1 (`checkpoint_format` gptq_v2: the zero).
+Both become `Int4Weight`: q as stored, scale s (float16, as stored), min = -z * s in float32 (exact:
+float16 would round it, which moved a tiny model's logits by 0.3% of their scale). The tensors load
+into parameters named after the checkpoint's suffixes (the model maps `q_proj.qweight` to
+`qkv_proj.qweight`, shard "q"), placed along their output dimension, and are unpacked once every
+shard is in (`process_weights_after_loading`). A g_idx that is not k // g (activation order) is
+refused by its loader, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.cpu_build import CpuKernels
+from tokenmill.layers.linear import (
+    LinearBase,
+    Shard,
+    ShardId,
+    ShardLoader,
+    WeightLoadError,
+    register_bias,
+    set_weight_loader,
+)
+from tokenmill.layers.quant_linear import Int4LinearMethod
+from tokenmill.layers.quantize import MIN_GROUP, QuantSpec, pack_int4
+from tokenmill.models.config import CheckpointQuantization
+
+PACK = 8  # 4-bit values an int32 holds
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i holds output column ORDER[i] of its eight
+
+
+def unpack_columns(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """int32 [R, C / 8] -> [R, C] in 0..15: nibble i of word j is column 8 j + order[i]."""
+    r, c8 = packed.shape
+    out = torch.empty(r, c8, PACK, dtype=torch.int32)
+    for i, col in enumerate(order):
+        out[:, :, col] = (packed >> (4 * i)) & 15
+    return out.reshape(r, c8 * PACK)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R / 8, C] -> [R, C] in 0..15: nibble i of row r is row 8 r + i."""
+    r8, c = packed.shape
+    return torch.stack([(packed >> (4 * i)) & 15 for i in range(PACK)], dim=1).reshape(r8 * PACK, c)
+
+
+def _packed_shards(shards: dict[ShardId, Shard], by: int) -> dict[ShardId, Shard]:
+    """A layer's output shards measured in packed words (`by` values a word)."""
+    for sid, s in shards.items():
+        if s.start % by or s.size % by:
+            raise ValueError(f"output shard {sid!r} ({s.size} rows) is not a multiple of {by}: it cannot be packed")
+    return {sid: Shard(s.start // by, s.size // by) for sid, s in shards.items()}
+
+
+class CheckpointInt4Method(Int4LinearMethod):
+    """The int4 method for layers a checkpoint stores in AWQ's or GPTQ's packing."""
+
+    def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
+        super().__init__(QuantSpec("int4", quant.group_size), kernels, prequantized=True)
+        self.quant = quant
+
+    def create_weights(
+        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        n, k = sum(output_sizes), input_size
+        group = self.quant.group_size or k
+        if k % group or k % PACK:
+            raise ValueError(f"quantization_config.group_size: {group} does not divide the input width {k}")
+        awq = self.quant.method == "awq"
+        by_word = _packed_shards(layer.shards, PACK)
+        params = {  # name -> (shape, dtype, shards along dim 1)
+            "qweight": ((k, n // PACK) if awq else (k // PACK, n), torch.int32, by_word if awq else layer.shards),
+            "qzeros": ((k // group, n // PACK), torch.int32, by_word),
+            "scales": ((k // group, n), torch.float16, layer.shards),
+        }
+        if not awq:
+            params["g_idx"] = ((k,), torch.int32, {})
+        for name, (shape, kind, shards) in params.items():
+            param = nn.Parameter(torch.empty(shape, dtype=kind), requires_grad=False)
+            loader = ShardLoader(shards, dim=1) if shards else GroupIndexCheck(group)
+            layer.register_parameter(name, set_weight_loader(param, loader))
+        if bias:
+            register_bias(layer, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        k = layer.input_size
+        group = self.quant.group_size or k
+        if group < MIN_GROUP or group & (group - 1):
+            raise ValueError(f"quantization_config.group_size: {group} (the input width) is not a power of two")
+        qweight, qzeros = layer.qweight.data, layer.qzeros.data  # type: ignore[union-attr]
+        scales = layer.scales.data  # type: ignore[union-attr]
+        if self.quant.method == "awq":
+            q = unpack_columns(qweight, AWQ_ORDER)  # [K, N]
+            zeros = unpack_columns(qzeros, AWQ_ORDER)  # [K / g, N]
+        else:
+            q = unpack_rows(qweight)  # [K, N]
+            zeros = unpack_columns(qzeros, tuple(range(PACK))) + (0 if self.quant.gptq_v2 else 1)
+        mins = -zeros.float() * scales.float()  # W = q * s - z * s (float32: exact)
+        layer.quantized = pack_int4(q.t(), scales.t().contiguous(), mins.t().contiguous(), group)  # type: ignore[assignment]
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if name in layer._parameters:
+                del layer._parameters[name]
+
+
+class GroupIndexCheck:
+    """GPTQ's `g_idx` loader: every shard's must be the contiguous groups (k // group), what the int4
+    kernel reads; a permuted one (activation order) is refused."""
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        expected = torch.arange(param.shape[0], dtype=torch.int64) // self.group
+        if tuple(loaded.shape) != tuple(param.shape) or not torch.equal(loaded.to(torch.int64), expected):
+            raise WeightLoadError(
+                f"g_idx is not k // {self.group}: activation-order (desc_act) files are not supported yet"
+            )
+
+
+def checkpoint_method(quant: CheckpointQuantization, kernels: CpuKernels | None) -> CheckpointInt4Method:
+    """The method that loads a checkpoint's AWQ or GPTQ layers as they are."""
+    return CheckpointInt4Method(quant, kernels)
