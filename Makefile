@@ -81,6 +81,7 @@ bench-serve: $(STAMP)
 # int8 / int4 / W8A8 against the unquantized model (peer model, and SmolLM2 where set up), and quality
 bench-quant: $(STAMP)
 	$(BIN)/python benchmarks/quantization.py
+	-$(BIN)/python benchmarks/gguf_kept.py
 
 # tokenmill against llama.cpp, vLLM's CPU build and transformers: needs the peers built first,
 # PEERS_DIR=DIR bash ../shared/peers/setup.sh (10-30 minutes), then make bench-peers PEERS_DIR=DIR
