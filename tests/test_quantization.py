@@ -143,8 +143,12 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
             continue
         w0 = method.quantize(weights(n, k, seed=n), grp or choose_group(QuantSpec(name), k, "t"))
         bias = (torch.randn(n) * 0.1).to(dtype)
-        # int4: minimums in float16 (quantized here, GGUF) and in float32 (AWQ / GPTQ checkpoints)
-        variants = [w0, dataclasses.replace(w0, mins=w0.mins.float())] if isinstance(w0, Int4Weight) else [w0]
+        # int4: scales and minimums in float16 (quantized here, GGUF), minimums in float32 (AWQ / GPTQ
+        # checkpoints), both in float32 (compressed-tensors checkpoints)
+        variants = [w0]
+        if isinstance(w0, Int4Weight):
+            variants += [dataclasses.replace(w0, mins=w0.mins.float())]
+            variants += [dataclasses.replace(w0, scales=w0.scales.float(), mins=w0.mins.float())]
         for w, rows in itertools.product(variants, (1, 3, 8, 11, 70)):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             for kernel_name, kernel in method.kernels(dtype).items():

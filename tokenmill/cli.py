@@ -1,5 +1,5 @@
-"""The `tokenmill` command line: one subcommand per job (`make-model`, `convert`, `generate`, `serve`,
-`prefix-report`, `bench`; `doctor` arrives with its issue).
+"""The `tokenmill` command line: one subcommand per job (`make-model`, `convert`, `quantize`, `generate`,
+`serve`, `prefix-report`, `eval-quant`, `bench`; `doctor` arrives with its issue).
 
 The engine flags and `--config` come from engine_args.py (derived from `EngineConfig`); serve's own
 flags from `ServeSettings` here, the same way. `bench` lives in bench/cli.py, which imports nothing
@@ -81,6 +81,14 @@ def _convert(args: argparse.Namespace) -> int:
     from tokenmill.models.gguf_convert import convert_gguf
 
     out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from tokenmill.models.quantize_checkpoint import quantize_folder
+
+    out = quantize_folder(args.model, args.out, args.quantization, args.group_size, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -190,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--overwrite", action="store_true", help="replace the folder if it exists")
     conv.set_defaults(func=_convert)
+
+    qz = sub.add_parser(
+        "quantize", help="write a model folder as a compressed-tensors checkpoint (int8 / int4), loadable as stored"
+    )
+    qz.add_argument("model", help="the Hugging Face model folder")
+    qz.add_argument("--quantization", required=True, choices=("int8", "int4"), help="int8 or int4, symmetric")
+    qz.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="inputs sharing a scale (default: per channel for int8, 32 for int4)",
+    )
+    qz.add_argument("--out", required=True, help="folder to write")
+    qz.add_argument("--overwrite", action="store_true", help="replace the folder if it exists")
+    qz.set_defaults(func=_quantize)
 
     gen = sub.add_parser("generate", help="generate from one prompt, streaming the text to the terminal")
     gen.add_argument("model", nargs="?", default=None, help=MODEL_HELP)

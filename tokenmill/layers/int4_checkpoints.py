@@ -32,7 +32,7 @@ from tokenmill.layers.linear import (
     register_bias,
     set_weight_loader,
 )
-from tokenmill.layers.quant_linear import Int4LinearMethod
+from tokenmill.layers.quant_linear import Int4LinearMethod, QuantizedLinearMethod
 from tokenmill.layers.quantize import MIN_GROUP, QuantSpec, pack_int4
 from tokenmill.models.config import CheckpointQuantization
 
@@ -128,6 +128,10 @@ class GroupIndexCheck:
             )
 
 
-def checkpoint_method(quant: CheckpointQuantization, kernels: CpuKernels | None) -> CheckpointInt4Method:
-    """The method that loads a checkpoint's AWQ or GPTQ layers as they are."""
+def checkpoint_method(quant: CheckpointQuantization, kernels: CpuKernels | None) -> QuantizedLinearMethod:
+    """The method that loads a checkpoint's AWQ, GPTQ or compressed-tensors layers as they are."""
+    if quant.method == "compressed-tensors":
+        from tokenmill.layers.compressed_checkpoints import compressed_method
+
+        return compressed_method(quant, kernels)
     return CheckpointInt4Method(quant, kernels)

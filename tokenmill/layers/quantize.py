@@ -58,8 +58,8 @@ class Int4Weight:
     """int4 in tokenmill's layout (kernels/csrc/linear_int4.cpp): W[n, k] ~ q * scales[n, g] + mins[n, g]."""
 
     packed: torch.Tensor  # [N, K / 2] uint8: per row, blocks of 64 k, byte j = k j (low) | k 32 + j (high)
-    scales: torch.Tensor  # [N, K / group] float16
-    mins: torch.Tensor  # [N, K / group] float16 (float32 for AWQ / GPTQ checkpoints' -zero * scale)
+    scales: torch.Tensor  # [N, K / group] float16 (float32 for a checkpoint's that float16 would round)
+    mins: torch.Tensor  # [N, K / group] float16 (float32 for checkpoints' -zero * scale)
     group: int
 
     @property
@@ -154,8 +154,8 @@ def quantize_int4(w: torch.Tensor, group: int) -> Int4Weight:
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> Int4Weight:
-    """Values q [N, K] in 0..15 (K a multiple of 32), scales [N, K / group] (float16) and mins (float16
-    or float32) -> tokenmill's layout, W = q * scale + min."""
+    """Values q [N, K] in 0..15 (K a multiple of 32), scales and mins [N, K / group] (float16 or float32)
+    -> tokenmill's layout, W = q * scale + min."""
     n, k = q.shape
     full = k // 64 * 64
     blocks = q[:, :full].reshape(n, full // 64, 2, 32)

@@ -59,15 +59,17 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """How a checkpoint's linear layers are stored quantized (config.json's `quantization_config`):
-    AWQ (GEMM packing) or GPTQ, 4 bits, groups of `group_size` inputs (None: the whole input width)."""
+    AWQ (GEMM packing) or GPTQ, 4 bits, or compressed-tensors' pack-quantized int4 / int8; groups of
+    `group_size` inputs (None: the whole input width, one scale per output channel)."""
 
-    method: str  # "awq" | "gptq"
+    method: str  # "awq" | "gptq" | "compressed-tensors"
     bits: int
     group_size: int | None
-    gptq_v2: bool  # GPTQ's checkpoint_format gptq_v2 stores the true zero points (v1: zero - 1)
+    gptq_v2: bool = False  # GPTQ's checkpoint_format gptq_v2 stores the true zero points (v1: zero - 1)
+    symmetric: bool = False  # compressed-tensors: no zero points stored
 
 
-CHECKPOINT_QUANTIZATIONS = ("awq", "gptq")
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
 
 
 class _Fields:
@@ -112,6 +114,8 @@ def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
     method = q.get("quant_method", str, default=None)
     if method not in CHECKPOINT_QUANTIZATIONS:
         raise f.error(f"{field}.quant_method", f"is {method!r}; tokenmill loads {', '.join(CHECKPOINT_QUANTIZATIONS)}")
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(f, q)
     bits = q.get("bits", int, default=q.get("w_bit", int, default=None))
     if bits != 4:
         raise f.error(f"{field}.bits", f"is {bits!r}; tokenmill loads 4-bit {method} checkpoints")
@@ -128,6 +132,37 @@ def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
         raise f.error(f"{field}.desc_act", "is true: activation-order GPTQ checkpoints are not supported yet")
     v2 = method == "gptq" and q.get("checkpoint_format", str, default="gptq") == "gptq_v2"
     return CheckpointQuantization(method, bits, None if group == -1 else group, v2)
+
+
+def _parse_compressed_tensors(f: _Fields, q: _Fields) -> CheckpointQuantization:
+    """compressed-tensors' `quantization_config`: one config group of integer weights, pack-quantized,
+    per group or per channel, no activation quantization."""
+    field = "quantization_config"
+    groups = q.get("config_groups", dict)
+    if len(groups) != 1:
+        raise f.error(f"{field}.config_groups", f"has {len(groups)} groups; tokenmill loads one")
+    name, group = next(iter(groups.items()))
+    where = f"{field}.config_groups.{name}"
+    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+        raise f.error(f"{where}.weights", "is missing")
+    fmt = group.get("format") or q.get("format", str, default=None)
+    if fmt != "pack-quantized":
+        raise f.error(f"{field}.format", f"is {fmt!r}; tokenmill loads compressed-tensors' pack-quantized format")
+    if group.get("input_activations") is not None:
+        raise f.error(f"{where}.input_activations", "is set: quantized activations are not supported yet")
+    w = _Fields(group["weights"], f.where)
+    bits, kind = w.get("num_bits", int), w.get("type", str, default="int")
+    symmetric = w.get("symmetric", bool, default=True)
+    if kind != "int" or bits not in (4, 8) or (bits == 8 and not symmetric):
+        what = f"are {bits}-bit {kind} (symmetric: {symmetric}); tokenmill loads int4, and symmetric int8"
+        raise f.error(f"{where}.weights", what)
+    strategy = w.get("strategy", str, default="channel")
+    if strategy not in ("group", "channel"):
+        raise f.error(f"{where}.weights.strategy", f"is {strategy!r}; tokenmill loads group and channel")
+    size = w.get("group_size", int) if strategy == "group" else None
+    if size is not None and (size < 32 or size & (size - 1)):
+        raise f.error(f"{where}.weights.group_size", f"is {size}; tokenmill loads groups of a power of two from 32")
+    return CheckpointQuantization("compressed-tensors", bits, size, symmetric=symmetric)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -1,7 +1,7 @@
 // Linear layers with int4 weights on the CPU, for decode batches (few x rows): y [M, N] = x [M, K] @
 // W^T (+ bias), W in asymmetric groups: W[n, k] = q[n, k] * scales[n, g] + mins[n, g], g = k / group,
-// q in 0..15, scales float16 and mins float16 (the grid GGUF's Q4_1 stores) or float32 (AWQ's and GPTQ's
-// -zero * scale, exact there).
+// q in 0..15, scales and mins float16 (the grid GGUF's Q4_1 stores) or float32 (checkpoints' scales that
+// float16 would round, AWQ's and GPTQ's -zero * scale: exact there).
 //
 // Layout (`packed` [N, K / 2] uint8, tokenmill's own): each row in blocks of 64 k, byte j (0..31) of a
 // block holding k = j in its low nibble and k = 32 + j in its high one, so one 32-byte load gives two
@@ -105,7 +105,8 @@ inline float half_float(uint16_t h) {
 // One weight row against a few x rows: what a kernel needs to know of them (`min_at`: a group's minimum).
 struct RowArgs {
   const uint8_t* p;   // the row's packed bytes
-  const uint16_t* s;  // its scales [G] (float16 bits)
+  const uint16_t* s;  // its scales [G] (float16 bits), or
+  const float* s32;   // its scales [G] in float32 (a checkpoint's that float16 would round)
   const uint16_t* mn; // its mins [G] (float16), or
   const float* mn32;  // its mins [G] in float32 (a checkpoint's -zero * scale, exact there)
   int shift;          // log2(group) - 5: runs a group
@@ -116,6 +117,7 @@ struct RowArgs {
 };
 
 inline float min_at(const RowArgs& a, int64_t g) { return a.mn32 ? a.mn32[g] : half_float(a.mn[g]); }
+inline float scale_at(const RowArgs& a, int64_t g) { return a.s32 ? a.s32[g] : half_float(a.s[g]); }
 
 #if defined(TM_INT4_512)
 // unsigned bytes u . signed bytes s, four adjacent products summed into each int32 lane
@@ -193,10 +195,10 @@ __attribute__((always_inline)) inline void segment(const RowArgs& a, int64_t r0,
   const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
   __m512 sw, mw;
   if (G32 && count == 16) {
-    sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + r0)));
+    sw = a.s32 ? _mm512_loadu_ps(a.s32 + r0) : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + r0)));
     mw = a.mn32 ? _mm512_loadu_ps(a.mn32 + r0) : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.mn + r0)));
   } else {
-    sw = per_run(a.s, nullptr, r0, count, a.shift), mw = per_run(a.mn, a.mn32, r0, count, a.shift);
+    sw = per_run(a.s, a.s32, r0, count, a.shift), mw = per_run(a.mn, a.mn32, r0, count, a.shift);
   }
   __m512 sc[MM];  // scale(w) * scale(x) of each run
   for (int m = 0; m < MM; ++m) {
@@ -275,7 +277,7 @@ inline void int4_row(const RowArgs& a, float* sums) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.p + k / 2));
     const __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib);
     const int64_t r = k / RUN;
-    const float s_lo = half_float(a.s[r >> a.shift]), s_hi = half_float(a.s[(r + 1) >> a.shift]);
+    const float s_lo = scale_at(a, r >> a.shift), s_hi = scale_at(a, (r + 1) >> a.shift);
     const float m_lo = min_at(a, r >> a.shift), m_hi = min_at(a, (r + 1) >> a.shift);
     for (int m = 0; m < MM; ++m) {
       const int8_t* x = a.xq + m * K + k;
@@ -292,7 +294,7 @@ inline void int4_row(const RowArgs& a, float* sums) {
     const __m128i n4 = _mm_set1_epi8(0x0F);
     const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(w, 4), n4), _mm_and_si128(w, n4));
     const int64_t r = full / RUN;
-    const float s = half_float(a.s[r >> a.shift]), mn = min_at(a, r >> a.shift);
+    const float s = scale_at(a, r >> a.shift), mn = min_at(a, r >> a.shift);
     for (int m = 0; m < MM; ++m) {
       const __m256i d = _mm256_madd_epi16(
           _mm256_maddubs_epi16(both, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + m * K + full))), ones);
@@ -309,7 +311,7 @@ inline void int4_row(const RowArgs& a, float* sums) {
   const int64_t K = a.K, R = K / RUN;
   for (int m = 0; m < MM; ++m) sums[m] = 0.f;
   for (int64_t r = 0; r < R; ++r) {
-    const float s = half_float(a.s[r >> a.shift]), mn = min_at(a, r >> a.shift);
+    const float s = scale_at(a, r >> a.shift), mn = min_at(a, r >> a.shift);
     for (int m = 0; m < MM; ++m) {
       int32_t dot = 0;
       for (int64_t i = 0; i < RUN; ++i) dot += nibble(a.p, K, r * RUN + i) * a.xq[m * K + r * RUN + i];
@@ -328,7 +330,9 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   quantize_runs(x, x_row, M, K, xq.data(), xs.data(), xsum.data());
   const int shift = std::countr_zero(static_cast<uint64_t>(group)) - 5;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const bool scales32 = scales.scalar_type() == at::kFloat;
+  const uint16_t* sp = scales32 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const float* sp32 = scales32 ? scales.data_ptr<float>() : nullptr;
   const bool mins32 = mins.scalar_type() == at::kFloat;
   const uint16_t* mp = mins32 ? nullptr : reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   const float* mp32 = mins32 ? mins.data_ptr<float>() : nullptr;
@@ -340,7 +344,7 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
     float sums[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mm = std::min(MAX_ROWS, M - m0);
-      RowArgs a{nullptr, nullptr, nullptr, nullptr, shift, K, xq.data() + m0 * K, xs.data() + m0 * R, xsum.data() + m0 * R};
+      RowArgs a{nullptr, nullptr, nullptr, nullptr, nullptr, shift, K, xq.data() + m0 * K, xs.data() + m0 * R, xsum.data() + m0 * R};
 #if defined(TM_INT4_512)
       // 16 weight rows at a time, their sums reduced together
       const auto rows = [&]<int MM, bool G32>() {
@@ -350,7 +354,8 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
           const int64_t nb = std::min<int64_t>(16, end - n0);
           for (int64_t i = 0; i < nb; ++i) {
             const int64_t n = n0 + i;
-            a.p = pp + n * (K / 2), a.s = sp + n * G, a.mn = mp ? mp + n * G : nullptr, a.mn32 = mp32 ? mp32 + n * G : nullptr;
+            a.p = pp + n * (K / 2), a.s = sp ? sp + n * G : nullptr, a.s32 = sp32 ? sp32 + n * G : nullptr;
+            a.mn = mp ? mp + n * G : nullptr, a.mn32 = mp32 ? mp32 + n * G : nullptr;
             int4_row<MM, G32>(a, &parts[0][i], 16);
           }
           for (int m = 0; m < MM; ++m) {
@@ -364,7 +369,8 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
 #else
       const auto rows = [&]<int MM, bool G32>() {
         for (int64_t n = begin; n < end; ++n) {
-          a.p = pp + n * (K / 2), a.s = sp + n * G, a.mn = mp ? mp + n * G : nullptr, a.mn32 = mp32 ? mp32 + n * G : nullptr;
+          a.p = pp + n * (K / 2), a.s = sp ? sp + n * G : nullptr, a.s32 = sp32 ? sp32 + n * G : nullptr;
+            a.mn = mp ? mp + n * G : nullptr, a.mn32 = mp32 ? mp32 + n * G : nullptr;
           int4_row<MM, G32>(a, sums);
           const float b = bias ? static_cast<float>(bias[n]) : 0.f;
           for (int64_t m = 0; m < MM; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m] + b);
@@ -386,7 +392,7 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
 namespace tokenmill {
 
 // out [M, N] = x [M, K] @ W^T (+ bias), W as packed [N, K / 2] (uint8, the layout above), scales and mins
-// [N, K / group] (float16; mins float16 or float32).
+// [N, K / group] (each float16 or float32).
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                  const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_int4: x must be [M, K] with contiguous rows");
@@ -397,8 +403,9 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(group >= 32 && group <= 4096 && (group & (group - 1)) == 0 && K % group == 0,
               "linear_int4: group must be a power of two from 32 to 4096 dividing K, got ", group);
   const int64_t N = packed.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && (mins.scalar_type() == at::kHalf || mins.scalar_type() == at::kFloat),
-              "linear_int4: scales must be float16, mins float16 or float32");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf || t->scalar_type() == at::kFloat,
+                "linear_int4: scales and mins must be float16 or float32");
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->size(0) == N &&
                     t->size(1) == K / group,
@@ -418,7 +425,9 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 #if defined(TM_AMX)
     // the weights dequantized 32 k of a row at a time (q * scale + min: one group a step) into bfloat16 tiles
     const uint8_t* pp = packed.data_ptr<uint8_t>();
-    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    const bool scales32 = scales.scalar_type() == at::kFloat;
+    const uint16_t* sp = scales32 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    const float* sp32 = scales32 ? scales.data_ptr<float>() : nullptr;
     const bool mins32 = mins.scalar_type() == at::kFloat;
     const uint16_t* mp = mins32 ? nullptr : reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
     const float* mp32 = mins32 ? mins.data_ptr<float>() : nullptr;
@@ -442,8 +451,8 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
         lo = _mm_and_si128(bytes, mask);
         hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
       }
-      const __m512 s = _mm512_set1_ps(_cvtsh_ss(sp[n * G + (k >> shift)]));
       const int64_t g = n * G + (k >> shift);
+      const __m512 s = _mm512_set1_ps(sp32 ? sp32[g] : _cvtsh_ss(sp[g]));
       const __m512 m = _mm512_set1_ps(mp32 ? mp32[g] : _cvtsh_ss(mp[g]));
       const __m512 flo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s, m);
       const __m512 fhi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s, m);
