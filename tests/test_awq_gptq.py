@@ -140,6 +140,7 @@ def test_the_engine_serves_an_awq_folder(tiny_model_dir, tmp_path):
     kwargs = {"dtype": "float32", "kv_cache_memory": 8 * 2**20, "max_num_seqs": 4}
     llm, dense = LLM(str(folder), **kwargs), LLM(str(ref), **kwargs)
     assert llm.stats().weight_bytes < dense.stats().weight_bytes
+    assert llm.engine.core.worker.runner.model.fused_decode is not None  # decode steps: one native call
     prompts = [[5, 9, 33, 100], [7, 7, 7]]
     for a, b in zip(
         llm.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False), strict=True

@@ -33,16 +33,18 @@ if TYPE_CHECKING:
 
 # the kernel names of each method -> decode_layer.cpp's projection kinds
 TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX = range(11)
+# (by the method's name: a checkpoint's int4 / int8 layers, AWQ, GPTQ or compressed-tensors, are the same
+# formats once loaded)
 QUANTIZED_KINDS = {
-    (Int8LinearMethod, "native"): INT8,
-    (W8A8LinearMethod, "native"): W8A8,
-    (Int4LinearMethod, "int4pack"): INT4PACK,
-    (Int4LinearMethod, "native"): INT4,
-    (Int8LinearMethod, "tiled"): INT8_TILED,
-    (W8A8LinearMethod, "tiled"): W8A8_TILED,
-    (W8A8LinearMethod, "amx"): W8A8_AMX,
-    (Int8LinearMethod, "amx"): INT8_AMX,
-    (Int4LinearMethod, "amx"): INT4_AMX,
+    ("int8", "native"): INT8,
+    ("w8a8", "native"): W8A8,
+    ("int4", "int4pack"): INT4PACK,
+    ("int4", "native"): INT4,
+    ("int8", "tiled"): INT8_TILED,
+    ("w8a8", "tiled"): W8A8_TILED,
+    ("w8a8", "amx"): W8A8_AMX,
+    ("int8", "amx"): INT8_AMX,
+    ("int4", "amx"): INT4_AMX,
 }
 FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
 
@@ -81,7 +83,7 @@ class FusedDecode:
         attn = layers[0].self_attn
         if not isinstance(attn.backend, CpuPagedBackend):
             return False
-        return all(type(p.linear_method) in FUSABLE_METHODS for p in _projections(layers[0]))
+        return all(isinstance(p.linear_method, FUSABLE_METHODS) for p in _projections(layers[0]))
 
     def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[int] | None:
         """For a step: each projection's kernel (a decode_layer.cpp kind) at the step's row count, the
@@ -142,6 +144,6 @@ def _kind(projection: LinearBase, rows: int) -> int | None:
     method = projection.linear_method
     if isinstance(method, QuantizedLinearMethod):
         kernel = method.kernel_for((projection.output_size, projection.input_size), rows)
-        return QUANTIZED_KINDS.get((type(method), kernel))
+        return QUANTIZED_KINDS.get((method.name, kernel))
     weight = cast(torch.Tensor, projection.weight)
     return NATIVE if isinstance(method, CpuLinearMethod) and method.takes_native(weight, rows) else TORCH
