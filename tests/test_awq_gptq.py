@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,15 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 IDS = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(2))
 
 
-def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] -> q [K, N] in 0..15, zeros [K / g, N] in 0..15, scales [K / g, N] float16."""
+def quantize(
+    w: torch.Tensor, group: int, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> q [K, N] in 0..15, zeros [K / g, N] in 0..15, scales [K / g, N] float16; `order`:
+    GPTQ's activation order (group j holds inputs order[j * g : (j + 1) * g]; q stays in input order)."""
     n, k = w.shape
+    if order is not None:
+        q, zeros, scales = quantize(w[:, order], group)
+        return q[torch.argsort(order)], zeros, scales
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
     scale = ((hi - lo) / 15).clamp(min=1e-6).half()
@@ -41,10 +48,9 @@ def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, t
     return q.t().int(), zero.t().int(), scale.t().contiguous()
 
 
-def dequantized(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """[K, N] values -> the dense weight [N, K]."""
-    z = zeros.repeat_interleave(group, 0).float()
-    s = scales.repeat_interleave(group, 0).float()
+def dequantized(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """[K, N] values, input k in group g_idx[k] -> the dense weight [N, K]."""
+    z, s = zeros[g_idx.long()].float(), scales[g_idx.long()].float()
     return ((q.float() - z) * s).t().contiguous()
 
 
@@ -75,8 +81,11 @@ def pack_gptq_columns(values: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, C 
     return packed.to(torch.int32)
 
 
-def write_quantized(source: Path, out: Path, method: str, group: int = 32, v2: bool = False) -> tuple[Path, Path]:
-    """(quantized folder, dense reference folder) of the model in `source`."""
+def write_quantized(
+    source: Path, out: Path, method: str, group: int = 32, v2: bool = False, desc_act: bool = False
+) -> tuple[Path, Path]:
+    """(quantized folder, dense reference folder) of the model in `source`; `desc_act`: GPTQ's
+    activation order, one random order per layer input (q, k and v share theirs, gate and up theirs)."""
     ref = out.with_name(out.name + "-dense")
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(source.glob("*.safetensors")):  # (one file, or shards: written back as one file)
@@ -89,14 +98,23 @@ def write_quantized(source: Path, out: Path, method: str, group: int = 32, v2: b
         if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
             packed[name] = dense[name] = w
             continue
-        q, zeros, scales = quantize(w, group)
-        dense[name] = dequantized(q, zeros, scales, group).to(w.dtype)
+        order = None
+        if desc_act:  # the same order for the projections that read one input
+            family = prefix.rsplit(".", 1)[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
+                prefix.rsplit(".", 1)[-1], prefix.rsplit(".", 1)[-1]
+            )
+            order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(zlib.crc32(family.encode())))
+        q, zeros, scales = quantize(w, group, order)
+        g_idx = torch.arange(w.shape[1]) // group
+        if order is not None:
+            g_idx = torch.empty_like(g_idx).scatter_(0, order, torch.arange(w.shape[1]) // group)
+        dense[name] = dequantized(q, zeros, scales, g_idx).to(w.dtype)
         if method == "awq":
             packed |= {f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(zeros)}
         else:
             stored_zeros = zeros if v2 else zeros - 1  # v1 stores zero - 1
             packed |= {f"{prefix}.qweight": pack_gptq_rows(q), f"{prefix}.qzeros": pack_gptq_columns(stored_zeros & 15)}
-            packed[f"{prefix}.g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // group
+            packed[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
         packed[f"{prefix}.scales"] = scales
     save_file(packed, str(out / "model.safetensors"))
     save_file(dense, str(ref / "model.safetensors"))
@@ -104,7 +122,7 @@ def write_quantized(source: Path, out: Path, method: str, group: int = 32, v2: b
     cfg["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
         if method == "awq"
-        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False}
+        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": False}
         | ({"checkpoint_format": "gptq_v2"} if v2 else {})
     )
     (out / "config.json").write_text(json.dumps(cfg))
@@ -194,6 +212,34 @@ def test_inconsistent_tensors_are_refused_by_name(tiny_model_dir, tmp_path):
     permuted["model.layers.0.mlp.down_proj.g_idx"] = permuted["model.layers.0.mlp.down_proj.g_idx"].flip(0)
     save_file(permuted, str(folder / "model.safetensors"))
     with pytest.raises(
-        ModelLoadError, match=r"down_proj\.g_idx'.*activation-order \(desc_act\) files are not supported"
+        ModelLoadError, match=r"down_proj\.g_idx'.*g_idx is not k // 32, and quantization_config\.desc_act is false"
     ):
+        load_model(folder)
+
+
+def test_an_activation_order_gptq_checkpoint_computes_what_its_dequantized_weights_do(tiny_model_dir, tmp_path):
+    """desc_act: each layer input's order (shared by q, k, v, and by gate, up) applied once at load, so
+    the int4 kernel reads contiguous groups; the engine runs it (without the fused decode, which does
+    not permute inputs) and a shard whose g_idx differs from its layer's is refused."""
+    folder, ref = write_quantized(tiny_model_dir("llama"), tmp_path / "gptq", "gptq", desc_act=True)
+    model, dense = load_model(folder, dtype="float32"), load_model(ref, dtype="float32")
+    assert_logits_close(logits(model), logits(dense), rel=1e-5)
+    kwargs = {"dtype": "float32", "kv_cache_memory": 8 * 2**20, "max_num_seqs": 2}
+    llm, on_dense = LLM(str(folder), **kwargs), LLM(str(ref), **kwargs)
+    assert llm.engine.core.worker.runner.model.fused_decode is None
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+    a, b = (
+        llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0].outputs[0],
+        on_dense.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0].outputs[0],
+    )
+    assert_same_up_to_near_tie(
+        a.token_ids, top_logprobs(a.logprobs), b.token_ids, top_logprobs(b.logprobs), tie_nats=0.3
+    )
+    assert_no_leaks(llm)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_proj.g_idx"] = (
+        tensors["model.layers.0.self_attn.k_proj.g_idx"].flip(0).contiguous()
+    )
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"self_attn\.[qkv]_proj\.g_idx'.*g_idx differs from the other shards'"):
         load_model(folder)

@@ -83,7 +83,10 @@ class FusedDecode:
         attn = layers[0].self_attn
         if not isinstance(attn.backend, CpuPagedBackend):
             return False
-        return all(isinstance(p.linear_method, FUSABLE_METHODS) for p in _projections(layers[0]))
+        return all(
+            isinstance(p.linear_method, FUSABLE_METHODS) and not getattr(p.linear_method, "permutes_inputs", False)
+            for p in _projections(layers[0])
+        )
 
     def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[int] | None:
         """For a step: each projection's kernel (a decode_layer.cpp kind) at the step's row count, the

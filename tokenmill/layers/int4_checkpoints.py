@@ -7,14 +7,14 @@ Owns the two formats' tensors and packings (config.json's `quantization_config`,
   `qzeros` int32 [K / g, N / 8] packed alike; `scales` [K / g, N]. W[n, k] = (q - z) * s.
 - GPTQ: `qweight` int32 [K / 8, N], packed along the input dimension in order (nibble i of row r:
   k = 8 r + i); `qzeros` int32 [K / g, N / 8] packed along the output in order; `scales` [K / g, N];
-  `g_idx` [K] (each input's group: k // g here; `desc_act` files, whose g_idx is permuted, are refused
-  by the config parser). v1 files store zero - 1 (`checkpoint_format` gptq_v2: the zero).
+  `g_idx` [K] (each input's group: k // g, or for `desc_act` files a permutation of those groups: the
+  input dimension is then permuted once at load so the groups are contiguous, and each product gathers
+  its inputs in that order). v1 files store zero - 1 (`checkpoint_format` gptq_v2: the zero).
 Both become `Int4Weight`: q as stored, scale s (float16, as stored), min = -z * s in float32 (exact:
 float16 would round it, which moved a tiny model's logits by 0.3% of their scale). The tensors load
 into parameters named after the checkpoint's suffixes (the model maps `q_proj.qweight` to
 `qkv_proj.qweight`, shard "q"), placed along their output dimension, and are unpacked once every
-shard is in (`process_weights_after_loading`). A g_idx that is not k // g (activation order) is
-refused by its loader, naming the tensor.
+shard is in (`process_weights_after_loading`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tokenmill.layers.linear import (
     ShardId,
     ShardLoader,
     WeightLoadError,
+    WeightShapeError,
     register_bias,
     set_weight_loader,
 )
@@ -69,6 +70,11 @@ class CheckpointInt4Method(Int4LinearMethod):
     def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
         super().__init__(QuantSpec("int4", quant.group_size), kernels, prequantized=True)
         self.quant = quant
+        self.permutes_inputs = quant.desc_act  # (GPTQ's activation order: the fused decode cannot take it)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        order = layer._buffers.get("input_order")
+        return super().apply(layer, x if order is None else x.index_select(-1, order), bias)
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
@@ -88,7 +94,7 @@ class CheckpointInt4Method(Int4LinearMethod):
             params["g_idx"] = ((k,), torch.int32, {})
         for name, (shape, kind, shards) in params.items():
             param = nn.Parameter(torch.empty(shape, dtype=kind), requires_grad=False)
-            loader = ShardLoader(shards, dim=1) if shards else GroupIndexCheck(group)
+            loader = ShardLoader(shards, dim=1) if shards else GroupIndexLoader(group, self.quant.desc_act)
             layer.register_parameter(name, set_weight_loader(param, loader))
         if bias:
             register_bias(layer, dtype)
@@ -106,6 +112,11 @@ class CheckpointInt4Method(Int4LinearMethod):
         else:
             q = unpack_rows(qweight)  # [K, N]
             zeros = unpack_columns(qzeros, tuple(range(PACK))) + (0 if self.quant.gptq_v2 else 1)
+            g_idx = getattr(layer.g_idx, "g_idx_seen", None)
+            if self.quant.desc_act and g_idx is not None:  # activation order: groups made contiguous once
+                order = torch.argsort(g_idx, stable=True)  # input j of the kernel is checkpoint input order[j]
+                q = q[order]
+                layer.register_buffer("input_order", order, persistent=False)
         mins = -zeros.float() * scales.float()  # W = q * s - z * s (float32: exact)
         layer.quantized = pack_int4(q.t(), scales.t().contiguous(), mins.t().contiguous(), group)  # type: ignore[assignment]
         for name in ("qweight", "qzeros", "scales", "g_idx"):
@@ -113,19 +124,29 @@ class CheckpointInt4Method(Int4LinearMethod):
                 del layer._parameters[name]
 
 
-class GroupIndexCheck:
-    """GPTQ's `g_idx` loader: every shard's must be the contiguous groups (k // group), what the int4
-    kernel reads; a permuted one (activation order) is refused."""
+class GroupIndexLoader:
+    """GPTQ's `g_idx` loader: each input's group. Contiguous groups (k // group) need nothing; an
+    activation-order file's (a permutation of them) must be the same for every shard of a fused layer
+    (they share one input, so GPTQ orders them alike), kept for `process_weights_after_loading`."""
 
-    def __init__(self, group: int) -> None:
-        self.group = group
+    def __init__(self, group: int, desc_act: bool) -> None:
+        self.group, self.desc_act = group, desc_act
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-        expected = torch.arange(param.shape[0], dtype=torch.int64) // self.group
-        if tuple(loaded.shape) != tuple(param.shape) or not torch.equal(loaded.to(torch.int64), expected):
-            raise WeightLoadError(
-                f"g_idx is not k // {self.group}: activation-order (desc_act) files are not supported yet"
-            )
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise WeightShapeError(tuple(loaded.shape), tuple(param.shape), shard_id)
+        g_idx = loaded.to(torch.int64)
+        k = param.shape[0]
+        in_order = torch.equal(g_idx, torch.arange(k) // self.group)
+        if not self.desc_act and not in_order:
+            raise WeightLoadError(f"g_idx is not k // {self.group}, and quantization_config.desc_act is false")
+        counts = torch.bincount(g_idx, minlength=k // self.group) if g_idx.min() >= 0 else None
+        if counts is None or counts.numel() != k // self.group or not bool((counts == self.group).all()):
+            raise WeightLoadError(f"g_idx does not put {self.group} inputs in each of {k // self.group} groups")
+        seen = getattr(param, "g_idx_seen", None)
+        if seen is not None and not torch.equal(seen, g_idx):
+            raise WeightLoadError(f"shard {shard_id!r}: g_idx differs from the other shards' (one input, one order)")
+        param.g_idx_seen = g_idx  # type: ignore[attr-defined]
 
 
 def checkpoint_method(quant: CheckpointQuantization, kernels: CpuKernels | None) -> QuantizedLinearMethod:

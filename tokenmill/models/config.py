@@ -66,6 +66,7 @@ class CheckpointQuantization:
     bits: int
     group_size: int | None
     gptq_v2: bool = False  # GPTQ's checkpoint_format gptq_v2 stores the true zero points (v1: zero - 1)
+    desc_act: bool = False  # GPTQ's activation order: g_idx a permutation of the groups
     symmetric: bool = False  # compressed-tensors: no zero points stored
 
 
@@ -128,10 +129,9 @@ def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
             raise f.error(f"{field}.version", f"is {version!r}; tokenmill loads AWQ's GEMM packing")
         if not q.get("zero_point", bool, default=True):
             raise f.error(f"{field}.zero_point", "is false; tokenmill loads AWQ checkpoints with zero points")
-    if method == "gptq" and q.get("desc_act", bool, default=False):
-        raise f.error(f"{field}.desc_act", "is true: activation-order GPTQ checkpoints are not supported yet")
+    desc_act = method == "gptq" and q.get("desc_act", bool, default=False)
     v2 = method == "gptq" and q.get("checkpoint_format", str, default="gptq") == "gptq_v2"
-    return CheckpointQuantization(method, bits, None if group == -1 else group, v2)
+    return CheckpointQuantization(method, bits, None if group == -1 else group, v2, desc_act=desc_act)
 
 
 def _parse_compressed_tensors(f: _Fields, q: _Fields) -> CheckpointQuantization:
