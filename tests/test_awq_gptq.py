@@ -22,7 +22,7 @@ from tests.helpers import PagedRunner, assert_logits_close, assert_same_up_to_ne
 from tests.test_engine import assert_no_leaks
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import LinearBase
-from tokenmill.layers.quantize import Int4Weight, dequantize_int4
+from tokenmill.layers.quantize import Int4Weight, Int8Weight, dequantize_int4
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
 
@@ -243,3 +243,51 @@ def test_an_activation_order_gptq_checkpoint_computes_what_its_dequantized_weigh
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"self_attn\.[qkv]_proj\.g_idx'.*g_idx differs from the other shards'"):
         load_model(folder)
+
+
+def test_an_8_bit_gptq_checkpoint_loads_into_int8(tiny_model_dir, tmp_path):
+    """GPTQ 8-bit, symmetric (every zero point 128, stored as 127 in v1): four values a word along the
+    input, zero points four a word along the output; loaded as int8 (q - 128) with its scales."""
+    source = tiny_model_dir("llama")
+    folder, ref = tmp_path / "gptq8", tmp_path / "gptq8-dense"
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        weights |= load_file(str(file))
+    for f in (folder, ref):
+        shutil.copytree(source, f, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    packed, dense = {}, {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
+            packed[name] = dense[name] = w
+            continue
+        n, k = w.shape
+        g = w.float().reshape(n, k // 32, 32)
+        scale = (g.abs().amax(-1) / 127).half()  # [N, K / 32]
+        q = (torch.round(g / scale.float()[..., None]) + 128).clamp(1, 255).reshape(n, k).t().long()  # [K, N]
+        dense[name] = ((q.float() - 128) * scale.float().t().repeat_interleave(32, 0)).t().to(w.dtype)
+        words = torch.zeros(k // 4, n, dtype=torch.int64)
+        for i in range(4):
+            words |= q[i::4] << (8 * i)
+        zeros = torch.full((k // 32, n), 127, dtype=torch.int64)  # v1: zero - 1
+        zwords = torch.zeros(k // 32, n // 4, dtype=torch.int64)
+        for i in range(4):
+            zwords |= zeros[:, i::4] << (8 * i)
+        packed |= {
+            f"{prefix}.qweight": words.to(torch.int32),
+            f"{prefix}.qzeros": zwords.to(torch.int32),
+            f"{prefix}.scales": scale.t().contiguous(),
+            f"{prefix}.g_idx": (torch.arange(k) // 32).to(torch.int32),
+        }
+    save_file(packed, str(folder / "model.safetensors"))
+    save_file(dense, str(ref / "model.safetensors"))
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": True}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = load_model(folder, dtype="float32")
+    assert all(
+        isinstance(m.quantized, Int8Weight)
+        for n, m in model.named_modules()
+        if isinstance(m, LinearBase) and n != "lm_head"
+    )
+    assert_logits_close(logits(model), logits(load_model(ref, dtype="float32")), rel=1e-5)

@@ -1,4 +1,5 @@
-"""AWQ and GPTQ checkpoints' 4-bit layers, loaded into tokenmill's int4 format without dequantizing.
+"""AWQ and GPTQ checkpoints' layers (4-bit; GPTQ's symmetric 8-bit too), loaded into tokenmill's int4 /
+int8 formats without dequantizing.
 
 Owns the two formats' tensors and packings (config.json's `quantization_config`, parsed into
 `CheckpointQuantization` by models/config.py) and the linear methods that take them:
@@ -33,27 +34,30 @@ from tokenmill.layers.linear import (
     register_bias,
     set_weight_loader,
 )
-from tokenmill.layers.quant_linear import Int4LinearMethod, QuantizedLinearMethod
-from tokenmill.layers.quantize import MIN_GROUP, QuantSpec, pack_int4
+from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod
+from tokenmill.layers.quantize import MIN_GROUP, QuantSpec, int8_weight, pack_int4
 from tokenmill.models.config import CheckpointQuantization
 
-PACK = 8  # 4-bit values an int32 holds
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i holds output column ORDER[i] of its eight
 
 
-def unpack_columns(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    """int32 [R, C / 8] -> [R, C] in 0..15: nibble i of word j is column 8 j + order[i]."""
-    r, c8 = packed.shape
-    out = torch.empty(r, c8, PACK, dtype=torch.int32)
+def unpack_columns(packed: torch.Tensor, order: tuple[int, ...], bits: int = 4) -> torch.Tensor:
+    """int32 [R, C / P] -> [R, C] unsigned (P = 32 / bits values a word): value i of word j is column
+    P j + order[i]."""
+    r, words = packed.shape
+    per = 32 // bits
+    out = torch.empty(r, words, per, dtype=torch.int32)
     for i, col in enumerate(order):
-        out[:, :, col] = (packed >> (4 * i)) & 15
-    return out.reshape(r, c8 * PACK)
+        out[:, :, col] = (packed >> (bits * i)) & ((1 << bits) - 1)
+    return out.reshape(r, words * per)
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R / 8, C] -> [R, C] in 0..15: nibble i of row r is row 8 r + i."""
-    r8, c = packed.shape
-    return torch.stack([(packed >> (4 * i)) & 15 for i in range(PACK)], dim=1).reshape(r8 * PACK, c)
+def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [R / P, C] -> [R, C] unsigned: value i of row r is row P r + i."""
+    words, c = packed.shape
+    per = 32 // bits
+    values = [(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
+    return torch.stack(values, dim=1).reshape(words * per, c)
 
 
 def _packed_shards(shards: dict[ShardId, Shard], by: int) -> dict[ShardId, Shard]:
@@ -62,6 +66,60 @@ def _packed_shards(shards: dict[ShardId, Shard], by: int) -> dict[ShardId, Shard
         if s.start % by or s.size % by:
             raise ValueError(f"output shard {sid!r} ({s.size} rows) is not a multiple of {by}: it cannot be packed")
     return {sid: Shard(s.start // by, s.size // by) for sid, s in shards.items()}
+
+
+def _create(layer: LinearBase, quant: CheckpointQuantization, input_size: int, bias: bool, dtype: torch.dtype) -> None:
+    """The checkpoint's tensors as the layer's parameters, each placed along its output dimension."""
+    n, k, per = layer.output_size, input_size, 32 // quant.bits
+    group = quant.group_size or k
+    if k % group or k % per:
+        raise ValueError(f"quantization_config.group_size: {group} does not divide the input width {k}")
+    awq = quant.method == "awq"
+    by_word = _packed_shards(layer.shards, per)
+    params = {  # name -> (shape, dtype, shards along dim 1)
+        "qweight": ((k, n // per) if awq else (k // per, n), torch.int32, by_word if awq else layer.shards),
+        "qzeros": ((k // group, n // per), torch.int32, by_word),
+        "scales": ((k // group, n), torch.float16, layer.shards),
+    }
+    if not awq:
+        params["g_idx"] = ((k,), torch.int32, {})
+    for name, (shape, kind, shards) in params.items():
+        param = nn.Parameter(torch.empty(shape, dtype=kind), requires_grad=False)
+        loader = ShardLoader(shards, dim=1) if shards else GroupIndexLoader(group, quant.desc_act)
+        layer.register_parameter(name, set_weight_loader(param, loader))
+    if bias:
+        register_bias(layer, dtype)
+
+
+def _unpack(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q [K, N] unsigned, zero points [K / g, N], scales [K / g, N], group) of the loaded layer, its
+    inputs in the kernel's order (GPTQ's activation order applied: the `input_order` buffer); the
+    packed parameters dropped."""
+    k, bits = layer.input_size, quant.bits
+    group = quant.group_size or k
+    if group < MIN_GROUP or group & (group - 1):
+        raise ValueError(f"quantization_config.group_size: {group} (the input width) is not a power of two")
+    qweight, qzeros = layer.qweight.data, layer.qzeros.data  # type: ignore[union-attr]
+    scales = layer.scales.data  # type: ignore[union-attr]
+    if quant.method == "awq":
+        q = unpack_columns(qweight, AWQ_ORDER)  # [K, N]
+        zeros = unpack_columns(qzeros, AWQ_ORDER)  # [K / g, N]
+    else:
+        q = unpack_rows(qweight, bits)  # [K, N]
+        zeros = unpack_columns(qzeros, tuple(range(32 // bits)), bits) + (0 if quant.gptq_v2 else 1)
+        g_idx = getattr(layer.g_idx, "g_idx_seen", None)
+        if quant.desc_act and g_idx is not None:  # activation order: groups made contiguous once
+            order = torch.argsort(g_idx, stable=True)  # input j of the kernel is checkpoint input order[j]
+            q = q[order]
+            layer.register_buffer("input_order", order, persistent=False)
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        layer._parameters.pop(name, None)
+    return q, zeros, scales, group
+
+
+def _ordered(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    order = layer._buffers.get("input_order")
+    return x if order is None else x.index_select(-1, order)
 
 
 class CheckpointInt4Method(Int4LinearMethod):
@@ -73,55 +131,41 @@ class CheckpointInt4Method(Int4LinearMethod):
         self.permutes_inputs = quant.desc_act  # (GPTQ's activation order: the fused decode cannot take it)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        order = layer._buffers.get("input_order")
-        return super().apply(layer, x if order is None else x.index_select(-1, order), bias)
+        return super().apply(layer, _ordered(layer, x), bias)
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
-        n, k = sum(output_sizes), input_size
-        group = self.quant.group_size or k
-        if k % group or k % PACK:
-            raise ValueError(f"quantization_config.group_size: {group} does not divide the input width {k}")
-        awq = self.quant.method == "awq"
-        by_word = _packed_shards(layer.shards, PACK)
-        params = {  # name -> (shape, dtype, shards along dim 1)
-            "qweight": ((k, n // PACK) if awq else (k // PACK, n), torch.int32, by_word if awq else layer.shards),
-            "qzeros": ((k // group, n // PACK), torch.int32, by_word),
-            "scales": ((k // group, n), torch.float16, layer.shards),
-        }
-        if not awq:
-            params["g_idx"] = ((k,), torch.int32, {})
-        for name, (shape, kind, shards) in params.items():
-            param = nn.Parameter(torch.empty(shape, dtype=kind), requires_grad=False)
-            loader = ShardLoader(shards, dim=1) if shards else GroupIndexLoader(group, self.quant.desc_act)
-            layer.register_parameter(name, set_weight_loader(param, loader))
-        if bias:
-            register_bias(layer, dtype)
+        _create(layer, self.quant, input_size, bias, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        k = layer.input_size
-        group = self.quant.group_size or k
-        if group < MIN_GROUP or group & (group - 1):
-            raise ValueError(f"quantization_config.group_size: {group} (the input width) is not a power of two")
-        qweight, qzeros = layer.qweight.data, layer.qzeros.data  # type: ignore[union-attr]
-        scales = layer.scales.data  # type: ignore[union-attr]
-        if self.quant.method == "awq":
-            q = unpack_columns(qweight, AWQ_ORDER)  # [K, N]
-            zeros = unpack_columns(qzeros, AWQ_ORDER)  # [K / g, N]
-        else:
-            q = unpack_rows(qweight)  # [K, N]
-            zeros = unpack_columns(qzeros, tuple(range(PACK))) + (0 if self.quant.gptq_v2 else 1)
-            g_idx = getattr(layer.g_idx, "g_idx_seen", None)
-            if self.quant.desc_act and g_idx is not None:  # activation order: groups made contiguous once
-                order = torch.argsort(g_idx, stable=True)  # input j of the kernel is checkpoint input order[j]
-                q = q[order]
-                layer.register_buffer("input_order", order, persistent=False)
+        q, zeros, scales, group = _unpack(layer, self.quant)
         mins = -zeros.float() * scales.float()  # W = q * s - z * s (float32: exact)
         layer.quantized = pack_int4(q.t(), scales.t().contiguous(), mins.t().contiguous(), group)  # type: ignore[assignment]
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            if name in layer._parameters:
-                del layer._parameters[name]
+
+
+class CheckpointInt8Method(Int8LinearMethod):
+    """The int8 method for GPTQ's 8-bit layers: symmetric ones (every zero point 128), as int8 q - 128."""
+
+    def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
+        super().__init__(QuantSpec("int8", quant.group_size), kernels, prequantized=True)
+        self.quant = quant
+        self.permutes_inputs = quant.desc_act
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return super().apply(layer, _ordered(layer, x), bias)
+
+    def create_weights(
+        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        _create(layer, self.quant, input_size, bias, dtype)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        q, zeros, scales, group = _unpack(layer, self.quant)
+        if not bool((zeros == 128).all()):
+            raise ValueError("qzeros: 8-bit zero points other than 128 (asymmetric int8) are not supported")
+        q8 = (q - 128).to(torch.int8).t().contiguous()  # [N, K]
+        layer.quantized = int8_weight(q8, scales.float().t().contiguous(), group)  # type: ignore[assignment]
 
 
 class GroupIndexLoader:
@@ -155,4 +199,4 @@ def checkpoint_method(quant: CheckpointQuantization, kernels: CpuKernels | None)
         from tokenmill.layers.compressed_checkpoints import compressed_method
 
         return compressed_method(quant, kernels)
-    return CheckpointInt4Method(quant, kernels)
+    return CheckpointInt4Method(quant, kernels) if quant.bits == 4 else CheckpointInt8Method(quant, kernels)

@@ -59,7 +59,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CheckpointQuantization:
     """How a checkpoint's linear layers are stored quantized (config.json's `quantization_config`):
-    AWQ (GEMM packing) or GPTQ, 4 bits, or compressed-tensors' pack-quantized int4 / int8; groups of
+    AWQ (GEMM packing, 4 bits), GPTQ (4 or 8 bits), or compressed-tensors' pack-quantized int4 / int8; groups of
     `group_size` inputs (None: the whole input width, one scale per output channel)."""
 
     method: str  # "awq" | "gptq" | "compressed-tensors"
@@ -118,8 +118,8 @@ def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
     if method == "compressed-tensors":
         return _parse_compressed_tensors(f, q)
     bits = q.get("bits", int, default=q.get("w_bit", int, default=None))
-    if bits != 4:
-        raise f.error(f"{field}.bits", f"is {bits!r}; tokenmill loads 4-bit {method} checkpoints")
+    if bits not in ((4,) if method == "awq" else (4, 8)):
+        raise f.error(f"{field}.bits", f"is {bits!r}; tokenmill loads 4-bit {method} checkpoints (gptq: 8-bit too)")
     group = q.get("group_size", int, default=q.get("q_group_size", int, default=128))
     if group != -1 and (group < 32 or group & (group - 1)):
         raise f.error(f"{field}.group_size", f"is {group}; tokenmill loads groups of a power of two from 32, or -1")
