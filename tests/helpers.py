@@ -3,9 +3,12 @@ and a step-by-step driver over a paged KV cache."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from tokenmill.layers.attention import AttentionBackend, allocate_kv_cache
 from tokenmill.models.llama import LlamaForCausalLM
@@ -108,3 +111,14 @@ class PagedRunner:
             out[seq] = logits[offset : offset + q]
             offset += q
         return out
+
+
+def weights_and_copies(source: Path, *folders: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the model folder `source` (one file or shards), and each of `folders` made a copy
+    of it without its weight files (for a test to write other weights into)."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        weights |= load_file(str(file))
+    for folder in folders:
+        shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    return weights

@@ -10,7 +10,6 @@ without their kernel packages (autoawq, gptqmodel), so the reference is that den
 from __future__ import annotations
 
 import json
-import shutil
 import zlib
 from pathlib import Path
 
@@ -18,7 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import PagedRunner, assert_logits_close, assert_same_up_to_near_tie, top_logprobs
+from tests.helpers import (
+    PagedRunner,
+    assert_logits_close,
+    assert_same_up_to_near_tie,
+    top_logprobs,
+    weights_and_copies,
+)
 from tests.test_engine import assert_no_leaks
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import LinearBase
@@ -87,11 +92,7 @@ def write_quantized(
     """(quantized folder, dense reference folder) of the model in `source`; `desc_act`: GPTQ's
     activation order, one random order per layer input (q, k and v share theirs, gate and up theirs)."""
     ref = out.with_name(out.name + "-dense")
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(source.glob("*.safetensors")):  # (one file, or shards: written back as one file)
-        weights |= load_file(str(file))
-    for folder in (out, ref):
-        shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    weights = weights_and_copies(source, out, ref)  # (one file, or shards: written back as one file)
     packed, dense = {}, {}
     for name, w in weights.items():
         prefix = name.removesuffix(".weight")
@@ -250,11 +251,7 @@ def test_an_8_bit_gptq_checkpoint_loads_into_int8(tiny_model_dir, tmp_path):
     input, zero points four a word along the output; loaded as int8 (q - 128) with its scales."""
     source = tiny_model_dir("llama")
     folder, ref = tmp_path / "gptq8", tmp_path / "gptq8-dense"
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(source.glob("*.safetensors")):
-        weights |= load_file(str(file))
-    for f in (folder, ref):
-        shutil.copytree(source, f, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    weights = weights_and_copies(source, folder, ref)
     packed, dense = {}, {}
     for name, w in weights.items():
         prefix = name.removesuffix(".weight")

@@ -7,14 +7,13 @@ as a dense folder, and transformers, which loads these folders on a CPU through 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from tests.helpers import PagedRunner, assert_logits_close
+from tests.helpers import PagedRunner, assert_logits_close, weights_and_copies
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelLoadError
@@ -39,11 +38,7 @@ def write_compressed(source: Path, out: Path, scheme_name: str) -> tuple[Path, P
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     ref = out.with_name(out.name + "-dense")
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(source.glob("*.safetensors")):
-        weights |= load_file(str(file))
-    for folder in (out, ref):
-        shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    weights = weights_and_copies(source, out, ref)
     packed, dense = {}, {}
     for name, w in weights.items():
         prefix = name.removesuffix(".weight")

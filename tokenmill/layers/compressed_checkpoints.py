@@ -87,17 +87,21 @@ def _unpacked(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.T
     return q, scales, zeros, group
 
 
-class CompressedInt4Method(Int4LinearMethod):
-    """compressed-tensors' pack-quantized int4 layers, as stored."""
+class StoredCompressed(QuantizedLinearMethod):
+    """What the compressed-tensors methods share: the checkpoint's tensors as the layer's parameters."""
 
     def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
-        super().__init__(QuantSpec("int4", quant.group_size), kernels, prequantized=True)
+        super().__init__(QuantSpec(self.name, quant.group_size), kernels, prequantized=True)
         self.quant = quant
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         _create(layer, self.quant, input_size, bias, dtype)
+
+
+class CompressedInt4Method(StoredCompressed, Int4LinearMethod):
+    """compressed-tensors' pack-quantized int4 layers, as stored."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         q, scales, zeros, group = _unpacked(layer, self.quant)
@@ -107,17 +111,8 @@ class CompressedInt4Method(Int4LinearMethod):
         layer.quantized = pack_int4(q.int() + 8, scales, mins, group)  # type: ignore[assignment]
 
 
-class CompressedInt8Method(Int8LinearMethod):
+class CompressedInt8Method(StoredCompressed, Int8LinearMethod):
     """compressed-tensors' pack-quantized symmetric int8 layers, as stored."""
-
-    def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
-        super().__init__(QuantSpec("int8", quant.group_size), kernels, prequantized=True)
-        self.quant = quant
-
-    def create_weights(
-        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
-    ) -> None:
-        _create(layer, self.quant, input_size, bias, dtype)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         q, scales, _, group = _unpacked(layer, self.quant)

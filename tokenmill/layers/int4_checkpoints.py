@@ -117,48 +117,37 @@ def _unpack(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.Ten
     return q, zeros, scales, group
 
 
-def _ordered(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-    order = layer._buffers.get("input_order")
-    return x if order is None else x.index_select(-1, order)
-
-
-class CheckpointInt4Method(Int4LinearMethod):
-    """The int4 method for layers a checkpoint stores in AWQ's or GPTQ's packing."""
+class StoredLayers(QuantizedLinearMethod):
+    """What the AWQ / GPTQ methods share: the checkpoint's tensors as the layer's parameters, and
+    products taking the inputs in the kernel's order (GPTQ's activation order; the fused decode, which
+    does not permute inputs, is then skipped: `permutes_inputs`)."""
 
     def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
-        super().__init__(QuantSpec("int4", quant.group_size), kernels, prequantized=True)
-        self.quant = quant
-        self.permutes_inputs = quant.desc_act  # (GPTQ's activation order: the fused decode cannot take it)
-
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return super().apply(layer, _ordered(layer, x), bias)
-
-    def create_weights(
-        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
-    ) -> None:
-        _create(layer, self.quant, input_size, bias, dtype)
-
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        q, zeros, scales, group = _unpack(layer, self.quant)
-        mins = -zeros.float() * scales.float()  # W = q * s - z * s (float32: exact)
-        layer.quantized = pack_int4(q.t(), scales.t().contiguous(), mins.t().contiguous(), group)  # type: ignore[assignment]
-
-
-class CheckpointInt8Method(Int8LinearMethod):
-    """The int8 method for GPTQ's 8-bit layers: symmetric ones (every zero point 128), as int8 q - 128."""
-
-    def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
-        super().__init__(QuantSpec("int8", quant.group_size), kernels, prequantized=True)
+        super().__init__(QuantSpec(self.name, quant.group_size), kernels, prequantized=True)
         self.quant = quant
         self.permutes_inputs = quant.desc_act
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return super().apply(layer, _ordered(layer, x), bias)
-
     def create_weights(
         self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         _create(layer, self.quant, input_size, bias, dtype)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        order = layer._buffers.get("input_order")
+        return super().apply(layer, x if order is None else x.index_select(-1, order), bias)
+
+
+class CheckpointInt4Method(StoredLayers, Int4LinearMethod):
+    """AWQ's and GPTQ's 4-bit layers: int4, W = q * s - z * s (the minimum float32: exact)."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        q, zeros, scales, group = _unpack(layer, self.quant)
+        mins = -zeros.float() * scales.float()
+        layer.quantized = pack_int4(q.t(), scales.t().contiguous(), mins.t().contiguous(), group)  # type: ignore[assignment]
+
+
+class CheckpointInt8Method(StoredLayers, Int8LinearMethod):
+    """GPTQ's 8-bit layers: symmetric ones (every zero point 128), as int8 q - 128."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         q, zeros, scales, group = _unpack(layer, self.quant)

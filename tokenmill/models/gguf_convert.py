@@ -11,8 +11,6 @@ destination and renamed into place, so an interrupted conversion leaves no half-
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import cast
 
@@ -20,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
+from tokenmill.models.folder_write import write_folder
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.loader import resolve_dtype
 
@@ -36,17 +35,7 @@ def convert_gguf(path: str | Path, out: str | Path, dtype: str = "auto", overwri
     if out.exists() and not overwrite:
         raise ValueError(f"out: {out} already exists (pass --overwrite to replace it)")
     torch_dtype = resolve_dtype(dtype, checkpoint.config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        _write(checkpoint, staging, torch_dtype)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+    return write_folder(out, lambda staging: _write(checkpoint, staging, torch_dtype))
 
 
 def _write(checkpoint: GGUFCheckpoint, folder: Path, dtype: torch.dtype) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 
 from tokenmill.layers.quantize import MIN_GROUP
 from tokenmill.models.config import load_config
+from tokenmill.models.folder_write import write_folder
 from tokenmill.models.loader import weight_files
 
 PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
@@ -88,19 +88,13 @@ def quantize_folder(
     )
     raw = json.loads((src / "config.json").read_text())
     raw["quantization_config"] = quant.model_dump(exclude_none=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+
+    def write(staging: Path) -> None:
         for item in src.iterdir():  # tokenizer, chat template, generation config
             weights = item.name.endswith((".safetensors", ".index.json"))
             if item.is_file() and not weights and item.name != "config.json":
                 shutil.copy2(item, staging / item.name)
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return write_folder(out, write)
