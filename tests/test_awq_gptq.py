@@ -1,4 +1,4 @@
-"""AWQ and GPTQ checkpoints loaded as they are stored (layers/int4_checkpoints.py).
+"""AWQ and GPTQ checkpoints loaded as they are stored (layers/awq_gptq.py).
 
 Each test folder is a tiny random model whose projections are quantized here and packed by this
 file's own packers, written from the formats' descriptions (AWQ: along the output, nibble i of a

@@ -227,7 +227,7 @@ def load_model(
         checkpoint = GGUFCheckpoint(folder) if is_gguf(folder) else None
     cfg = checkpoint.config if checkpoint else load_config(folder)
     if cfg.quantization is not None and linear_method is None:  # an AWQ / GPTQ folder: its layers as stored
-        from tokenmill.layers.int4_checkpoints import checkpoint_method
+        from tokenmill.layers.awq_gptq import checkpoint_method
 
         linear_method, head_method = checkpoint_method(cfg.quantization, None), head_method or UnquantizedLinearMethod()
     torch_dtype = resolve_dtype(dtype, cfg)

@@ -19,10 +19,10 @@ from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, E
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_cache
+from tokenmill.layers.awq_gptq import checkpoint_method
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.cpu_linear import CpuLinearMethod, dense_weight_shapes, get_dense_linear_method, tune_linear
 from tokenmill.layers.fused_decode import FusedDecode
-from tokenmill.layers.int4_checkpoints import checkpoint_method
 from tokenmill.layers.linear import LinearMethod
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.layers.quant_linear import (
