@@ -100,7 +100,8 @@ class Worker:
         self.tuner = Autotuner(self.device, default_cache_path())
         # a GGUF file is read once (its metadata parse takes seconds), then built from as often as needed
         source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
-        self.checkpoint_quantization = read_model_config(source).quantization  # AWQ / GPTQ as stored, or None
+        # AWQ / GPTQ / compressed-tensors layers as stored (config.json), or None
+        self.checkpoint_quantization = read_model_config(source).quantization
         if config.dtype == "fastest":
             model, self.backend = self._fastest(config, source)
         else:
