@@ -3,12 +3,13 @@ and a step-by-step driver over a paged KV cache."""
 
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tokenmill.layers.attention import AttentionBackend, allocate_kv_cache
 from tokenmill.models.llama import LlamaForCausalLM
@@ -113,12 +114,31 @@ class PagedRunner:
         return out
 
 
-def weights_and_copies(source: Path, *folders: Path) -> dict[str, torch.Tensor]:
-    """The tensors of the model folder `source` (one file or shards), and each of `folders` made a copy
-    of it without its weight files (for a test to write other weights into)."""
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (prefix of a projection, its dense weight [N, K]) -> (its tensors by suffix, the dense weight they stand for)
+Packer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def write_quantized_copies(source: Path, out: Path, ref: Path, pack: Packer, quantization_config: dict) -> None:
+    """`out`: the model folder `source` (one weight file or shards) with each decoder projection's
+    weight replaced by the tensors `pack` makes of it and `quantization_config` in its config.json;
+    `ref`: the same model holding the dense weights those tensors stand for (the reference)."""
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(source.glob("*.safetensors")):
         weights |= load_file(str(file))
-    for folder in folders:
+    for folder in (out, ref):
         shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    return weights
+    packed, dense = {}, {}
+    for name, w in weights.items():
+        prefix = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
+            packed[name] = dense[name] = w
+            continue
+        tensors, dense[name] = pack(prefix, w)
+        dense[name] = dense[name].to(w.dtype)
+        packed |= {f"{prefix}.{suffix}": t for suffix, t in tensors.items()}
+    save_file(packed, str(out / "model.safetensors"))
+    save_file(dense, str(ref / "model.safetensors"))
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(cfg))

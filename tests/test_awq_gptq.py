@@ -22,7 +22,7 @@ from tests.helpers import (
     assert_logits_close,
     assert_same_up_to_near_tie,
     top_logprobs,
-    weights_and_copies,
+    write_quantized_copies,
 )
 from tests.test_engine import assert_no_leaks
 from tokenmill import LLM, SamplingParams
@@ -31,7 +31,6 @@ from tokenmill.layers.quantize import Int4Weight, Int8Weight, dequantize_int4
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 IDS = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(2))
 
@@ -91,42 +90,33 @@ def write_quantized(
 ) -> tuple[Path, Path]:
     """(quantized folder, dense reference folder) of the model in `source`; `desc_act`: GPTQ's
     activation order, one random order per layer input (q, k and v share theirs, gate and up theirs)."""
-    ref = out.with_name(out.name + "-dense")
-    weights = weights_and_copies(source, out, ref)  # (one file, or shards: written back as one file)
-    packed, dense = {}, {}
-    for name, w in weights.items():
-        prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
-            packed[name] = dense[name] = w
-            continue
+
+    def pack(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         order = None
         if desc_act:  # the same order for the projections that read one input
-            family = prefix.rsplit(".", 1)[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
-                prefix.rsplit(".", 1)[-1], prefix.rsplit(".", 1)[-1]
-            )
+            parent, leaf = prefix.rsplit(".", 1)
+            family = parent + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(leaf, leaf)
             order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(zlib.crc32(family.encode())))
         q, zeros, scales = quantize(w, group, order)
         g_idx = torch.arange(w.shape[1]) // group
         if order is not None:
             g_idx = torch.empty_like(g_idx).scatter_(0, order, torch.arange(w.shape[1]) // group)
-        dense[name] = dequantized(q, zeros, scales, g_idx).to(w.dtype)
         if method == "awq":
-            packed |= {f"{prefix}.qweight": pack_awq(q), f"{prefix}.qzeros": pack_awq(zeros)}
+            tensors = {"qweight": pack_awq(q), "qzeros": pack_awq(zeros)}
         else:
             stored_zeros = zeros if v2 else zeros - 1  # v1 stores zero - 1
-            packed |= {f"{prefix}.qweight": pack_gptq_rows(q), f"{prefix}.qzeros": pack_gptq_columns(stored_zeros & 15)}
-            packed[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
-        packed[f"{prefix}.scales"] = scales
-    save_file(packed, str(out / "model.safetensors"))
-    save_file(dense, str(ref / "model.safetensors"))
-    cfg = json.loads((source / "config.json").read_text())
-    cfg["quantization_config"] = (
+            tensors = {"qweight": pack_gptq_rows(q), "qzeros": pack_gptq_columns(stored_zeros & 15)}
+            tensors["g_idx"] = g_idx.to(torch.int32)
+        return tensors | {"scales": scales}, dequantized(q, zeros, scales, g_idx)
+
+    config = (
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
         if method == "awq"
         else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": False}
         | ({"checkpoint_format": "gptq_v2"} if v2 else {})
     )
-    (out / "config.json").write_text(json.dumps(cfg))
+    ref = out.with_name(out.name + "-dense")
+    write_quantized_copies(source, out, ref, pack, config)  # (one file, or shards: written back as one file)
     return out, ref
 
 
@@ -249,20 +239,13 @@ def test_an_activation_order_gptq_checkpoint_computes_what_its_dequantized_weigh
 def test_an_8_bit_gptq_checkpoint_loads_into_int8(tiny_model_dir, tmp_path):
     """GPTQ 8-bit, symmetric (every zero point 128, stored as 127 in v1): four values a word along the
     input, zero points four a word along the output; loaded as int8 (q - 128) with its scales."""
-    source = tiny_model_dir("llama")
     folder, ref = tmp_path / "gptq8", tmp_path / "gptq8-dense"
-    weights = weights_and_copies(source, folder, ref)
-    packed, dense = {}, {}
-    for name, w in weights.items():
-        prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
-            packed[name] = dense[name] = w
-            continue
+
+    def pack(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         n, k = w.shape
         g = w.float().reshape(n, k // 32, 32)
         scale = (g.abs().amax(-1) / 127).half()  # [N, K / 32]
         q = (torch.round(g / scale.float()[..., None]) + 128).clamp(1, 255).reshape(n, k).t().long()  # [K, N]
-        dense[name] = ((q.float() - 128) * scale.float().t().repeat_interleave(32, 0)).t().to(w.dtype)
         words = torch.zeros(k // 4, n, dtype=torch.int64)
         for i in range(4):
             words |= q[i::4] << (8 * i)
@@ -270,17 +253,16 @@ def test_an_8_bit_gptq_checkpoint_loads_into_int8(tiny_model_dir, tmp_path):
         zwords = torch.zeros(k // 32, n // 4, dtype=torch.int64)
         for i in range(4):
             zwords |= zeros[:, i::4] << (8 * i)
-        packed |= {
-            f"{prefix}.qweight": words.to(torch.int32),
-            f"{prefix}.qzeros": zwords.to(torch.int32),
-            f"{prefix}.scales": scale.t().contiguous(),
-            f"{prefix}.g_idx": (torch.arange(k) // 32).to(torch.int32),
+        tensors = {
+            "qweight": words.to(torch.int32),
+            "qzeros": zwords.to(torch.int32),
+            "scales": scale.t().contiguous(),
+            "g_idx": (torch.arange(k) // 32).to(torch.int32),
         }
-    save_file(packed, str(folder / "model.safetensors"))
-    save_file(dense, str(ref / "model.safetensors"))
-    cfg = json.loads((source / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": True}
-    (folder / "config.json").write_text(json.dumps(cfg))
+        return tensors, ((q.float() - 128) * scale.float().t().repeat_interleave(32, 0)).t()
+
+    config = {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": True}
+    write_quantized_copies(tiny_model_dir("llama"), folder, ref, pack, config)
     model = load_model(folder, dtype="float32")
     assert all(
         isinstance(m.quantized, Int8Weight)

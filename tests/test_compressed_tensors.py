@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from tests.helpers import PagedRunner, assert_logits_close, weights_and_copies
+from tests.helpers import PagedRunner, assert_logits_close, write_quantized_copies
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = torch.randint(0, 4096, (29,), generator=torch.Generator().manual_seed(4))
 SCHEMES = {  # name -> (bits, symmetric, strategy, group size)
     "int4-asym-g32": (4, False, "group", 32),
@@ -37,29 +35,19 @@ def write_compressed(source: Path, out: Path, scheme_name: str) -> tuple[Path, P
     bits, symmetric, strategy, group = SCHEMES[scheme_name]
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    ref = out.with_name(out.name + "-dense")
-    weights = weights_and_copies(source, out, ref)
-    packed, dense = {}, {}
-    for name, w in weights.items():
-        prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in PROJECTIONS):
-            packed[name] = dense[name] = w
-            continue
+
+    def pack(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         rows = w.float().reshape(w.shape[0], -1, group or w.shape[1])
         scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
         state = {"weight": w.float(), "weight_scale": scale, "weight_zero_point": zero}
         compressed = PackedQuantizationCompressor.compress(state, scheme)
-        packed |= {f"{prefix}.{k}": v for k, v in compressed.items()}
-        restored = PackedQuantizationCompressor.decompress(dict(compressed), scheme)
-        dense[name] = restored["weight"].to(w.dtype)
-    save_file(packed, str(out / "model.safetensors"))
-    save_file(dense, str(ref / "model.safetensors"))
-    cfg = json.loads((source / "config.json").read_text())
+        return compressed, PackedQuantizationCompressor.decompress(dict(compressed), scheme)["weight"]
+
     quant = QuantizationConfig(
         config_groups={"group_0": scheme}, format="pack-quantized", quantization_status="compressed", ignore=["lm_head"]
     )
-    cfg["quantization_config"] = quant.model_dump(exclude_none=True)
-    (out / "config.json").write_text(json.dumps(cfg))
+    ref = out.with_name(out.name + "-dense")
+    write_quantized_copies(source, out, ref, pack, quant.model_dump(exclude_none=True))
     return out, ref
 
 
