@@ -108,8 +108,8 @@ def _unpack(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.Ten
         q = unpack_rows(qweight, bits)  # [K, N]
         zeros = unpack_columns(qzeros, tuple(range(32 // bits)), bits) + (0 if quant.gptq_v2 else 1)
         g_idx = getattr(layer.g_idx, "g_idx_seen", None)
-        if quant.desc_act and g_idx is not None:  # activation order: groups made contiguous once
-            order = torch.argsort(g_idx, stable=True)  # input j of the kernel is checkpoint input order[j]
+        order = None if g_idx is None else torch.argsort(g_idx, stable=True)  # kernel input j = checkpoint's order[j]
+        if order is not None and not torch.equal(order, torch.arange(k)):  # activation order: groups made contiguous
             q = q[order]
             layer.register_buffer("input_order", order, persistent=False)
     for name in ("qweight", "qzeros", "scales", "g_idx"):
@@ -119,13 +119,12 @@ def _unpack(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.Ten
 
 class StoredLayers(QuantizedLinearMethod):
     """What the AWQ / GPTQ methods share: the checkpoint's tensors as the layer's parameters, and
-    products taking the inputs in the kernel's order (GPTQ's activation order; the fused decode, which
-    does not permute inputs, is then skipped: `permutes_inputs`)."""
+    products taking the inputs in the kernel's order (a layer's `input_order` buffer, GPTQ's
+    activation order; the fused decode, which does not permute inputs, skips such models)."""
 
     def __init__(self, quant: CheckpointQuantization, kernels: CpuKernels | None) -> None:
         super().__init__(QuantSpec(self.name, quant.group_size), kernels, prequantized=True)
         self.quant = quant
-        self.permutes_inputs = quant.desc_act
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype

@@ -83,9 +83,9 @@ class FusedDecode:
         attn = layers[0].self_attn
         if not isinstance(attn.backend, CpuPagedBackend):
             return False
-        return all(
-            isinstance(p.linear_method, FUSABLE_METHODS) and not getattr(p.linear_method, "permutes_inputs", False)
-            for p in _projections(layers[0])
+        # (a projection that gathers its inputs in another order first, GPTQ's activation order: the modules)
+        return all(isinstance(p.linear_method, FUSABLE_METHODS) for p in _projections(layers[0])) and not any(
+            "input_order" in p._buffers for layer in layers for p in _projections(layer)
         )
 
     def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[int] | None:

@@ -129,7 +129,6 @@ class QuantizedLinearMethod(LinearMethod):
     format: type = object  # the quantized weights this method holds
     # kernels kept to decode batches (at most this many rows), whatever they time at more
     row_limits: ClassVar[Mapping[str, int]] = {}
-    permutes_inputs = False  # a product gathers its inputs in another order first (GPTQ's activation order)
 
     def __init__(self, spec: QuantSpec, kernels: CpuKernels | None, prequantized: bool = False) -> None:
         self.spec = spec
