@@ -188,6 +188,8 @@ inline int64_t panels(const char* x, int64_t x_row_bytes, int64_t M, int64_t N, 
           _tile_loadd(7, packed + 256, 64);
           const char* xk = xp + k * (INT8 ? 1 : 2);
           _tile_loadd(4, xk, x_row_bytes);
+          // (written out per tile: GCC's tile intrinsics paste their tile numbers into the assembly
+          // text, so they take literals, not template parameters)
           if constexpr (INT8) {
             _tile_dpbssd(0, 4, 6);
             _tile_dpbssd(1, 4, 7);

@@ -341,7 +341,6 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   // (1 << 16) / K rows: ~32 KB of weights a thread at least (a 512 x 512 layer on both threads: 5.9 µs a call, 6.7 on one)
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / K);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float sums[MAX_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mm = std::min(MAX_ROWS, M - m0);
       RowArgs a{nullptr, nullptr, nullptr, nullptr, nullptr, shift, K, xq.data() + m0 * K, xs.data() + m0 * R, xsum.data() + m0 * R};
@@ -368,6 +367,7 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
       };
 #else
       const auto rows = [&]<int MM, bool G32>() {
+        float sums[MAX_ROWS];
         for (int64_t n = begin; n < end; ++n) {
           a.p = pp + n * (K / 2), a.s = sp ? sp + n * G : nullptr, a.s32 = sp32 ? sp32 + n * G : nullptr;
             a.mn = mp ? mp + n * G : nullptr, a.mn32 = mp32 ? mp32 + n * G : nullptr;
