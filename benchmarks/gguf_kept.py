@@ -3,8 +3,8 @@
 quantization=none`, both in bfloat16 (`auto`: its 210 Q4_1 matrices as int4 groups of 32, its tied
 Q8_0 table as an int8 output projection; `none`: every weight dequantized to bfloat16), interleaved
 in each of 3 repeats; `random` workload, 128-token prompts, 128 new tokens (EOS ignored), greedy, at
-1 concurrent request (4 requests) and 8 (16). Reports output tokens/s, TPOT and the ratio; writes
-benchmarks/results/gguf_kept.json.
+1 concurrent request (4 requests) and 8 (16). Reports output tokens/s, TPOT and the ratio, and the
+weight bytes each holds (`llm.stats()`); writes benchmarks/results/gguf_kept.json.
 
 Usage: python benchmarks/gguf_kept.py [--repeats 3]
 """
@@ -50,9 +50,12 @@ def main() -> None:
             f"c={conc}: auto {cell(r['auto']['output_tok_per_s'], '{:.0f}')} tok/s, none "
             f"{cell(r['none']['output_tok_per_s'], '{:.0f}')} tok/s, auto over none {cell(r['auto_over_none'])}x"
         )
-    (RESULTS / "gguf_kept.json").write_text(
-        json.dumps({"model": GGUF.name, "dtype": "bfloat16", "rows": rows}, indent=2) + "\n"
-    )
+    from tokenmill import LLM
+
+    weight_bytes = {q: LLM(str(GGUF), dtype="bfloat16", quantization=q).stats().weight_bytes for q in ("auto", "none")}
+    print(f"weights: {', '.join(f'{q} {b / 2**20:.1f} MiB' for q, b in weight_bytes.items())}")
+    result = {"model": GGUF.name, "dtype": "bfloat16", "weight_bytes": weight_bytes, "rows": rows}
+    (RESULTS / "gguf_kept.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
