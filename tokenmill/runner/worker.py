@@ -100,12 +100,13 @@ class Worker:
         self.tuner = Autotuner(self.device, default_cache_path())
         # a GGUF file is read once (its metadata parse takes seconds), then built from as often as needed
         source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
+        checkpoint_config = read_model_config(source)
         # AWQ / GPTQ / compressed-tensors layers as stored (config.json), or None
-        self.checkpoint_quantization = read_model_config(source).quantization
+        self.checkpoint_quantization = checkpoint_config.quantization
         if config.dtype == "fastest":
             model, self.backend = self._fastest(config, source)
         else:
-            dtype = resolve_dtype(config.dtype, read_model_config(source))
+            dtype = resolve_dtype(config.dtype, checkpoint_config)
             model, self.backend = self._build(config, source, dtype)
         dtype = model.dtype
         ops = model.ops
