@@ -73,6 +73,7 @@ class FusedDecode:
         self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self._eps = layers[0].input_layernorm.eps
         self._scale = attn.scale
+        self._caches: tuple[list[KVCache], list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
@@ -110,9 +111,13 @@ class FusedDecode:
         positions, cos, sin = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], rope)
         md = metadata
         heads, kv_heads, head_dim = self._heads
+        if self._caches is None or self._caches[0] is not caches:  # the same list every step: flattened once
+            self._caches = (
+                caches, [t for c in caches for t in (c.k, c.v)], [t for c in caches for t in (c.k_scale, c.v_scale)]
+            )
+        _, cache_tensors, cache_scales = self._caches
         out, res = self._op(
-            x, self._norms, self._weights, self._biases, self._scales, self._wsums,
-            [t for c in caches for t in (c.k, c.v)], [t for c in caches for t in (c.k_scale, c.v_scale)],
+            x, self._norms, self._weights, self._biases, self._scales, self._wsums, cache_tensors, cache_scales,
             self._eps, kinds, self._groups,
             heads, kv_heads, head_dim, positions, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens,
             md.query_starts, md.query_lens, md.block_size, self._scale, self._windows,

@@ -26,6 +26,7 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
     logits_rows: torch.Tensor  # [R] int64: token rows whose hidden states need logits
+    every_row: bool  # logits_rows is every token row in order (a decode-only step): no gather needed
     sample_rows: dict[str, int]  # request id -> its sampling row among the R logits rows
     prompt_rows: list[PromptLogprobRows]
 
@@ -78,6 +79,7 @@ def prepare_inputs(
         positions=positions_t,
         metadata=metadata,
         logits_rows=logits_rows,
+        every_row=len(rows) == len(ids) and rows == list(range(len(ids))),
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
     )

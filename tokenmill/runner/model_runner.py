@@ -64,13 +64,15 @@ class ModelRunner:
             start = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             argmax_only = self._argmax_only(inputs)
+            # [R, hidden]: the rows wanting logits (a decode-only step: every row, no copy)
+            wanted = hidden if inputs.every_row else hidden.index_select(0, inputs.logits_rows)
             if self.greedy_head and argmax_only:  # greedy tokens from the hidden states
-                tokens = self.model.greedy_tokens(hidden[inputs.logits_rows])
+                tokens = self.model.greedy_tokens(wanted)
                 if tokens is not None:
                     result.forward_seconds = time.perf_counter() - start
                     self._record(list(inputs.sample_rows), tokens.tolist(), None, result)
                     return result
-            logits = self.model.compute_logits(hidden[inputs.logits_rows])  # [R, vocab] float32
+            logits = self.model.compute_logits(wanted)  # [R, vocab] float32
             if logits.is_cuda:
                 torch.cuda.synchronize()
             result.forward_seconds = time.perf_counter() - start

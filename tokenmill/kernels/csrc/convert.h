@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -64,8 +65,9 @@ inline float round_trip<c10::BFloat16>(float x) {
 // sigmoid(x) = 1 / (1 + exp(-x)) through exp of a non-positive argument only (vectorizable).
 __attribute__((always_inline)) inline float exp_nonpositive(float x);
 inline float sigmoid(float x) {
-  const float e = exp_nonpositive(x < 0.f ? x : -x);  // exp(-|x|)
-  return x < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+  const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|)
+  const float d = 1.f / (1.f + e);                 // one division, then a select: no branch in the loop
+  return x < 0.f ? e * d : d;
 }
 
 // exp(x) for x <= 0 (softmax terms after subtracting the running max), vectorizable: x = n ln2 + r,

@@ -73,6 +73,18 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
   });
 }
 
+// g[i] = T(silu(g[i])) * u[i]. Arithmetic-bound (an exp and a division an element): on AVX-512 CPUs
+// 16 lanes a vector, where GCC would pick 8 (the peer model's prompt chunks, 128 rows in bfloat16 on the AMX machine: 84 -> 73 us).
+template <typename T>
+void silu_mul_row(float* __restrict g, const float* __restrict u, int64_t n) {
+#if defined(__AVX512F__)
+#pragma omp simd simdlen(16)
+#else
+#pragma omp simd
+#endif
+  for (int64_t i = 0; i < n; ++i) g[i] = round_trip<T>(g[i] * sigmoid(g[i])) * u[i];
+}
+
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), n = out.size(1);
@@ -82,13 +94,10 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(n), up(n);
     for (int64_t r = begin; r < end; ++r) {
-      float* g = gate.data();
-      const float* u = up.data();
-      to_float(xp + r * x_row, g, n);
+      to_float(xp + r * x_row, gate.data(), n);
       to_float(xp + r * x_row + n, up.data(), n);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) g[i] = round_trip<T>(g[i] * sigmoid(g[i])) * u[i];
-      from_float_row(g, op + r * out_row, n);
+      silu_mul_row<T>(gate.data(), up.data(), n);
+      from_float_row(gate.data(), op + r * out_row, n);
     }
   });
 }
@@ -98,20 +107,29 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
 template <typename T>
 void rotary_impl(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  // strides read once: a tensor's accessors inside the loops are calls that keep them scalar
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs0 = cos.stride(0), ss0 = sin.stride(0);
   T* xp = x.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), v(dim);
+    std::vector<float> cv(dim), sv(dim), vv(dim);
+    float* __restrict c = cv.data();
+    float* __restrict s = sv.data();
+    float* __restrict v = vv.data();
     for (int64_t t = begin; t < end; ++t) {
+      const float* crow = cp + pos[t] * cs0;
+      const float* srow = sp + pos[t] * ss0;
+#pragma omp simd
       for (int64_t d = 0; d < dim; ++d) {
-        c[d] = round_trip<T>(cp[pos[t] * cos.stride(0) + d]);
-        s[d] = round_trip<T>(sp[pos[t] * sin.stride(0) + d]);
+        c[d] = round_trip<T>(crow[d]);
+        s[d] = round_trip<T>(srow[d]);
       }
       for (int64_t h = 0; h < heads; ++h) {
-        T* row = xp + t * x.stride(0) + h * x.stride(1);
-        to_float(row, v.data(), dim);
+        T* __restrict row = xp + t * xs0 + h * xs1;
+        to_float(row, v, dim);
+#pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
           const float lo = v[d], hi = v[d + half];
           row[d] = from_float<T>(round_trip<T>(lo * c[d]) + round_trip<T>(-hi * s[d]));

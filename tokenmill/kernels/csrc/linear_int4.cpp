@@ -169,20 +169,30 @@ alignas(64) constexpr int32_t RUN_LANES[8][16] = {
     {13, 13, 13, 13, 13, 13, 13, 13, 15, 15, 15, 15, 15, 15, 15, 15}};
 
 // Whole 128-k chunks [c0, c1) of a segment of runs from r0 = 4 * c0 (at most four), into tot.
+// With VNNI the high nibbles are multiplied where they sit (byte & 0xF0: 16 times the value; vpdpbusd
+// sums its products in int32 without saturating), their runs' scales divided by 16 (exact: a power of
+// two): one instruction a load fewer than shifting them down (the kernel is arithmetic-bound).
+#if defined(__AVX512VNNI__)
+constexpr bool HIGH_IN_PLACE = true;
+#else
+constexpr bool HIGH_IN_PLACE = false;  // vpmaddubsw's int16 pair sums would saturate
+#endif
+
 template <int MM>
 __attribute__((always_inline)) inline void chunks(const RowArgs& a, int64_t c0, int64_t c1, const __m512 (&sc)[MM],
-                                                  __m512 (&tot)[MM][2]) {
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+                                                  const __m512 (&sc_hi)[MM], __m512 (&tot)[MM][2]) {
+  const __m512i nib = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t c = c0; c < c1; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(a.p + c * 64 + TM_I8_PREFETCH), TM_I8_HINT);
     const __m512i w = _mm512_loadu_si512(a.p + c * 64);
-    const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+    const __m512i lo = _mm512_and_si512(w, nib);
+    const __m512i hi = HIGH_IN_PLACE ? _mm512_and_si512(w, high) : _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
     const __m512i lo_idx = _mm512_load_si512(RUN_LANES[2 * (c - c0)]), hi_idx = _mm512_load_si512(RUN_LANES[2 * (c - c0) + 1]);
     for (int m = 0; m < MM; ++m) {
       const int8_t* x = a.xq + m * a.K + c * 128;
       const __m512i dlo = dot512(lo, _mm512_loadu_si512(x)), dhi = dot512(hi, _mm512_loadu_si512(x + 64));
       tot[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), _mm512_permutexvar_ps(lo_idx, sc[m]), tot[m][0]);
-      tot[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(hi_idx, sc[m]), tot[m][1]);
+      tot[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(hi_idx, sc_hi[m]), tot[m][1]);
     }
   }
 }
@@ -200,13 +210,14 @@ __attribute__((always_inline)) inline void segment(const RowArgs& a, int64_t r0,
   } else {
     sw = per_run(a.s, a.s32, r0, count, a.shift), mw = per_run(a.mn, a.mn32, r0, count, a.shift);
   }
-  __m512 sc[MM];  // scale(w) * scale(x) of each run
+  __m512 sc[MM], sc_hi[MM];  // scale(w) * scale(x) of each run; for the high nibbles (see chunks)
   for (int m = 0; m < MM; ++m) {
     sc[m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(mask, a.xs + m * R + r0));
+    sc_hi[m] = HIGH_IN_PLACE ? _mm512_mul_ps(sc[m], _mm512_set1_ps(0.0625f)) : sc[m];
     tot[m][1] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(mask, a.xsum + m * R + r0), tot[m][1]);
   }
-  if (count == 16) return chunks<MM>(a, r0 / 4, r0 / 4 + 4, sc, tot);
-  chunks<MM>(a, r0 / 4, std::min(whole, (r0 + count) / 4), sc, tot);
+  if (count == 16) return chunks<MM>(a, r0 / 4, r0 / 4 + 4, sc, sc_hi, tot);
+  chunks<MM>(a, r0 / 4, std::min(whole, (r0 + count) / 4), sc, sc_hi, tot);
   // the tail past the whole chunks (the row's last runs): a block of 64 k, then one of 32
   int64_t k = whole * 128;
   int lane = static_cast<int>(whole * 4 - r0);

@@ -232,10 +232,15 @@ def attend_chunk(
         mask = key_pos <= q_pos  # [L, ctx]
         if sliding_window is not None:
             mask &= key_pos > q_pos - sliding_window
+    # In the model's dtype where the cache holds it (torch's CPU flash kernel sums in float32 either
+    # way, as transformers' own SDPA path runs it): at 128 / 512 tokens of the peer model's heads in
+    # bfloat16 94 / 837 us against 232 / 3,386 with the inputs widened to float32 first. An int8
+    # cache's dequantized keys are float32: then everything is.
+    dtype = q.dtype if keys.dtype == q.dtype else torch.float32
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None].float(),  # [1, heads, L, D]
-        keys.transpose(0, 1)[None].float(),  # [1, kv_heads, ctx, D]
-        values.transpose(0, 1)[None].float(),
+        q.transpose(0, 1)[None].to(dtype),  # [1, heads, L, D]
+        keys.transpose(0, 1)[None].to(dtype),  # [1, kv_heads, ctx, D]
+        values.transpose(0, 1)[None].to(dtype),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
