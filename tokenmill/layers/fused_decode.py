@@ -113,7 +113,9 @@ class FusedDecode:
         heads, kv_heads, head_dim = self._heads
         if self._caches is None or self._caches[0] is not caches:  # the same list every step: flattened once
             self._caches = (
-                caches, [t for c in caches for t in (c.k, c.v)], [t for c in caches for t in (c.k_scale, c.v_scale)]
+                caches,
+                [t for c in caches for t in (c.k, c.v)],
+                [t for c in caches for t in (c.k_scale, c.v_scale)],
             )
         _, cache_tensors, cache_scales = self._caches
         out, res = self._op(
