@@ -33,6 +33,7 @@ from tokenmill.layers.quantize import (
     quantize_int4,
     quantize_int4pack,
     quantize_int8,
+    int4_scales,
     unpack_int4,
     unpack_int4pack,
 )
@@ -66,10 +67,12 @@ def test_int4_round_trips_through_both_layouts(k, group):
     w = weights(128, k)
     q = int4_values(w, group)[0]
     ours, torchs = quantize_int4(w, group), quantize_int4pack(w, group)
-    assert ours.packed.shape == (128, k // 2) and torch.equal(unpack_int4(ours), q)
+    assert ours.packed.shape == (128 // 16, k // 8, 64) and ours.shape == (128, k)
+    assert torch.equal(unpack_int4(ours), q)
     assert torch.equal(unpack_int4pack(torchs), q)  # the layout the dequantize path reads is torch's own
-    step = ours.scales.float().repeat_interleave(group, dim=1)
-    low = ours.mins.float().repeat_interleave(group, dim=1)
+    scales, mins = int4_scales(ours)
+    step = scales.float().repeat_interleave(group, dim=1)
+    low = mins.float().repeat_interleave(group, dim=1)
     # within half a step of the grid, plus float16's rounding (2^-11) of the minimum and of 15 steps
     assert ((dequantize_int4(ours, torch.float32) - w).abs() <= step / 2 + 2**-11 * (low.abs() + 15 * step)).all()
     # torch's: within half a step of the grid, plus the bfloat16 rounding of its scale and zero
@@ -121,9 +124,10 @@ def int4_native_reference(w: Int4Weight, x: torch.Tensor, bias: torch.Tensor | N
     amax = runs.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     xq = (torch.round(runs / scale) * scale).reshape(x.shape[0], k)
+    scales, mins = (t.float() for t in int4_scales(w))
     q = unpack_int4(w).float().reshape(n, k // w.group, w.group)
-    steps = (q * w.scales.float()[..., None]).reshape(n, k)
-    mins = w.mins.float().repeat_interleave(w.group, dim=1)
+    steps = (q * scales[..., None]).reshape(n, k)
+    mins = mins.repeat_interleave(w.group, dim=1)
     return xq @ steps.t() + x.float() @ mins.t() + (0 if bias is None else bias.float())
 
 
@@ -135,6 +139,7 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
     method = get_quant_method(QuantSpec(name, group), KERNELS)
     for n, k, grp in (
         (128, 352, group),
+        (40, 352, group),  # (int4: a last tile of 8 rows and 8 of padding)
         (192, 512, None if name == "w8a8" else 64),
         (64, 1024, None if name == "w8a8" else 256),
         (64, 100, None),

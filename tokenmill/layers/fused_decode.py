@@ -68,6 +68,7 @@ class FusedDecode:
             self._wsums.append(wsums)
         self._biases = [p.bias for p in projections]
         self._groups = [_group(p) for p in self._first]
+        self._out_features = [p.output_size for p in self._first]
         self._windows = [layer.self_attn.sliding_window for layer in layers]
         attn = layers[0].self_attn
         self._heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
@@ -120,7 +121,7 @@ class FusedDecode:
         _, cache_tensors, cache_scales = self._caches
         out, res = self._op(
             x, self._norms, self._weights, self._biases, self._scales, self._wsums, cache_tensors, cache_scales,
-            self._eps, kinds, self._groups,
+            self._eps, kinds, self._groups, self._out_features,
             heads, kv_heads, head_dim, positions, cos, sin, md.slot_mapping, md.block_tables, md.seq_lens,
             md.query_starts, md.query_lens, md.block_size, self._scale, self._windows,
         )  # fmt: skip

@@ -322,7 +322,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, amx: bool) -> torch.Tensor:
         q = cast(Int4Weight, w)
         x = _contiguous_rows(x)
-        out = torch.empty(x.shape[0], q.packed.shape[0], dtype=x.dtype)
+        out = torch.empty(x.shape[0], q.rows, dtype=x.dtype)
         self.ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias, amx)  # type: ignore[union-attr]
         return out
 

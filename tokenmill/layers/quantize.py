@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 
 MIN_GROUP = 32
 INT4_ROWS = 64  # torch's CPU int4 layout packs output rows in blocks of this many
@@ -53,18 +54,27 @@ class Int8Weight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.wsums))
 
 
+TILE = 16  # weight rows an int4 tile interleaves (kernels/csrc/linear_int4.cpp)
+
+
 @dataclass(frozen=True)
 class Int4Weight:
-    """int4 in tokenmill's layout (kernels/csrc/linear_int4.cpp): W[n, k] ~ q * scales[n, g] + mins[n, g]."""
+    """int4 in tokenmill's layout (kernels/csrc/linear_int4.cpp): W[n, k] ~ q * scale + min of (n, k // group).
 
-    packed: torch.Tensor  # [N, K / 2] uint8: per row, blocks of 64 k, byte j = k j (low) | k 32 + j (high)
-    scales: torch.Tensor  # [N, K / group] float16 (float32 for a checkpoint's that float16 would round)
-    mins: torch.Tensor  # [N, K / group] float16 (float32 for checkpoints' -zero * scale)
+    Rows in tiles of TILE (the last padded with zero rows): in tile t, chunk c (k 8c .. 8c + 7) is 64
+    bytes, byte 4i + j holding row 16t + i's k = 8c + j in its low nibble and 8c + 4 + j in its high one,
+    so one 64-byte load gives 4 consecutive k of 16 rows in each nibble half: a dot-product lane a row.
+    Scales and mins tile the same way, [tile, group, row in tile]."""
+
+    packed: torch.Tensor  # [T, K / 8, 64] uint8, T = ceil(rows / TILE)
+    scales: torch.Tensor  # [T, K / group, TILE] float16 (float32 for a checkpoint's that float16 would round)
+    mins: torch.Tensor  # [T, K / group, TILE] float16 (float32 for checkpoints' -zero * scale)
     group: int
+    rows: int  # N: the tiles' rows past it are padding
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2
+        return self.rows, self.packed.shape[1] * 8
 
     @property
     def nbytes(self) -> int:
@@ -157,14 +167,23 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: 
     """Values q [N, K] in 0..15 (K a multiple of 32), scales and mins [N, K / group] (float16 or float32)
     -> tokenmill's layout, W = q * scale + min."""
     n, k = q.shape
-    full = k // 64 * 64
-    blocks = q[:, :full].reshape(n, full // 64, 2, 32)
-    parts = [(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, full // 2)]
-    if full < k:  # a last block of 32: byte j = k j | k 16 + j
-        tail = q[:, full:].reshape(n, 2, 16)
-        parts.append(tail[:, 0] | (tail[:, 1] << 4))
-    packed = torch.cat(parts, dim=1).to(torch.uint8).contiguous()
-    return Int4Weight(packed, scales.contiguous(), mins.contiguous(), group)
+    tiles = -(-n // TILE)
+    pad = tiles * TILE - n
+    if pad:  # zero rows: their products are 0 and never stored
+        q = F.pad(q, (0, 0, 0, pad))
+        scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
+    v = q.to(torch.uint8).reshape(tiles, TILE, k // 8, 2, 4)  # [tile, row, chunk, nibble half, j]
+    packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(tiles, k // 8, 64)
+    return Int4Weight(packed.contiguous(), _tiled(scales, tiles), _tiled(mins, tiles), group, n)
+
+
+def _tiled(values: torch.Tensor, tiles: int) -> torch.Tensor:  # [T * TILE, G] -> [T, G, TILE]
+    return values.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+
+
+def int4_scales(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, mins), each [N, K / group] in their stored dtype."""
+    return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[: w.rows] for t in (w.scales, w.mins))  # type: ignore[return-value]
 
 
 def int8_weight(q: torch.Tensor, scales: torch.Tensor, group: int) -> Int8Weight:
@@ -185,28 +204,31 @@ def concat_rows(parts: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4
             torch.cat([p.wsums for p in int8]),
         )  # fmt: skip
     int4 = cast(list[Int4Weight], parts)
-    return Int4Weight(
-        torch.cat([p.packed for p in int4]), torch.cat([p.scales for p in int4]), torch.cat([p.mins for p in int4]),
-        first.group,
-    )  # fmt: skip
+    if all(p.rows % TILE == 0 for p in int4):  # whole tiles: stacked as they are
+        return Int4Weight(
+            torch.cat([p.packed for p in int4]), torch.cat([p.scales for p in int4]), torch.cat([p.mins for p in int4]),
+            first.group, sum(p.rows for p in int4),
+        )  # fmt: skip
+    scales, mins = zip(*(int4_scales(p) for p in int4), strict=True)
+    return pack_int4(torch.cat([unpack_int4(p) for p in int4]), torch.cat(scales), torch.cat(mins), first.group)
 
 
 def unpack_int4(w: Int4Weight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
-    n, k = w.shape
-    full = k // 64 * 64
-    b = w.packed.to(torch.int32)
-    main = b[:, : full // 2].reshape(n, full // 64, 1, 32)
-    parts = [torch.cat([main & 15, main >> 4], dim=2).reshape(n, full)]
-    if full < k:
-        tail = b[:, full // 2 :]
-        parts.append(torch.cat([tail & 15, tail >> 4], dim=1))
-    return torch.cat(parts, dim=1)
+    return _unpack_bytes(w.packed.view(w.packed.shape[0], -1, TILE, 4).transpose(1, 2)).reshape(-1, w.shape[1])[
+        : w.rows
+    ]
+
+
+def _unpack_bytes(b: torch.Tensor) -> torch.Tensor:  # [..., K / 8, 4] uint8 -> [..., K / 8, 8] int32 in k order
+    b = b.to(torch.int32)
+    return torch.cat([b & 15, b >> 4], dim=-1)
 
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
     n, k = w.shape
+    scales, mins = int4_scales(w)
     q = unpack_int4(w).float().reshape(n, k // w.group, w.group)
-    g = q * w.scales.float()[..., None] + w.mins.float()[..., None]
+    g = q * scales.float()[..., None] + mins.float()[..., None]
     return g.reshape(n, k).to(dtype)
 
 
@@ -248,10 +270,11 @@ def int8_rows(w: Int8Weight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [
 
 
 def int4_rows(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32
-    picked = Int4Weight(
-        w.packed.index_select(0, ids), w.scales.index_select(0, ids), w.mins.index_select(0, ids), w.group
-    )
-    return dequantize_int4(picked, torch.float32)
+    k = w.shape[1]
+    tiles, lanes = ids // TILE, ids % TILE
+    q = _unpack_bytes(w.packed.view(w.packed.shape[0], -1, TILE, 4)[tiles, :, lanes]).view(-1, k // w.group, w.group)
+    scales, mins = w.scales[tiles, :, lanes].float(), w.mins[tiles, :, lanes].float()  # [T, K / group]
+    return (q.float() * scales[..., None] + mins[..., None]).view(-1, k)
 
 
 def int4pack_rows(w: Int4PackWeight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32

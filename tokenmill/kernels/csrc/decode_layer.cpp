@@ -39,6 +39,7 @@ struct Projection {
   const c10::optional<at::Tensor>& wsums;
   int64_t group;
   int64_t kind;
+  int64_t out_features;  // N (int4 weights hold whole tiles of rows: N is not their size)
 };
 
 // x [M, in] -> [M, out] by the projection's kernel.
@@ -52,7 +53,7 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
     }
     default: break;
   }
-  at::Tensor out = at::empty({x.size(0), p.weight.size(0)}, x.options());  // (int4: packed is [N, K / 2])
+  at::Tensor out = at::empty({x.size(0), p.out_features}, x.options());
   if (p.kind == NATIVE)
     tokenmill::linear(out, x, p.weight, p.bias);
   else if (p.kind == INT8 || p.kind == INT8_TILED || p.kind == INT8_AMX)
@@ -120,7 +121,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::Tensor x, at::TensorList norms, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
     const c10::List<c10::optional<at::Tensor>>& scales, const c10::List<c10::optional<at::Tensor>>& wsums,
-    at::TensorList caches, const c10::List<c10::optional<at::Tensor>>& cache_scales, double eps, c10::List<int64_t> kinds, c10::List<int64_t> groups, int64_t num_heads,
+    at::TensorList caches, const c10::List<c10::optional<at::Tensor>>& cache_scales, double eps, c10::List<int64_t> kinds,
+    c10::List<int64_t> groups, c10::List<int64_t> out_features, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t block_size, double scale,
@@ -131,7 +133,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
                   static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(wsums.size()) == 4 * layers &&
                   static_cast<int64_t>(cache_scales.size()) == 2 * layers,
               "decode_stack: per layer 2 norms, 4 weights, biases, scales and wsums, 2 caches and a window");
-  TORCH_CHECK(kinds.size() == 4 && groups.size() == 4, "decode_stack: one kind and group per projection");
+  TORCH_CHECK(kinds.size() == 4 && groups.size() == 4 && out_features.size() == 4,
+              "decode_stack: one kind, group and output width per projection");
   c10::optional<at::Tensor> residual;
   at::Tensor h = std::move(x);
   for (int64_t i = 0; i < layers; ++i) {
@@ -142,10 +145,10 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     const c10::optional<at::Tensor> w[4] = {wsums.get(4 * i), wsums.get(4 * i + 1), wsums.get(4 * i + 2),
                                             wsums.get(4 * i + 3)};
     const Projection proj[4] = {
-        {weights[4 * i], b[0], s[0], w[0], groups.get(0), kinds.get(0)},
-        {weights[4 * i + 1], b[1], s[1], w[1], groups.get(1), kinds.get(1)},
-        {weights[4 * i + 2], b[2], s[2], w[2], groups.get(2), kinds.get(2)},
-        {weights[4 * i + 3], b[3], s[3], w[3], groups.get(3), kinds.get(3)},
+        {weights[4 * i], b[0], s[0], w[0], groups.get(0), kinds.get(0), out_features.get(0)},
+        {weights[4 * i + 1], b[1], s[1], w[1], groups.get(1), kinds.get(1), out_features.get(1)},
+        {weights[4 * i + 2], b[2], s[2], w[2], groups.get(2), kinds.get(2), out_features.get(2)},
+        {weights[4 * i + 3], b[3], s[3], w[3], groups.get(3), kinds.get(3), out_features.get(3)},
     };
     const c10::optional<int64_t> window = windows.get(i);
     auto [out, res] = decode_layer(h, residual, norms[2 * i], norms[2 * i + 1], eps, proj, num_heads, num_kv_heads,
@@ -165,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def(
       "decode_stack(Tensor(a!) x, Tensor[] norms, Tensor[] weights, Tensor?[] biases, Tensor?[] scales, "
-      "Tensor?[] wsums, Tensor(b!)[] caches, Tensor?[] cache_scales, float eps, int[] kinds, int[] groups, int num_heads, int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor?[] wsums, Tensor(b!)[] caches, Tensor?[] cache_scales, float eps, int[] kinds, int[] groups, int[] out_features, int num_heads, int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor slots, Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, int block_size, "
       "float scale, int?[] windows) -> (Tensor, Tensor)");
   m.impl("decode_stack", c10::DispatchKey::CPU, &decode_stack);
