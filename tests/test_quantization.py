@@ -29,11 +29,11 @@ from tokenmill.layers.quantize import (
     dequantize_int4,
     dequantize_int4pack,
     dequantize_int8,
+    int4_scales,
     int4_values,
     quantize_int4,
     quantize_int4pack,
     quantize_int8,
-    int4_scales,
     unpack_int4,
     unpack_int4pack,
 )
