@@ -192,9 +192,29 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(llama):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="kv_cache_memory: 24576 bytes hold 16 tokens"):
         LLM(llama, kv_cache_memory=24576, max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: a prompt dict holds exactly one of prompt, prompt_token_ids"):
+        llm.generate([[5] * 4, {"prompt_ids": [5] * 4}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: 'prompt_token_ids' must be a list of token ids"):
+        llm.generate([{"prompt_token_ids": "5 6 7"}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: must be a string, a list of token ids or a prompt dict"):
+        llm.generate([[5, 6.5]], use_tqdm=False)
     assert_no_leaks(llm)
     out = llm.generate("hello world", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) <= 3
+    assert_no_leaks(llm)
+
+
+def test_prompt_dicts_are_the_prompts_they_hold(llama):
+    """vLLM's TextPrompt and TokensPrompt shapes: {"prompt": text} and {"prompt_token_ids": ids}."""
+    llm = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
+    ids = prompts(1)[0]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    plain = llm.generate([ids, "hello world"], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt_token_ids": ids}, {"prompt": "hello world"}], params, use_tqdm=False)
+    one = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in dicts] == [o.prompt_token_ids for o in plain] and dicts[0].prompt_token_ids == ids
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert one[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert_no_leaks(llm)
 
 

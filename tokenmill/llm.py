@@ -13,7 +13,9 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# a string, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": str}, {"prompt_token_ids": [...]}
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -30,9 +32,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in the prompts' order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = [_prompt(p, i) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
         if sampling_params is None:
             params = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -90,3 +92,25 @@ class LLM:
     def stats(self) -> EngineStats:
         """Engine gauges: KV blocks total and free, running, waiting, preemptions, tokens processed."""
         return self.engine.stats()
+
+
+def _prompt(p: object, index: int) -> str | list[int]:
+    """One prompt as the engine takes it; ValueError naming it when it is none of the shapes above."""
+    if isinstance(p, dict):
+        keys = set(p)
+        if len(keys) != 1 or not keys <= set(PROMPT_KEYS):
+            raise ValueError(
+                f"prompts[{index}]: a prompt dict holds exactly one of {', '.join(PROMPT_KEYS)}; got keys {sorted(keys)}"
+            )
+        if "prompt" in p:
+            if isinstance(p["prompt"], str):
+                return p["prompt"]
+            raise ValueError(f"prompts[{index}]: 'prompt' must be a string, got {type(p['prompt']).__name__}")
+        p = p["prompt_token_ids"]
+        if not isinstance(p, list | tuple):
+            raise ValueError(f"prompts[{index}]: 'prompt_token_ids' must be a list of token ids, got {type(p).__name__}")
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return list(p)
+    raise ValueError(f"prompts[{index}]: must be a string, a list of token ids or a prompt dict, got {type(p).__name__}")

@@ -100,6 +100,8 @@ class OutputProcessor:
         (naming the field) for a request that cannot run; nothing is registered then."""
         if request_id in self._parents:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not isinstance(prompt, str | list | tuple):  # (a dict's keys would pass for a list)
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         max_tokens = self._check(ids, params)
         params = self._with_token_constraints(params)
