@@ -212,7 +212,8 @@ def test_prompt_dicts_are_the_prompts_they_hold(llama):
     plain = llm.generate([ids, "hello world"], params, use_tqdm=False)
     dicts = llm.generate([{"prompt_token_ids": ids}, {"prompt": "hello world"}], params, use_tqdm=False)
     one = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
-    assert [o.prompt_token_ids for o in dicts] == [o.prompt_token_ids for o in plain] and dicts[0].prompt_token_ids == ids
+    assert [o.prompt_token_ids for o in dicts] == [o.prompt_token_ids for o in plain]
+    assert dicts[0].prompt_token_ids == ids
     assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
     assert one[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert_no_leaks(llm)

@@ -100,7 +100,8 @@ def _prompt(p: object, index: int) -> str | list[int]:
         keys = set(p)
         if len(keys) != 1 or not keys <= set(PROMPT_KEYS):
             raise ValueError(
-                f"prompts[{index}]: a prompt dict holds exactly one of {', '.join(PROMPT_KEYS)}; got keys {sorted(keys)}"
+                f"prompts[{index}]: a prompt dict holds exactly one of {', '.join(PROMPT_KEYS)}; "
+                f"got keys {sorted(keys)}"
             )
         if "prompt" in p:
             if isinstance(p["prompt"], str):
@@ -108,9 +109,11 @@ def _prompt(p: object, index: int) -> str | list[int]:
             raise ValueError(f"prompts[{index}]: 'prompt' must be a string, got {type(p['prompt']).__name__}")
         p = p["prompt_token_ids"]
         if not isinstance(p, list | tuple):
-            raise ValueError(f"prompts[{index}]: 'prompt_token_ids' must be a list of token ids, got {type(p).__name__}")
+            kind = type(p).__name__
+            raise ValueError(f"prompts[{index}]: 'prompt_token_ids' must be a list of token ids, got {kind}")
     if isinstance(p, str):
         return p
     if isinstance(p, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return list(p)
-    raise ValueError(f"prompts[{index}]: must be a string, a list of token ids or a prompt dict, got {type(p).__name__}")
+    kind = type(p).__name__
+    raise ValueError(f"prompts[{index}]: must be a string, a list of token ids or a prompt dict, got {kind}")
