@@ -16,11 +16,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import types
 import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.spec_decode.config import SpeculativeConfig
 
 GREEDY_HEAD = ("auto", "head", "logits")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
@@ -183,6 +186,12 @@ class EngineConfig:
     quantization_group_fallback: bool = setting(
         False, "a layer whose input width the group size does not divide takes the largest power of two that does"
     )
+    speculative_config: str | None = setting(
+        None,
+        "speculative decoding, as vLLM's JSON: method (ngram: prompt lookup), num_speculative_tokens (k, up to "
+        "15), prompt_lookup_min / prompt_lookup_max (the n-gram lengths tried, default 1 / 4); "
+        'e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; outputs equal those without it',
+    )
     layer_ops: str = setting(
         "auto",
         "norms, SwiGLU and rotary embeddings: `cpu` (fused native kernels, built on first use), `torch` "
@@ -191,9 +200,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, naming its key
 
     @classmethod
     def from_kwargs(cls, model: str, **settings: Any) -> EngineConfig:
         """`EngineConfig(model, **settings)`, where an unknown keyword is a ValueError naming it."""
         check_known(settings, [f.name for f in dataclasses.fields(cls)], "engine setting")
+        spec = settings.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's LLM(..., speculative_config={...})
+            settings["speculative_config"] = json.dumps(spec)
         return cls(model=model, **settings)

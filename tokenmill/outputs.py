@@ -33,6 +33,7 @@ class ScheduledChunk:
     new_block_ids: list[int]  # blocks its table gained since it was last scheduled (the runner keeps the table)
     sample: bool  # the chunk reaches the request's last token: sample the next one
     replace_block_table: bool = False  # (re)started (first time, or after preemption): new_block_ids is the table
+    num_draft_tokens: int = 0  # the last this many token_ids are drafts to verify (speculative decoding)
 
 
 @dataclass
@@ -81,6 +82,24 @@ class EngineStats:
     prefix_cache_evictions: int  # cached blocks taken for new tokens
     weight_bytes: int  # the model's weights as held (quantized where they are)
     kv_tokens: int  # tokens the KV cache holds (blocks x block size)
+    # speculative decoding (vLLM's spec_decode_* counters): verification chunks, their draft tokens,
+    # the drafts accepted, and the drafts accepted at each draft position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 without any)."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: 1 (the target's own) + the drafts accepted."""
+        drafts = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -54,6 +54,8 @@ class Request:
     # failed admissions: the tokens and the salt do not change)
     block_hashes: list[bytes] = field(default_factory=list)
     num_sent_blocks: int = 0  # blocks of its table the runner has been sent (0: send the whole table)
+    # tokens a proposer guessed to follow its last one, for this step only (speculative decoding)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

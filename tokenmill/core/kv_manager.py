@@ -55,6 +55,17 @@ class KVManager:
         self.tables.setdefault(request_id, []).extend(self.pool.allocate(need))
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> bool:
+        """Give back the blocks of the request's table past those `num_tokens` tokens fill (rejected
+        speculative tokens' slots); True if any went."""
+        table = self.tables.get(request_id, [])
+        keep = self.blocks_for(num_tokens)
+        if len(table) <= keep:
+            return False
+        self.pool.free(table[keep:][::-1])
+        del table[keep:]
+        return True
+
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, [])
         self._hashes.pop(request_id, None)

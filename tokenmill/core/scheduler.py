@@ -11,7 +11,7 @@ recomputed. Chunked prefill and preemption fall out of this rule; there is no pr
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.core.block_hash import chain_hashes
 from tokenmill.core.kv_manager import KVManager
@@ -32,7 +32,28 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
 
 
+@dataclass
+class SpecCounts:
+    """Speculative decoding's running totals (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int = 0  # chunks that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at position j
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+
 class Scheduler:
+    speculative = True  # takes the drafts the engine sets on running requests
+
     def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
         self.kv = kv
@@ -49,6 +70,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        self.spec = SpecCounts()
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -118,6 +140,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._schedule_drafts(request, budget, chunks):
+                budget -= len(chunks[-1].token_ids)
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -135,6 +161,18 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(new_requests=new, chunks=chunks, finished_request_ids=finished)
+
+    def _schedule_drafts(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> bool:
+        """A decoding request with draft tokens: its last token and the drafts that fit the budget and
+        the free blocks, as one chunk. False (nothing scheduled) when it has none or none fits: it then
+        decodes one token as usual (drafts never preempt anyone)."""
+        drafts = request.draft_token_ids[: budget - 1]
+        if not drafts or not self.speculative or request.num_tokens - request.num_computed_tokens != 1:
+            return False
+        if not self.kv.allocate(request.request_id, request.num_tokens + len(drafts)):
+            return False
+        chunks.append(self._chunk(request, 1, drafts))
+        return True
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], new: list[NewRequestData], now: float) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -215,17 +253,18 @@ class Scheduler:
         total = request.num_computed_tokens + num_new
         return self.kv.allocate(request.request_id, total, keep_watermark=bool(self.running))
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
         table = self.kv.block_table(request.request_id)
         sent, request.num_sent_blocks = request.num_sent_blocks, len(table)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_ids(start, start + num_new),
+            token_ids=request.token_ids(start, start + num_new) + (drafts or []),
             start_position=start,
             new_block_ids=table[sent:],  # only what is new: the runner keeps the rest
             sample=start + num_new == request.num_tokens,
             replace_block_table=sent == 0,
+            num_draft_tokens=len(drafts or ()),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -246,11 +285,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens += min(len(chunk.token_ids), request.num_prompt_tokens - chunk.start_position)
-            request.num_computed_tokens += len(chunk.token_ids)
-            if self.kv.enable_prefix_caching:
-                full = request.num_computed_tokens // self.kv.block_size
-                if full > self.kv.num_hashed_blocks(request.request_id):
-                    self.kv.cache_blocks(request.request_id, self._block_hashes(request, full))
+            if chunk.num_draft_tokens:
+                self._verified(request, chunk, len(result.sampled.get(chunk.request_id, ())))
+            else:
+                request.num_computed_tokens += len(chunk.token_ids)
+                self._cache(request)
             if not chunk.sample:
                 continue
             if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
@@ -265,8 +304,28 @@ class Scheduler:
                     request.times.finished = now
                     self.finish_request(request.request_id, status, reason)
                     break
+            if chunk.num_draft_tokens and request.status is RequestStatus.RUNNING:
+                self._cache(request)  # (the accepted drafts are its tokens now: the blocks they fill hash)
             changed.append(request)
         return changed
+
+    def _cache(self, request: Request) -> None:
+        """Hash and cache the blocks its computed tokens fill, those not cached yet."""
+        if self.kv.enable_prefix_caching:
+            full = request.num_computed_tokens // self.kv.block_size
+            if full > self.kv.num_hashed_blocks(request.request_id):
+                self.kv.cache_blocks(request.request_id, self._block_hashes(request, full))
+
+    def _verified(self, request: Request, chunk: ScheduledChunk, num_sampled: int) -> None:
+        """A chunk of drafts came back with `num_sampled` tokens: the accepted drafts and one of the
+        target's own. Its last token and the accepted drafts are computed; the blocks that hold only
+        rejected drafts' slots go back (past the one the next token lands in; the runner then gets the
+        table anew)."""
+        accepted = num_sampled - 1
+        request.num_computed_tokens += 1 + accepted
+        self.spec.record(chunk.num_draft_tokens, accepted)
+        if self.kv.trim(request.request_id, request.num_computed_tokens + 1):
+            request.num_sent_blocks = 0
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
@@ -294,4 +353,8 @@ class Scheduler:
             prefix_cache_evictions=self.kv.pool.num_evictions,
             weight_bytes=weight_bytes,
             kv_tokens=self.kv.num_blocks * self.kv.block_size,
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec.accepted_per_pos),
         )

@@ -12,6 +12,8 @@ from tokenmill.outputs import NewRequestData, ScheduledChunk
 
 
 class StaticScheduler(Scheduler):
+    speculative = False  # the baseline decodes a token a step (its KV is reserved up front)
+
     def _admit(self, budget: int, chunks: list[ScheduledChunk], new: list[NewRequestData], now: float) -> int:
         if self.running:
             return budget  # the current batch is still running: nobody joins

@@ -20,6 +20,8 @@ from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engin
 from tokenmill.outputs import EngineStats, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.worker import Worker
+from tokenmill.spec_decode import SpeculativeConfig, make_proposer
+from tokenmill.spec_decode.speculation import Speculation
 
 
 class EngineCore:
@@ -40,6 +42,8 @@ class EngineCore:
         scheduler_cls = StaticScheduler if config.scheduling == "static" else Scheduler
         self.scheduler: Scheduler = scheduler_cls(sched_config, kv)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
+        spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        self.speculation = Speculation(spec, make_proposer(spec), self.max_model_len) if spec else None
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -74,6 +78,8 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.draft(self.scheduler.running)
         scheduled = self.scheduler.schedule(time.monotonic())
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}

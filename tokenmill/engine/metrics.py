@@ -74,6 +74,20 @@ class EngineMetrics:
         self.prefix_hits = Counter(
             PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
         )
+        self.spec_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts", "Speculative verification chunks (a request's drafts a step).", labels,
+            registry=r,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", labels, registry=r
+        )
+        self.spec_accepted = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+            [*labels, "position"], registry=r,
+        )  # fmt: skip
         self.success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -91,6 +105,9 @@ class EngineMetrics:
             (self.generation_tokens.labels(m), "generated_tokens"),
             (self.prefix_queries.labels(m), "prefix_cache_queries"),
             (self.prefix_hits.labels(m), "prefix_cache_hits"),
+            (self.spec_drafts.labels(m), "spec_decode_num_drafts"),
+            (self.spec_draft_tokens.labels(m), "spec_decode_num_draft_tokens"),
+            (self.spec_accepted.labels(m), "spec_decode_num_accepted_tokens"),
         ]
         self._itl = self.itl.labels(m)
 
@@ -104,6 +121,11 @@ class EngineMetrics:
             delta = getattr(g, name) - getattr(last, name)
             if delta:
                 counter.inc(delta)
+        before = last.spec_decode_num_accepted_tokens_per_pos
+        for pos, count in enumerate(g.spec_decode_num_accepted_tokens_per_pos):
+            delta = count - (before[pos] if pos < len(before) else 0)
+            if delta:
+                self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(delta)
         self._last = g
 
     def observe_inter_token(self, seconds: float) -> None:
@@ -145,4 +167,10 @@ class EngineMetrics:
             f"tokens/s, Running: {g.running} reqs, Waiting: {g.waiting} reqs, "
             f"KV cache usage: {g.kv_cache_usage * 100:.1f}%, Preemptions: {g.preemptions}, "
             f"Prefix cache hit rate: {g.prefix_cache_hits / max(g.prefix_cache_queries, 1) * 100:.1f}%"
+            + (
+                f", Spec decode: acceptance rate {g.spec_decode_acceptance_rate * 100:.1f}%, "
+                f"mean accepted length {g.spec_decode_mean_accepted_length:.2f}"
+                if g.spec_decode_num_drafts
+                else ""
+            )
         )

@@ -245,18 +245,21 @@ class OutputProcessor:
             parent.num_cached_tokens = out.num_cached_tokens
         child.first_scheduled = out.first_scheduled_time
         child.first_token = out.first_token_time
-        child.token_ids.extend(out.new_token_ids)
-        if child.logprobs is not None and out.new_logprobs:
-            child.logprobs.extend(out.new_logprobs)
         if not out.new_token_ids and out.finish_reason is None:
             return False
-        check_stop = len(child.token_ids) > parent.params.min_tokens  # vLLM: no stop strings before min_tokens
-        update = child.detokenizer.add_tokens(out.new_token_ids, check_stop=check_stop)
-        child.text_delta += update.text_delta
-        if update.stop_string is not None:  # a stop string wins over EOS or length in the same step
-            child.finish_reason, child.stop_reason = "stop", update.stop_string
-            child.finished = out.finished_time if out.finished_time is not None else time.monotonic()
-            return out.finish_reason is None  # still running in the core: stop it there
+        # A token at a time (a speculative step brings several): the tokens after the one that completes
+        # a stop string are dropped, as they would never have been generated one token a step.
+        for j, token in enumerate(out.new_token_ids):
+            child.token_ids.append(token)
+            if child.logprobs is not None and out.new_logprobs:
+                child.logprobs.append(out.new_logprobs[j])
+            check_stop = len(child.token_ids) > parent.params.min_tokens  # vLLM: no stop strings before min_tokens
+            update = child.detokenizer.add_tokens([token], check_stop=check_stop)
+            child.text_delta += update.text_delta
+            if update.stop_string is not None:  # a stop string wins over EOS or length in the same step
+                child.finish_reason, child.stop_reason = "stop", update.stop_string
+                child.finished = out.finished_time if out.finished_time is not None else time.monotonic()
+                return out.finish_reason is None  # still running in the core: stop it there
         if out.finish_reason is not None:
             child.text_delta += child.detokenizer.flush()
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason

@@ -1,6 +1,6 @@
 """SchedulerOutput -> model inputs: flat token ids, positions, attention metadata, and which rows
-of the hidden states need logits (the last token of each sampling chunk, and prompt positions whose
-log-probabilities were asked for)."""
+of the hidden states need logits (the last token of each sampling chunk, every token of a chunk of
+drafts to verify, and prompt positions whose log-probabilities were asked for)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_rows: torch.Tensor  # [R] int64: token rows whose hidden states need logits
     every_row: bool  # logits_rows is every token row in order (a decode-only step): no gather needed
-    sample_rows: dict[str, int]  # request id -> its sampling row among the R logits rows
+    sample_rows: dict[str, int]  # request id -> its (first) sampling row among the R logits rows
+    # request id -> the draft tokens it brought (speculative decoding): its sampling rows are then
+    # 1 + len(drafts), the one after its last token and one after each draft, in order
+    drafts: dict[str, list[int]]
     prompt_rows: list[PromptLogprobRows]
 
 
@@ -46,6 +49,7 @@ def prepare_inputs(
     rows: list[int] = []
     prompt_rows: list[PromptLogprobRows] = []
     sample_rows: dict[str, int] = {}
+    drafts: dict[str, list[int]] = {}
     offset = 0
     for c in chunks:
         n = len(c.token_ids)
@@ -61,8 +65,11 @@ def prepare_inputs(
                 prompt_rows.append(PromptLogprobRows(c.request_id, len(rows), prompt[first + 1 : last + 1], first + 1))
                 rows.extend(range(offset + first - c.start_position, offset + last - c.start_position))
         if c.sample:
+            d = c.num_draft_tokens
             sample_rows[c.request_id] = len(rows)
-            rows.append(offset + n - 1)
+            rows.extend(range(offset + n - 1 - d, offset + n))
+            if d:
+                drafts[c.request_id] = c.token_ids[n - d :]
         offset += n
     metadata = backend.build_metadata(
         [len(c.token_ids) for c in chunks],
@@ -81,5 +88,6 @@ def prepare_inputs(
         logits_rows=logits_rows,
         every_row=len(rows) == len(ids) and rows == list(range(len(ids))),
         sample_rows=sample_rows,
+        drafts=drafts,
         prompt_rows=prompt_rows,
     )

@@ -8,6 +8,7 @@ a row added when the scheduler first sends a request and removed when it reports
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class ModelRunner:
                 tokens = self.model.greedy_tokens(wanted)
                 if tokens is not None:
                     result.forward_seconds = time.perf_counter() - start
-                    self._record(list(inputs.sample_rows), tokens.tolist(), None, result)
+                    self._accept(inputs.sample_rows, inputs.drafts, tokens.tolist(), None, result)
                     return result
             logits = self.model.compute_logits(wanted)  # [R, vocab] float32
             if logits.is_cuda:
@@ -89,29 +90,52 @@ class ModelRunner:
                 state.next_prompt_logprob = rows.first_position + n
 
             if inputs.sample_rows:
-                self._sample(logits, inputs.sample_rows, argmax_only, result)
+                self._sample(logits, inputs, argmax_only, result)
         return result
 
-    def _sample(self, logits: torch.Tensor, sample_rows: dict[str, int], argmax_only: bool, result: StepOutput) -> None:
-        ids = list(sample_rows)
-        rows = [sample_rows[i] for i in ids]
+    def _sample(self, logits: torch.Tensor, inputs: ModelInputs, argmax_only: bool, result: StepOutput) -> None:
+        ids = list(inputs.sample_rows)
+        counts = [1 + len(inputs.drafts.get(i, ())) for i in ids]  # sampling rows a request
+        rows = [
+            r for i, c in zip(ids, counts, strict=True) for r in range(inputs.sample_rows[i], inputs.sample_rows[i] + c)
+        ]
         if rows != list(range(logits.shape[0])):  # prompt-logprob rows are mixed in: pick the sampling ones
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        firsts = dict(zip(ids, itertools.accumulate(counts, initial=0), strict=False))  # each one's first row now
         if argmax_only:  # nothing between the logits and their argmax: no sampling metadata to build
-            self._record(ids, self.sampler.argmax(logits).tolist(), None, result)
+            self._accept(firsts, inputs.drafts, self.sampler.argmax(logits).tolist(), None, result)
             return
-        out = self.sampler(logits, self.batch.sampling_metadata(ids))
-        self._record(ids, out.token_ids.tolist(), out.logprobs, result)
+        out = self.sampler(logits, self.batch.sampling_metadata(ids, counts))
+        self._accept(firsts, inputs.drafts, out.token_ids.tolist(), out.logprobs, result)
 
-    def _record(self, ids: list[str], tokens: list[int], logprobs: LogprobsTensors | None, result: StepOutput) -> None:
-        self.batch.append_tokens(ids, tokens)
-        result.sampled = {request_id: [token] for request_id, token in zip(ids, tokens, strict=True)}
-        if logprobs is not None:
-            lists = LogprobLists.of(logprobs)  # one conversion a step
-            for b, (request_id, token) in enumerate(zip(ids, tokens, strict=True)):
-                k = self.batch.state(request_id).params.logprobs
-                if k is not None:
-                    result.logprobs[request_id] = [lists.entry(b, token, k)]
+    def _accept(
+        self,
+        firsts: dict[str, int],
+        drafts: dict[str, list[int]],
+        tokens: list[int],
+        logprobs: LogprobsTensors | None,
+        result: StepOutput,
+    ) -> None:
+        """`tokens`: the target's own token at each sampling row (request r's at rows firsts[r] ..
+        firsts[r] + its drafts). A request keeps its drafts while each equals the target's token at its
+        position, then the target's token where they part (or after the last draft): the tokens it would
+        have sampled one a step, since a row's token is a function of its logits and (seed, position)."""
+        lists = LogprobLists.of(logprobs) if logprobs is not None else None  # one conversion a step
+        kept_ids: list[str] = []
+        kept_tokens: list[int] = []
+        for request_id, first in firsts.items():
+            guess = drafts.get(request_id, ())
+            accepted = 0
+            while accepted < len(guess) and guess[accepted] == tokens[first + accepted]:
+                accepted += 1
+            kept = tokens[first : first + accepted + 1]
+            result.sampled[request_id] = kept
+            kept_ids += [request_id] * len(kept)
+            kept_tokens += kept
+            k = self.batch.state(request_id).params.logprobs if lists is not None else None
+            if lists is not None and k is not None:
+                result.logprobs[request_id] = [lists.entry(first + j, t, k) for j, t in enumerate(kept)]
+        self.batch.append_tokens(kept_ids, kept_tokens)
 
     def _argmax_only(self, inputs: ModelInputs) -> bool:
         """This step needs nothing from the logits but each row's argmax: every sampling row greedy,

@@ -1,0 +1,178 @@
+"""Speculative decoding with prompt-lookup drafts: the proposer's lookups, the config's checks, and
+the engine's outputs with speculation equal to those without it (greedy, seeded sampling, stop
+strings, logprobs, n > 1; batch 1 and 16; under preemption), with drafts proposed and accepted, the
+counters consistent, and no KV block leaked."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tests.test_engine import assert_no_leaks, greedy, same_up_to_near_tie
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode import DraftRequest, NgramProposer, SpeculativeConfig
+
+
+def ngram(k: int = 3) -> dict[str, object]:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase (what prompt lookup feeds on), with random tokens between."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        phrase = [rng.randrange(5, 4096) for _ in range(rng.randint(3, 8))]
+        filler = [rng.randrange(5, 4096) for _ in range(rng.randint(0, 10))]
+        out.append(phrase + filler + phrase * rng.randint(1, 4) + phrase[: rng.randint(1, len(phrase))])
+    return out
+
+
+# ----------------------------------------------------------------------------- the proposer
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    p = NgramProposer(1, 3)
+    asks = [
+        DraftRequest("a", [1, 2, 3, 4, 5, 1, 2, 3], 3),  # [1, 2, 3] seen at 0: 4, 5, 1 followed
+        DraftRequest("b", [9, 2, 3, 7, 5, 2, 3, 8, 6, 2, 3], 2),  # the latest earlier [2, 3] (at 5): 8, 6
+        DraftRequest("c", [1, 2, 3, 4, 1, 2, 3], 9),  # fewer than k tokens follow: what there is
+        DraftRequest("d", [1, 2, 3], 2),  # nothing repeats
+        DraftRequest("e", [256, 1, 256], 2),  # token values across byte boundaries match as tokens
+        DraftRequest("f", [1, 256, 7, 1], 2),  # (256 = bytes 00 01 00 00: 1's bytes occur inside it)
+        DraftRequest("g", [4, 5, 4, 5], 0),  # no room
+    ]
+    assert p.propose(asks) == [[4, 5, 1], [8, 6], [4, 1, 2, 3], [], [1, 256], [256, 7], []]
+    assert NgramProposer(2, 3).propose([DraftRequest("h", [7, 1, 8, 1], 2)]) == [[]]  # 1-grams are not tried
+
+
+def test_the_speculative_config_names_what_is_wrong():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').prompt_lookup_max == 4
+    for bad, message in (
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "speculative_config.method: expected one of ngram"),
+        ('{"method": "ngram"}', "speculative_config.num_speculative_tokens: required"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 16}',
+            "num_speculative_tokens: expected an integer from 1 to 15",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "speculative_config.k: unknown key"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}', "prompt_lookup_min: 5 is more"),
+        ("[2]", "speculative_config: expected a JSON object"),
+        ("{", "speculative_config: not valid JSON"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(bad)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def plain(llama) -> LLM:
+    return LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576)
+
+
+def assert_counts_consistent(llm: LLM) -> None:
+    s = llm.stats()
+    assert s.spec_decode_num_drafts > 0 and s.spec_decode_num_accepted_tokens > 0  # verification ran and paid
+    assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
+    per_pos = s.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == s.spec_decode_num_accepted_tokens
+    assert all(a >= b for a, b in itertools.pairwise(per_pos))  # position j needs j - 1 accepted
+    assert 0 < s.spec_decode_acceptance_rate <= 1 and s.spec_decode_mean_accepted_length > 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_outputs_with_speculation_equal_those_without(llama, plain, k):
+    ps = repetitive_prompts(16, seed=k)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=ngram(k))
+    batched = spec.generate(ps, greedy(), use_tqdm=False)  # 16 at once
+    alone = [spec.generate([p], greedy(), use_tqdm=False)[0] for p in ps[:4]]  # one at a time
+    reference = plain.generate(ps, greedy(), use_tqdm=False)
+    for out, ref in zip(batched, reference, strict=True):
+        assert same_up_to_near_tie(out, ref)
+    for out, ref in zip(alone, reference[:4], strict=True):
+        assert same_up_to_near_tie(out, ref)
+    assert_counts_consistent(spec)
+    assert_no_leaks(spec)
+
+
+def test_speculation_under_preemption_keeps_the_outputs(llama, plain):
+    ps = repetitive_prompts(32, seed=7)
+    # ~13 blocks of 16 tokens for up to 16 sequences: preemption is certain, drafts need room too
+    tight = LLM(
+        llama,
+        max_num_seqs=16,
+        max_num_batched_tokens=40,
+        kv_cache_memory=13 * 24576,
+        max_model_len=128,
+        speculative_config=ngram(4),
+    )
+    out = tight.generate(ps, greedy(), use_tqdm=False)
+    assert tight.stats().preemptions > 0
+    reference = plain.generate(ps, greedy(), use_tqdm=False)
+    assert all(same_up_to_near_tie(a, b) for a, b in zip(out, reference, strict=True))
+    assert_counts_consistent(tight)
+    assert_no_leaks(tight)
+
+
+def test_seeded_sampling_with_speculation_is_the_same_sample(llama, plain):
+    """A row's token is a function of its logits and (seed, output position): verifying a draft against
+    the target's own seeded sample keeps every output what it is without speculation."""
+    ps = repetitive_prompts(8, seed=3)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=ngram(3))
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=s, max_tokens=24, ignore_eos=True) for s in range(8)]
+    # (low temperature: the random model repeats itself, so drafts get accepted)
+    params += [SamplingParams(temperature=0.3, top_p=0.9, max_tokens=24, ignore_eos=True, n=2, seed=99)]
+    ps = ps + ps[:1]
+    got = spec.generate(ps, params, use_tqdm=False)
+    want = plain.generate(ps, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_leaks(spec)
+
+
+def test_stop_strings_and_logprobs_with_speculation(llama, plain):
+    """Tokens verified in one step past a stop string are dropped, as one token a step never made them;
+    each kept token carries its own logprobs."""
+    ps = repetitive_prompts(6, seed=11)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=ngram(5))
+    reference = plain.generate(ps, greedy(max_tokens=30), use_tqdm=False)
+    stops = [r.outputs[0].text[len(r.outputs[0].text) // 2 :][:3] for r in reference]  # text from mid-output
+    params = [greedy(max_tokens=30, stop=[s]) if s.strip() else greedy(max_tokens=30) for s in stops]
+    got = spec.generate(ps, params, use_tqdm=False)
+    want = plain.generate(ps, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        a, b = g.outputs[0], w.outputs[0]
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.text,
+            b.token_ids,
+            b.finish_reason,
+            b.stop_reason,
+        )
+        assert a.logprobs is not None and b.logprobs is not None and len(a.logprobs) == len(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.token_id == y.token_id and x.rank == y.rank and abs(x.logprob - y.logprob) < 1e-4
+    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_leaks(spec)
+
+
+def test_requests_that_cannot_be_verified_ahead_decode_one_token_a_step(llama, plain):
+    """Penalties make a position's logits depend on the tokens sampled before it in the same step: such
+    requests take no drafts, and their outputs stay what they are."""
+    ps = repetitive_prompts(4, seed=5)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=ngram(3))
+    params = greedy(repetition_penalty=1.3)
+    got = spec.generate(ps, params, use_tqdm=False)
+    assert spec.stats().spec_decode_num_drafts == 0
+    want = plain.generate(ps, params, use_tqdm=False)
+    assert all(same_up_to_near_tie(a, b) for a, b in zip(got, want, strict=True))
+    assert_no_leaks(spec)

@@ -1,0 +1,15 @@
+"""Speculative decoding: proposers guess tokens ahead, the target model verifies them in one step."""
+
+from __future__ import annotations
+
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.proposer import DraftRequest, Proposer, speculates
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer `config.method` names."""
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+__all__ = ["DraftRequest", "NgramProposer", "Proposer", "SpeculativeConfig", "make_proposer", "speculates"]

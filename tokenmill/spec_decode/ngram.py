@@ -1,0 +1,46 @@
+"""Prompt lookup (n-gram) drafts: no model, only the request's own tokens.
+
+For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens of prompt + output are
+looked for earlier in them (the latest earlier occurrence); the first n that is found proposes the
+tokens that followed that occurrence, up to the request's max_drafts. The search runs over the
+tokens as int32 bytes (`bytes.rfind`, C speed), a hit kept only where it falls on a token boundary.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from tokenmill.spec_decode.proposer import DraftRequest
+
+WIDTH = 4  # bytes a token in the search buffer
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return [self._one(r.token_ids, r.max_drafts) for r in requests]
+
+    def _one(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < self.min_n + 1:
+            return []
+        buf = array("i", tokens).tobytes()  # [len(tokens) * WIDTH]
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = _latest(buf, buf[-n * WIDTH :], len(buf) - WIDTH)  # an occurrence ending before the last token
+            if start is not None:
+                follow = start + n  # the token after the occurrence
+                return tokens[follow : follow + k]
+        return []
+
+
+def _latest(buf: bytes, needle: bytes, end: int) -> int | None:
+    """The token index of the latest occurrence of `needle` in buf[:end] that starts on a token."""
+    while True:
+        at = buf.rfind(needle, 0, end)
+        if at < 0:
+            return None
+        if at % WIDTH == 0:
+            return at // WIDTH
+        end = at + len(needle) - 1  # a match across token boundaries: look further left
