@@ -190,6 +190,15 @@ def test_compare_variants_parse_to_typed_engine_overrides():
     for bad, field in (("speed=3", "speed"), ("max_num_seqs=many", "max_num_seqs"), ("enable_prefix_caching=2", "")):
         with pytest.raises(ValueError, match=f"--compare.*{field}"):
             parse_variant(bad, base)
+    # a JSON value keeps its commas; "none" is None for an optional setting
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert parse_variant(f"speculative_config={spec},max_num_seqs=4", base) == {
+        "speculative_config": spec,
+        "max_num_seqs": 4,
+    }
+    assert parse_variant("speculative_config=none", base) == {"speculative_config": None}
+    with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens: required"):
+        parse_variant('speculative_config={"method": "ngram"}', base)
 
 
 @pytest.fixture(scope="module")

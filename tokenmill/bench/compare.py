@@ -22,7 +22,7 @@ def parse_variant(text: str, base: EngineConfig) -> dict[str, Any]:
     with the variant applied; a ValueError names a bad key or value."""
     fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     overrides: dict[str, Any] = {}
-    for part in text.split(","):
+    for part in _top_level_parts(text):
         key, sep, raw = part.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in fields:
@@ -36,6 +36,26 @@ def parse_variant(text: str, base: EngineConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"--compare: {text!r}: {e}") from None
     return overrides
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """Split at the commas outside braces, brackets and quotes: a JSON value (speculative_config={...})
+    keeps its own commas."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote and text[i - 1] != "\\" else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def label_of(overrides: dict[str, Any]) -> str:

@@ -127,8 +127,19 @@ def run_offline(
         "kv_live_share": live / allocated if allocated else None,
         "preemptions": after.preemptions - before.preemptions,
         "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
+        **{
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        },
         "full_decode_steps": len(full_steps),
     }
+    if extras["spec_decode_num_draft_tokens"]:  # speculative decoding ran: how well its drafts did
+        extras["spec_decode_acceptance_rate"] = (
+            extras["spec_decode_num_accepted_tokens"] / extras["spec_decode_num_draft_tokens"]
+        )
+        extras["spec_decode_mean_accepted_length"] = (
+            1 + extras["spec_decode_num_accepted_tokens"] / extras["spec_decode_num_drafts"]
+        )
     if full_steps:
         extras["full_decode_step_ms"] = statistics.median(s for s, _ in full_steps) * 1e3
         extras["full_decode_overhead_ms"] = statistics.median(o for _, o in full_steps) * 1e3

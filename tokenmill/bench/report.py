@@ -27,6 +27,8 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("KV slots holding live tokens", "kv_live_share", "{:.1%}"),
     ("preemptions", "preemptions", "{:.0f}"),
     ("prompt tokens from the prefix cache", "prefix_cache_hit_tokens", "{:.0f}"),
+    ("draft tokens accepted (speculative decoding)", "spec_decode_acceptance_rate", "{:.1%}"),
+    ("  tokens a verification step yields", "spec_decode_mean_accepted_length", "{:.2f}"),
     ("full decode step, ms", "full_decode_step_ms", "{:.2f}"),
     ("  of which outside the forward, ms", "full_decode_overhead_ms", "{:.2f}"),
 )
