@@ -13,10 +13,13 @@ import pytest
 from tests.test_engine import assert_no_leaks, greedy, same_up_to_near_tie
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec_decode import DraftRequest, NgramProposer, SpeculativeConfig
+from tokenmill.spec_decode.policy import Candidate, SpeculationPolicy, StepCurve
 
 
-def ngram(k: int = 3) -> dict[str, object]:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+def ngram(k: int = 3, adaptive: bool = False) -> dict[str, object]:
+    """Prompt lookup with k drafts; not adaptive unless asked: every draft is verified (what the
+    equality tests need: a measured rule could decide none pays on this machine)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "adaptive": adaptive}
 
 
 def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -64,6 +67,63 @@ def test_the_speculative_config_names_what_is_wrong():
     ):
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(bad)
+
+
+# ----------------------------------------------------------------------------- the measured rule
+
+
+def test_the_step_curve_interpolates_what_it_measured():
+    curve = StepCurve()
+    assert curve.seconds(4) is None
+    for tokens, seconds in ((1, 1.0), (8, 2.0), (64, 9.0)):
+        curve.observe(tokens, seconds)
+    assert curve.seconds(1) == 1.0 and curve.seconds(8) == 2.0
+    assert curve.seconds(36) == pytest.approx(2.0 + 7.0 * 28 / 56)  # between the buckets' points
+    assert curve.seconds(500) == 9.0  # past the longest step measured: as that one, until measured
+    curve.observe(9, 4.0)  # same bucket as 8 (4 bits): a running average of count and time
+    n, t = curve.buckets[4]
+    assert (n, t) == pytest.approx((8.2, 2.4))
+
+
+def policy_with(curve: dict[int, float]) -> SpeculationPolicy:
+    policy = SpeculationPolicy()
+    for tokens, seconds in curve.items():
+        policy.curve.observe(tokens, seconds)
+    return policy
+
+
+def kept_at(rate: float, drafts: int = 3) -> Candidate:
+    """A candidate whose drafts were each kept at `rate` when reached, over 100 verifications a position."""
+    return Candidate("", drafts, reached=[100] * drafts, kept=[round(100 * rate)] * drafts)
+
+
+def named(c: Candidate, name: str) -> Candidate:
+    c.request_id = name
+    return c
+
+
+def test_acceptance_by_position_compounds():
+    """Draft j's expected tokens: the product of the conditional rates up to j, a request's own counts
+    pulled toward the engine-wide ones (none yet here: the optimistic 3/4) by a prior worth 4
+    verifications."""
+    gains = SpeculationPolicy().gains(Candidate("a", 3, reached=[100, 50, 40], kept=[50, 40, 40]))
+    c = [(50 + 3) / (100 + 4), (40 + 3) / (50 + 4), (40 + 3) / (40 + 4)]
+    assert gains == pytest.approx([c[0], c[0] * c[1], c[0] * c[1] * c[2]])
+
+
+def test_the_rule_speculates_where_a_longer_step_costs_little_and_not_where_it_costs_its_tokens():
+    flat = {1: 0.010, 4: 0.0105, 16: 0.012, 64: 0.02}  # one request: weights read, tokens nearly free
+    steep = {16: 0.1, 32: 0.2, 64: 0.4, 128: 0.8}  # a large batch: every token costs its share
+    good = [named(kept_at(0.8), str(i)) for i in range(32)]  # drafts kept 80% of the time
+    assert policy_with(flat).choose(1, 0, good[:1]) == {"0": 3}  # 1 + 0.8 + 0.64 + 0.51 tokens, step +12%
+    assert policy_with(steep).choose(32, 0, good) == {}  # 32 + 96 tokens would cost 4x
+    poor = [named(kept_at(0.01), "0")]  # its drafts are almost never kept: not worth even a cheap token
+    assert policy_with({1: 0.010, 4: 0.012}).choose(1, 0, poor) == {}
+    # in between, the best count: the first drafts of the requests most likely to keep them
+    mixed = [named(kept_at(0.95), "a"), named(kept_at(0.05), "b")]
+    middle = policy_with({2: 0.010, 4: 0.0102, 8: 0.03}).choose(2, 0, mixed)
+    assert middle.get("a", 0) >= 1 and middle.get("b", 0) == 0
+    assert SpeculationPolicy().choose(1, 0, good[:1]) == {}  # nothing measured yet: plain decoding
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -175,4 +235,17 @@ def test_requests_that_cannot_be_verified_ahead_decode_one_token_a_step(llama, p
     assert spec.stats().spec_decode_num_drafts == 0
     want = plain.generate(ps, params, use_tqdm=False)
     assert all(same_up_to_near_tie(a, b) for a, b in zip(got, want, strict=True))
+    assert_no_leaks(spec)
+
+
+def test_the_adaptive_rule_keeps_outputs_and_counts(llama, plain):
+    """With the measured rule on (the default), whatever it decides, the outputs are those without
+    speculation and nothing leaks."""
+    ps = repetitive_prompts(8, seed=13)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=ngram(4, adaptive=True))
+    got = spec.generate(ps, greedy(), use_tqdm=False)
+    want = plain.generate(ps, greedy(), use_tqdm=False)
+    assert all(same_up_to_near_tie(a, b) for a, b in zip(got, want, strict=True))
+    s = spec.stats()
+    assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
     assert_no_leaks(spec)

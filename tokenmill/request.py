@@ -56,6 +56,9 @@ class Request:
     num_sent_blocks: int = 0  # blocks of its table the runner has been sent (0: send the whole table)
     # tokens a proposer guessed to follow its last one, for this step only (speculative decoding)
     draft_token_ids: list[int] = field(default_factory=list)
+    # per draft position j: how often its draft j was verified with every draft before it kept, and kept
+    spec_reached: list[int] = field(default_factory=list)
+    spec_kept: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -40,15 +40,25 @@ class SpecCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at position j
+    reached_per_pos: list[int] = field(default_factory=list)  # [j]: drafts at j verified, all before j kept
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        if len(self.accepted_per_pos) < drafted:
-            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
-        for j in range(accepted):
-            self.accepted_per_pos[j] += 1
+        count_positions(self.reached_per_pos, self.accepted_per_pos, drafted, accepted)
+
+
+def count_positions(reached: list[int], kept: list[int], drafted: int, accepted: int) -> None:
+    """One verification's outcome by draft position: drafts 0..accepted were reached (the one after the
+    last kept is where the target parted, if any), 0..accepted - 1 kept."""
+    if len(reached) < drafted:
+        reached.extend([0] * (drafted - len(reached)))
+        kept.extend([0] * (drafted - len(kept)))
+    for j in range(min(accepted + 1, drafted)):
+        reached[j] += 1
+    for j in range(accepted):
+        kept[j] += 1
 
 
 class Scheduler:
@@ -323,6 +333,7 @@ class Scheduler:
         table anew)."""
         accepted = num_sampled - 1
         request.num_computed_tokens += 1 + accepted
+        count_positions(request.spec_reached, request.spec_kept, chunk.num_draft_tokens, accepted)
         self.spec.record(chunk.num_draft_tokens, accepted)
         if self.kv.trim(request.request_id, request.num_computed_tokens + 1):
             request.num_sent_blocks = 0

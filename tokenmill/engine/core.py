@@ -78,13 +78,19 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        if self.speculation is not None:
-            self.speculation.draft(self.scheduler.running)
+        spec = self.speculation
+        if spec is not None:
+            counts = self.scheduler.spec
+            budget = self.config.max_num_batched_tokens
+            spec.draft(self.scheduler.running, budget, counts.reached_per_pos, counts.accepted_per_pos)
+        drafted = time.perf_counter()
         scheduled = self.scheduler.schedule(time.monotonic())
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
         result = self.worker.execute(scheduled)
         changed = self.scheduler.update(scheduled, result, time.monotonic())
+        if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
+            spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted)  # no prompt chunk in it
         outputs = [self._output(r, result, had[r.request_id]) for r in changed]
         reported = {r.request_id for r in changed}
         for request_id, rows in result.prompt_logprobs.items():  # a prompt chunk that sampled nothing

@@ -22,6 +22,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: the most drafts a request gets a step
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: the longest suffix matched (tried first)
+    # verify only the drafts the measured rule expects to pay this step (spec_decode/policy.py); False:
+    # every draft, up to k (what tests of losslessness pin)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -35,6 +38,8 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
                 span = f"from {low} to {high}" if high else f">= {low}"
                 raise ValueError(f"speculative_config.{name}: expected an integer {span}, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive: expected true or false, got {self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min: {self.prompt_lookup_min} is more than prompt_lookup_max "

@@ -3,13 +3,19 @@
 Which requests take drafts, and how many: a request decoding (its last token is the one to compute)
 whose sampling lets its tokens be verified a step ahead (`speculates`), at most k, and no more than
 the tokens it may still generate after the one it samples anyway (max_tokens, the model's length).
-The proposer guesses; the scheduler sends what fits; the runner keeps what the target agrees with.
+With `adaptive` (the default) the measured rule of policy.py then keeps the drafts that pay this step,
+none at all where the step would cost more than they bring (large batches), and skips proposing when
+not even perfect drafts would pay. The proposer guesses; the scheduler sends what fits; the runner
+keeps what the target agrees with.
 """
 
 from __future__ import annotations
 
+import time
+
 from tokenmill.request import Request
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.policy import Candidate, SpeculationPolicy
 from tokenmill.spec_decode.proposer import DraftRequest, Proposer, speculates
 
 
@@ -18,20 +24,46 @@ class Speculation:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.policy = SpeculationPolicy()
 
-    def draft(self, running: list[Request]) -> None:
-        """Set each running request's draft_token_ids for this step (none for those that take none)."""
-        asks: list[DraftRequest] = []
-        takers: list[Request] = []
+    def draft(self, running: list[Request], budget: int, reached: list[int], kept: list[int]) -> None:
+        """Set each running request's draft_token_ids for this step (none for those that take none);
+        `budget`: the step's token budget (prompt chunks take what decoding leaves); `reached`, `kept`:
+        the engine's verified and kept drafts by position so far."""
+        self.policy.reached, self.policy.kept = reached, kept
         for request in running:
             request.draft_token_ids = []
-            room = self._room(request)
-            if room > 0:
-                asks.append(DraftRequest(request.request_id, request.token_ids(0, request.num_tokens), room))
-                takers.append(request)
-        if asks:
-            for request, drafts in zip(takers, self.proposer.propose(asks), strict=True):
-                request.draft_token_ids = list(drafts[: self._room(request)])
+        rooms = {r.request_id: self._room(r) for r in running}
+        takers = [r for r in running if rooms[r.request_id] > 0]
+        if not takers:
+            return
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        prompt = min(budget - decoding, sum(r.num_tokens - r.num_computed_tokens for r in running) - decoding)
+        adaptive = self.config.adaptive
+        if adaptive:  # would even drafts the target always keeps pay for proposing them?
+            offers = [Candidate(r.request_id, rooms[r.request_id]) for r in takers]
+            if self.policy.curve.buckets and not self.policy.choose(
+                decoding, prompt, offers, self.policy.proposer_seconds, all_kept=True
+            ):
+                return
+        start = time.perf_counter()
+        proposals = self.proposer.propose(
+            [DraftRequest(r.request_id, r.token_ids(0, r.num_tokens), rooms[r.request_id]) for r in takers]
+        )
+        self.policy.observe_proposer(time.perf_counter() - start)
+        drafts = {r.request_id: list(d[: rooms[r.request_id]]) for r, d in zip(takers, proposals, strict=True)}
+        if adaptive:
+            candidates = [
+                Candidate(r.request_id, len(drafts[r.request_id]), r.spec_reached, r.spec_kept) for r in takers
+            ]
+            keep = self.policy.choose(decoding, prompt, candidates)
+            drafts = {i: d[: keep.get(i, 0)] for i, d in drafts.items()}
+        for r in takers:
+            r.draft_token_ids = drafts[r.request_id]
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step ran `tokens` tokens in `seconds` (proposing not included)."""
+        self.policy.curve.observe(tokens, seconds)
 
     def _room(self, request: Request) -> int:
         if request.num_tokens - request.num_computed_tokens != 1 or not speculates(request.sampling_params):
