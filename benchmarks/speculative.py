@@ -56,7 +56,8 @@ def speed(repeats: int) -> dict[str, Any]:
         a, g = result.aggregate, result.gains
         base = "speculative_config=None"
         row: dict[str, Any] = {}
-        for label, name in ((base, "none"), (f"speculative_config={ADAPTIVE}", "adaptive"), (f"speculative_config={FIXED}", "fixed")):
+        labels = {base: "none", f"speculative_config={ADAPTIVE}": "adaptive", f"speculative_config={FIXED}": "fixed"}
+        for label, name in labels.items():
             if label not in a:
                 continue
             entry = {
