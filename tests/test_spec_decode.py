@@ -6,8 +6,10 @@ counters consistent, and no KV block leaked."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
+import httpx
 import pytest
 
 from tests.test_engine import assert_no_leaks, greedy, same_up_to_near_tie
@@ -249,3 +251,35 @@ def test_the_adaptive_rule_keeps_outputs_and_counts(llama, plain):
     s = spec.stats()
     assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
     assert_no_leaks(spec)
+
+
+def test_the_server_streams_speculative_steps_as_it_answers_whole(tiny_model_dir):
+    """Several tokens a step reach the client as one token's text and logprobs at a time: the stream
+    adds up to the whole answer, token for token, and every block comes back."""
+    from tests.server_harness import start_server
+    from tests.test_server import stream_events
+
+    srv = start_server(str(tiny_model_dir("llama")), speculative_config=json.dumps(ngram(4)))
+    try:
+        prompts = repetitive_prompts(4, seed=2)  # (ones whose continuations this model repeats)
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": 40, "temperature": 0}
+        body |= {"ignore_eos": True, "logprobs": 2}
+        whole = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=30.0).json()["choices"]
+        text = [""] * 4
+        tokens: list[list[str]] = [[] for _ in range(4)]
+        logprobs: list[list[float]] = [[] for _ in range(4)]
+        for event in stream_events(srv, "/v1/completions", {**body, "stream": True}):
+            for choice in event["choices"]:
+                i = choice["index"]
+                text[i] += choice["text"]
+                if choice["logprobs"] is not None:
+                    tokens[i] += choice["logprobs"]["tokens"]
+                    logprobs[i] += choice["logprobs"]["token_logprobs"]
+        for i, w in enumerate(sorted(whole, key=lambda c: c["index"])):
+            assert text[i] == w["text"] and tokens[i] == w["logprobs"]["tokens"] and len(tokens[i]) == 40
+            assert logprobs[i] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-5)
+        stats = srv.wait_all_free()
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.spec_decode_num_accepted_tokens > 0  # some steps did bring several tokens
+    finally:
+        srv.stop()
