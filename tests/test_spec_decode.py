@@ -283,3 +283,62 @@ def test_the_server_streams_speculative_steps_as_it_answers_whole(tiny_model_dir
         assert stats.spec_decode_num_accepted_tokens > 0  # some steps did bring several tokens
     finally:
         srv.stop()
+
+
+# ----------------------------------------------------------------------------- a draft model
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    """A tiny llama with the target's vocabulary and other weights: its guesses are mostly wrong."""
+    from tokenmill.models.make_model import make_model
+
+    return str(make_model("llama", "tiny", tmp_path_factory.mktemp("draft"), seed=2))
+
+
+def draft_config(folder: str, k: int = 4) -> dict[str, object]:
+    return {"method": "draft_model", "model": folder, "num_speculative_tokens": k, "adaptive": False}
+
+
+def test_a_draft_model_keeps_the_outputs_under_preemption(llama, plain, other_draft):
+    """The target as its own draft (every guess kept: several tokens a step, every step) and a draft
+    with other weights (guesses mostly rejected): both give the outputs without speculation, with the
+    draft's KV in the same blocks through chunked prompts and preemption, and free every block."""
+    ps = repetitive_prompts(24, seed=21)
+    reference = plain.generate(ps, greedy(), use_tqdm=False)
+    for folder in (llama, other_draft):
+        tight = LLM(
+            llama,
+            max_num_seqs=16,
+            max_num_batched_tokens=40,
+            kv_cache_memory=26 * 24576,  # (13 blocks: each holds the draft's KV beside the target's)
+            max_model_len=128,
+            speculative_config=draft_config(folder),
+        )
+        out = tight.generate(ps, greedy(), use_tqdm=False)
+        assert all(same_up_to_near_tie(a, b) for a, b in zip(out, reference, strict=True))
+        s = tight.stats()
+        assert s.preemptions > 0 and s.spec_decode_num_drafts > 0
+        if folder == llama:  # its own draft: the target keeps every guess (up to a near tie)
+            assert s.spec_decode_num_accepted_tokens >= 0.95 * s.spec_decode_num_draft_tokens
+        else:
+            assert s.spec_decode_num_accepted_tokens < 0.5 * s.spec_decode_num_draft_tokens
+        assert_no_leaks(tight)
+
+
+def test_seeded_sampling_with_a_draft_model_is_the_same_sample(llama, plain):
+    ps = repetitive_prompts(6, seed=23)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=draft_config(llama, 3))
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in range(6)]
+    got = spec.generate(ps, params, use_tqdm=False)
+    want = plain.generate(ps, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    assert_no_leaks(spec)
+
+
+def test_a_bad_draft_model_is_refused_naming_it(llama, tmp_path):
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's folder, required with method"):
+        LLM(llama, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config\.model: "):
+        LLM(llama, max_model_len=128, speculative_config=draft_config(str(tmp_path / "missing")))

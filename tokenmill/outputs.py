@@ -63,6 +63,7 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per new token
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rows of this chunk
     forward_seconds: float = 0.0  # time in the model forward and the logits
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's guesses for the next step
 
 
 @dataclass

@@ -88,6 +88,8 @@ class EngineCore:
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
         result = self.worker.execute(scheduled)
+        if spec is not None:
+            spec.proposer.take(result.drafts)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
         if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
             spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted)  # no prompt chunk in it

@@ -21,6 +21,8 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import ModelInputs, prepare_inputs
 from tokenmill.runner.input_batch import InputBatch
+from tokenmill.spec_decode.draft_model import DraftRunner
+from tokenmill.spec_decode.proposer import speculates
 
 
 class ModelRunner:
@@ -37,6 +39,7 @@ class ModelRunner:
         # Greedy-only steps take their tokens from `model.greedy_tokens` (no logits kept) where the
         # worker measured it faster than logits + argmax on this machine and dtype.
         self.greedy_head = False
+        self.draft: DraftRunner | None = None  # speculative decoding's draft model, where one is configured
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
@@ -63,6 +66,8 @@ class ModelRunner:
         inputs = prepare_inputs(scheduled.chunks, tables, self.backend, self.block_size, targets, self.device)
         with torch.inference_mode():
             start = time.perf_counter()
+            if self.draft is not None:  # the draft's KV for the step's tokens, as the target's
+                self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             argmax_only = self._argmax_only(inputs)
             # [R, hidden]: the rows wanting logits (a decode-only step: every row, no copy)
@@ -72,6 +77,7 @@ class ModelRunner:
                 if tokens is not None:
                     result.forward_seconds = time.perf_counter() - start
                     self._accept(inputs.sample_rows, inputs.drafts, tokens.tolist(), None, result)
+                    self._propose(scheduled, result)
                     return result
             logits = self.model.compute_logits(wanted)  # [R, vocab] float32
             if logits.is_cuda:
@@ -91,7 +97,23 @@ class ModelRunner:
 
             if inputs.sample_rows:
                 self._sample(logits, inputs, argmax_only, result)
+            self._propose(scheduled, result)
         return result
+
+    def _propose(self, scheduled: SchedulerOutput, result: StepOutput) -> None:
+        """The draft model's guesses after each request's newest token, for the next step."""
+        if self.draft is None or not result.sampled:
+            return
+        rows = []
+        for c in scheduled.chunks:
+            sampled = result.sampled.get(c.request_id)
+            state = self.batch.state(c.request_id)
+            if not sampled or not speculates(state.params):
+                continue
+            # the newest token's position: after the chunk's computed tokens (its drafts: the kept ones)
+            position = c.start_position + len(c.token_ids) - c.num_draft_tokens + len(sampled) - 1
+            rows.append((c.request_id, sampled[-1], position, state.block_table))
+        result.drafts = self.draft.propose(rows, self.device)
 
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, argmax_only: bool, result: StepOutput) -> None:
         ids = list(inputs.sample_rows)

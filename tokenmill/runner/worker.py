@@ -46,6 +46,8 @@ from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.draft_model import DraftRunner
 
 logger = logging.getLogger("tokenmill")
 
@@ -143,6 +145,10 @@ class Worker:
                 config.quantization,
             )
         per_block = kv_bytes_per_block(self.backend, self.model_config, self.block_size, self.kv_dtype)
+        spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
+        draft = self._draft_model(config, spec, dtype) if spec is not None and spec.model is not None else None
+        if draft is not None:  # its KV sits in the same blocks: each block holds both models' share
+            per_block += kv_bytes_per_block(self.backend, draft.config, self.block_size, self.kv_dtype)
         self.num_blocks = budget // per_block
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -171,6 +177,11 @@ class Worker:
                 self.num_blocks / max(1, dense),
             )
         self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
+        if draft is not None and spec is not None:
+            k = spec.num_speculative_tokens
+            scratch = DraftRunner.scratch_blocks(config.max_num_seqs, k, self.block_size)
+            caches = self._caches(self.num_blocks + scratch, draft.config)
+            self.runner.draft = DraftRunner(draft, caches, self.backend, self.block_size, self.num_blocks, k)
         if config.greedy_head == "auto":
             self.runner.greedy_head = self._greedy_head_is_faster(model, config.max_num_seqs)
         else:
@@ -287,8 +298,25 @@ class Worker:
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         return self.runner.execute(scheduled)
 
-    def _caches(self, num_blocks: int) -> list[KVCache]:
-        cfg = self.model_config
+    def _draft_model(self, config: EngineConfig, spec: SpeculativeConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+        """The draft model of speculative decoding, built as the target is (dtype, kernels, quantization),
+        with the target's vocabulary."""
+        assert spec.model is not None
+        source: str | GGUFCheckpoint = GGUFCheckpoint(spec.model) if is_gguf(spec.model) else spec.model
+        try:
+            draft, _ = self._build(config, source, dtype)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: its vocabulary has {draft.config.vocab_size} tokens, the target's "
+                f"{self.model_config.vocab_size}: a draft must share the target's tokenizer"
+            )
+        logger.info("draft model: %s, %.1f MiB of weights", spec.model, draft.weight_bytes() / 2**20)
+        return draft
+
+    def _caches(self, num_blocks: int, cfg: ModelConfig | None = None) -> list[KVCache]:
+        cfg = cfg or self.model_config
         return allocate_kv_cache(
             self.backend,
             cfg.num_layers,

@@ -2,7 +2,8 @@
 
 `--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'`
 (`LLM(..., speculative_config={...})`, a dict or its JSON). `method`: `ngram` (prompt lookup: the
-longest suffix n-gram of prompt + output found earlier in them proposes the tokens that followed it).
+longest suffix n-gram of prompt + output found earlier in them proposes the tokens that followed it)
+or `draft_model` (`model`: a smaller model's folder, with the target's vocabulary, guesses greedily).
 Bad keys and values are a ValueError naming `speculative_config.<key>`.
 """
 
@@ -12,7 +13,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 15  # 1 + k query rows a sequence: the native attention kernel takes up to 16
 
 
@@ -22,6 +23,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: the most drafts a request gets a step
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: the longest suffix matched (tried first)
+    model: str | None = None  # draft_model: the draft's folder (the target's vocabulary)
     # verify only the drafts the measured rule expects to pay this step (spec_decode/policy.py); False:
     # every draft, up to k (what tests of losslessness pin)
     adaptive: bool = True
@@ -38,6 +40,12 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
                 span = f"from {low} to {high}" if high else f">= {low}"
                 raise ValueError(f"speculative_config.{name}: expected an integer {span}, got {value!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model: the draft's folder, required with method draft_model and only then"
+            )
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model: expected a folder path, got {self.model!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive: expected true or false, got {self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -23,6 +23,9 @@ class NgramProposer:
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [self._one(r.token_ids, r.max_drafts) for r in requests]
 
+    def take(self, drafts: dict[str, list[int]]) -> None:
+        pass  # (it looks up the requests' own tokens)
+
     def _one(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []

@@ -27,6 +27,11 @@ class Proposer(Protocol):
         """Per request, in order: its draft tokens (at most its max_drafts; none is allowed)."""
         ...
 
+    def take(self, drafts: dict[str, list[int]]) -> None:
+        """What the runner drafted in the step just run (a draft model's guesses, by request); a
+        proposer that guesses by itself ignores it."""
+        ...
+
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified a step ahead: its logits at each position must not
@@ -42,3 +47,17 @@ def speculates(params: SamplingParams) -> bool:
         and not params.bad_words
         and not params.bad_words_token_ids
     )
+
+
+class DraftModelProposer:
+    """The drafts the runner's draft model made last step, by request (none for a request it did not
+    draft for: a new one, or one whose last step was a prompt chunk)."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, list[int]] = {}
+
+    def take(self, drafts: dict[str, list[int]]) -> None:
+        self.latest = drafts
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return [self.latest.get(r.request_id, [])[: r.max_drafts] for r in requests]
