@@ -41,6 +41,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData]
     chunks: list[ScheduledChunk]
     finished_request_ids: list[str]  # finished since the last step: the runner drops their state
+    # a draft model (speculative decoding) guesses for the next step: speculation may still pay
+    draft_next: bool = True
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,6 +66,7 @@ class StepOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rows of this chunk
     forward_seconds: float = 0.0  # time in the model forward and the logits
     drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's guesses for the next step
+    draft_seconds: float = 0.0  # what making them took
 
 
 @dataclass

@@ -85,11 +85,13 @@ class EngineCore:
             spec.draft(self.scheduler.running, budget, counts.reached_per_pos, counts.accepted_per_pos)
         drafted = time.perf_counter()
         scheduled = self.scheduler.schedule(time.monotonic())
+        if spec is not None:
+            scheduled.draft_next = spec.worth_proposing
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
         result = self.worker.execute(scheduled)
         if spec is not None:
-            spec.proposer.take(result.drafts)  # a draft model's guesses, for the next step
+            spec.after_step(result.drafts, result.draft_seconds)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
         if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
             spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted)  # no prompt chunk in it

@@ -102,8 +102,9 @@ class ModelRunner:
 
     def _propose(self, scheduled: SchedulerOutput, result: StepOutput) -> None:
         """The draft model's guesses after each request's newest token, for the next step."""
-        if self.draft is None or not result.sampled:
+        if self.draft is None or not scheduled.draft_next or not result.sampled:
             return
+        start = time.perf_counter()
         rows = []
         for c in scheduled.chunks:
             sampled = result.sampled.get(c.request_id)
@@ -114,6 +115,7 @@ class ModelRunner:
             position = c.start_position + len(c.token_ids) - c.num_draft_tokens + len(sampled) - 1
             rows.append((c.request_id, sampled[-1], position, state.block_table))
         result.drafts = self.draft.propose(rows, self.device)
+        result.draft_seconds = time.perf_counter() - start
 
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, argmax_only: bool, result: StepOutput) -> None:
         ids = list(inputs.sample_rows)

@@ -5,8 +5,9 @@ whose sampling lets its tokens be verified a step ahead (`speculates`), at most 
 the tokens it may still generate after the one it samples anyway (max_tokens, the model's length).
 With `adaptive` (the default) the measured rule of policy.py then keeps the drafts that pay this step,
 none at all where the step would cost more than they bring (large batches), and skips proposing when
-not even perfect drafts would pay. The proposer guesses; the scheduler sends what fits; the runner
-keeps what the target agrees with.
+not even perfect drafts would pay for making them (a draft model then skips its guessing passes too;
+it still runs each step's tokens, to keep its KV in step with the target's). The proposer guesses;
+the scheduler sends what fits; the runner keeps what the target agrees with.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Speculation:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.policy = SpeculationPolicy()
+        self.worth_proposing = True  # whether the latest step judged drafts able to pay for their making
+        self._proposed_seconds = 0.0  # this step's proposer call
 
     def draft(self, running: list[Request], budget: int, reached: list[int], kept: list[int]) -> None:
         """Set each running request's draft_token_ids for this step (none for those that take none);
@@ -35,6 +38,7 @@ class Speculation:
             request.draft_token_ids = []
         rooms = {r.request_id: self._room(r) for r in running}
         takers = [r for r in running if rooms[r.request_id] > 0]
+        self._proposed_seconds = 0.0
         if not takers:
             return
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
@@ -42,15 +46,16 @@ class Speculation:
         adaptive = self.config.adaptive
         if adaptive:  # would even drafts the target always keeps pay for proposing them?
             offers = [Candidate(r.request_id, rooms[r.request_id]) for r in takers]
-            if self.policy.curve.buckets and not self.policy.choose(
-                decoding, prompt, offers, self.policy.proposer_seconds, all_kept=True
-            ):
+            self.worth_proposing = not self.policy.curve.buckets or bool(
+                self.policy.choose(decoding, prompt, offers, self.policy.proposer_seconds, all_kept=True)
+            )
+            if not self.worth_proposing:
                 return
         start = time.perf_counter()
         proposals = self.proposer.propose(
             [DraftRequest(r.request_id, r.token_ids(0, r.num_tokens), rooms[r.request_id]) for r in takers]
         )
-        self.policy.observe_proposer(time.perf_counter() - start)
+        self._proposed_seconds = time.perf_counter() - start
         drafts = {r.request_id: list(d[: rooms[r.request_id]]) for r, d in zip(takers, proposals, strict=True)}
         if adaptive:
             candidates = [
@@ -64,6 +69,14 @@ class Speculation:
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step ran `tokens` tokens in `seconds` (proposing not included)."""
         self.policy.curve.observe(tokens, seconds)
+
+    def after_step(self, drafts: dict[str, list[int]], draft_seconds: float) -> None:
+        """What the runner drafted in the step (a draft model's guesses) and what that took: with this
+        step's proposer call, the cost of proposing."""
+        self.proposer.take(drafts)
+        spent = self._proposed_seconds + draft_seconds
+        if spent:
+            self.policy.observe_proposer(spent)
 
     def _room(self, request: Request) -> int:
         if request.num_tokens - request.num_computed_tokens != 1 or not speculates(request.sampling_params):
