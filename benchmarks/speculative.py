@@ -9,6 +9,9 @@ snippets). `adaptive`: prompt lookup with k = 5 under the measured rule (spec_de
 tokens/s, the ratio over none (median [min-max]), TPOT, the share of drafts kept and the tokens a
 verification step yields.
 
+The demo pair: the bundled demo model with its draft model (`tokenmill-demo-draft`), k = 3, the same
+workload at one request: none, every draft verified, the measured rule.
+
 Outputs: the share of distinct 4-grams among the greedy outputs of the workload's prompts (how much the
 outputs repeat themselves; prompt lookup feeds on repetition of the context, prompt included).
 
@@ -33,6 +36,8 @@ from common import RESULTS, ROOT, cell
 from common import bench as run_bench
 
 SMOLLM2 = ROOT.parent / "models" / "smollm2-135m-instruct"
+DEMO = ROOT.parent / "models" / "tokenmill-demo"
+DEMO_DRAFT = ROOT.parent / "models" / "tokenmill-demo-draft"
 K = 5
 ADAPTIVE = json.dumps({"method": "ngram", "num_speculative_tokens": K})
 FIXED = json.dumps({"method": "ngram", "num_speculative_tokens": K, "adaptive": False})
@@ -73,6 +78,37 @@ def speed(repeats: int) -> dict[str, Any]:
             row[name] = entry
         rows[f"c{conc}"] = row
     return rows
+
+
+def demo_pair(repeats: int) -> dict[str, Any]:
+    """The bundled demo model with its draft, code-edit prompts at one request: no speculation, every
+    draft verified, the measured rule."""
+    draft = json.dumps({"method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": 3})
+    fixed = json.dumps(
+        {"method": "draft_model", "model": str(DEMO_DRAFT), "num_speculative_tokens": 3, "adaptive": False}
+    )
+    labels = {
+        "speculative_config=None": "none",
+        f"speculative_config={fixed}": "fixed",
+        f"speculative_config={draft}": "adaptive",
+    }
+    out = RESULTS / "speculative" / "demo_pair.json"
+    result = run_bench(
+        "offline", str(DEMO), *WORKLOAD, "--num-requests", "4", "--max-concurrency", "1", "--compare",
+        *(label.replace("None", "none") for label in labels), "--repeats", str(repeats), "--dtype", "bfloat16",
+        "--no-ignore-eos", "--no-progress", "--out", str(out),
+    )  # fmt: skip
+    a, g = result.aggregate, result.gains
+    row: dict[str, Any] = {}
+    for label, name in labels.items():
+        entry = {"output_tok_per_s": a[label]["output_throughput"], "tpot_ms": a[label]["tpot.median"]}
+        for extra in ("spec_decode_acceptance_rate", "spec_decode_mean_accepted_length", "spec_decode_num_drafts"):
+            if extra in a[label]:
+                entry[extra] = a[label][extra]
+        if name != "none":
+            entry["over_none"] = g[f"{label} over speculative_config=None"]["output_throughput"]
+        row[name] = entry
+    return row
 
 
 def outputs_and_curve() -> dict[str, Any]:
@@ -122,6 +158,7 @@ def main() -> None:
         raise SystemExit(f"{SMOLLM2} is not set up (make serve fetches it)")
     result: dict[str, Any] = {"model": str(SMOLLM2.name), "machine": platform.processor() or platform.machine()}
     result["speed"] = speed(args.repeats)
+    result["demo_pair"] = demo_pair(args.repeats)
     result["outputs"] = outputs_and_curve()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("\nSmolLM2 code-edit, output tok/s and the ratio over none (median [min-max] of the repeats)")
@@ -137,6 +174,15 @@ def main() -> None:
                     + ")"
                 )
         print(f"  {conc}: " + "; ".join(parts))
+    d = result["demo_pair"]
+    print(
+        "demo pair (draft model, k = 3, one request): none {:.0f}; every draft {:.0f} ({}x, kept {:.0%}); "
+        "adaptive {:.0f} ({}x)".format(
+            d["none"]["output_tok_per_s"]["median"], d["fixed"]["output_tok_per_s"]["median"],
+            cell(d["fixed"]["over_none"]), d["fixed"]["spec_decode_acceptance_rate"]["median"],
+            d["adaptive"]["output_tok_per_s"]["median"], cell(d["adaptive"]["over_none"]),
+        )
+    )  # fmt: skip
     o = result["outputs"]
     print(f"distinct 4-grams in the outputs: {o['distinct_4gram_share']:.1%}")
     print("break-even tokens a verification step must yield (k = 5):", o["break_even_tokens_per_step_k5"])

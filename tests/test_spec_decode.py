@@ -342,3 +342,26 @@ def test_a_bad_draft_model_is_refused_naming_it(llama, tmp_path):
         LLM(llama, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"speculative_config\.model: "):
         LLM(llama, max_model_len=128, speculative_config=draft_config(str(tmp_path / "missing")))
+
+
+def test_a_draft_idle_for_a_while_catches_up_before_it_guesses_again(llama, plain):
+    """While the rule has the draft idle it runs nothing; its first guesses after come from a KV it
+    caught up first: the target as its own draft still keeps (nearly) every guess."""
+    ps = repetitive_prompts(6, seed=29)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=draft_config(llama, 3))
+    speculation = spec.engine.core.speculation
+    assert speculation is not None
+    draft, steps = speculation.draft, itertools.count()
+
+    def on_and_off(*args: object) -> None:
+        draft(*args)  # type: ignore[arg-type]
+        speculation.worth_proposing = next(steps) % 4 < 2  # two steps guessing, two idle
+
+    speculation.draft = on_and_off  # type: ignore[method-assign]
+    got = spec.generate(ps, greedy(), use_tqdm=False)
+    want = plain.generate(ps, greedy(), use_tqdm=False)
+    assert all(same_up_to_near_tie(a, b) for a, b in zip(got, want, strict=True))
+    s = spec.stats()
+    assert s.spec_decode_num_drafts > 0
+    assert s.spec_decode_num_accepted_tokens >= 0.95 * s.spec_decode_num_draft_tokens
+    assert_no_leaks(spec)

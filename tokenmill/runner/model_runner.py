@@ -46,6 +46,8 @@ class ModelRunner:
             self.batch.remove(request_id)
         for new in scheduled.new_requests:
             self.batch.add(new)
+        if self.draft is not None:
+            self.draft.begin_step(scheduled)
         result = StepOutput()
         if not scheduled.chunks:
             return result
@@ -66,7 +68,7 @@ class ModelRunner:
         inputs = prepare_inputs(scheduled.chunks, tables, self.backend, self.block_size, targets, self.device)
         with torch.inference_mode():
             start = time.perf_counter()
-            if self.draft is not None:  # the draft's KV for the step's tokens, as the target's
+            if self.draft is not None and scheduled.draft_next:  # the draft's KV for the step's tokens
                 self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             argmax_only = self._argmax_only(inputs)
@@ -102,10 +104,13 @@ class ModelRunner:
 
     def _propose(self, scheduled: SchedulerOutput, result: StepOutput) -> None:
         """The draft model's guesses after each request's newest token, for the next step."""
-        if self.draft is None or not scheduled.draft_next or not result.sampled:
+        if self.draft is None:
+            return
+        self.draft.end_step(scheduled, result.sampled, mirrored=scheduled.draft_next)
+        if not scheduled.draft_next or not result.sampled:
             return
         start = time.perf_counter()
-        rows = []
+        rows, contexts = [], []
         for c in scheduled.chunks:
             sampled = result.sampled.get(c.request_id)
             state = self.batch.state(c.request_id)
@@ -114,6 +119,10 @@ class ModelRunner:
             # the newest token's position: after the chunk's computed tokens (its drafts: the kept ones)
             position = c.start_position + len(c.token_ids) - c.num_draft_tokens + len(sampled) - 1
             rows.append((c.request_id, sampled[-1], position, state.block_table))
+            if self.draft.synced.get(c.request_id, 0) < position:  # it fell behind while the draft was idle
+                context = (state.prompt_token_ids + state.output_token_ids)[:position]
+                contexts.append((c.request_id, context, state.block_table))
+        self.draft.catch_up(contexts, self.device)  # positions it missed while idle
         result.drafts = self.draft.propose(rows, self.device)
         result.draft_seconds = time.perf_counter() - start
 

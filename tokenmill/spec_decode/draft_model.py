@@ -6,16 +6,21 @@ block tables, so prompt chunks, preemption, prefix caching and freed blocks carr
 then, for each request that sampled, k greedy decode steps from its newest token. Those steps write
 past the request's computed tokens: into its own blocks where it has them, else into scratch blocks
 that only the draft's cache has (ids from num_blocks on, a few per batch row), since the next step
-runs the kept tokens through the draft again anyway.
+runs the kept tokens through the draft again anyway. While the measured rule has the draft idle
+(guessing would not pay) it runs nothing at all; a request that went on meanwhile has its missed
+positions run through the draft, as a prompt chunk, before its next guesses.
 Core side: `DraftModelProposer` (proposer.py) hands the engine's speculation what the runner proposed.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.outputs import SchedulerOutput
 
 
 class DraftRunner:
@@ -35,15 +40,59 @@ class DraftRunner:
         self.num_blocks = num_blocks
         self.num_drafts = num_drafts
         self.scratch_per_row = -(-num_drafts // block_size) + 1
+        # request -> its positions [0, n) whose tokens the draft's KV holds (it falls behind while the
+        # rule has the draft idle; it catches up before it guesses again)
+        self.synced: dict[str, int] = {}
 
     @staticmethod
     def scratch_blocks(max_rows: int, num_drafts: int, block_size: int) -> int:
         """Blocks beyond the target's that the draft's cache needs for `max_rows` proposing rows."""
         return max_rows * (-(-num_drafts // block_size) + 1)
 
+    def begin_step(self, scheduled: SchedulerOutput) -> None:
+        for request_id in scheduled.finished_request_ids:
+            self.synced.pop(request_id, None)
+        for c in scheduled.chunks:
+            if c.replace_block_table:  # (re)started in other blocks: nothing of it is there
+                self.synced[c.request_id] = 0
+
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
         """Run the step's tokens through the draft: its KV for them, as the target's."""
         self.model(input_ids, positions, self.caches, metadata)
+
+    def end_step(self, scheduled: SchedulerOutput, sampled: dict[str, list[int]], mirrored: bool) -> None:
+        """After the step's verification: the positions the mirrored tokens made valid (a chunk of drafts:
+        its last token and the kept drafts), for requests that were in step before it."""
+        if not mirrored:
+            return
+        for c in scheduled.chunks:
+            if self.synced.get(c.request_id, 0) < c.start_position:
+                continue  # it fell behind: the catch-up before its next guess covers this chunk too
+            kept = len(sampled.get(c.request_id, ())) - 1 if c.num_draft_tokens else 0
+            self.synced[c.request_id] = c.start_position + len(c.token_ids) - c.num_draft_tokens + kept
+
+    def catch_up(self, rows: list[tuple[str, list[int], list[int]]], device: torch.device) -> None:
+        """rows: (request id, its tokens up to its newest one, its block table): the draft's KV for the
+        positions it missed, one prompt-like chunk each."""
+        behind = [(i, tokens, table) for i, tokens, table in rows if self.synced.get(i, 0) < len(tokens)]
+        if not behind:
+            return
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for request_id, tokens, table in behind:
+            start = self.synced.get(request_id, 0)
+            ids += tokens[start:]
+            positions += range(start, len(tokens))
+            query_lens.append(len(tokens) - start)
+            seq_lens.append(len(tokens))
+            tables.append(table)
+            self.synced[request_id] = len(tokens)
+        md = self.backend.build_metadata(query_lens, seq_lens, tables, self.block_size, device)
+        as_tensor = partial(torch.tensor, dtype=torch.int64, device=device)
+        self.model(as_tensor(ids), as_tensor(positions), self.caches, md)
 
     def propose(self, rows: list[tuple[str, int, int, list[int]]], device: torch.device) -> dict[str, list[int]]:
         """rows: (request id, its newest token, that token's position, its block table); k greedy draft
