@@ -21,7 +21,8 @@ outrun what the longer step costs. Both sides are measured as the engine runs:
 the products fall with j) and keeps the count that maximizes (decoding requests + expected extra tokens) /
 (step time at that many tokens + what proposing still costs); none, when no count beats plain
 decoding. Asked first as if every request were offered its k drafts, with the proposer's time: when
-even that does not pay, the step proposes nothing at all.
+that does not pay, the step proposes nothing at all (acceptance starts optimistic, so proposing gets
+tried before it is judged).
 """
 
 from __future__ import annotations
@@ -102,17 +103,15 @@ class SpeculationPolicy:
         other_tokens: int,
         candidates: list[Candidate],
         proposer_seconds: float = 0.0,
-        all_kept: bool = False,
     ) -> dict[str, int]:
         """Drafts to verify per candidate (0 or absent: none). `decoding`: requests decoding this step
         (one token each, candidates included); `other_tokens`: prompt tokens the step also runs;
-        `proposer_seconds`: what proposing still costs (0 once the drafts are there); `all_kept`: as if
-        the target kept every draft (the best speculation could do)."""
+        `proposer_seconds`: what proposing still costs (0 once the drafts are there)."""
         base = decoding + other_tokens
         plain = self.curve.seconds(base)
         if plain is None or decoding == 0:
             return {}
-        gains = {c.request_id: [1.0] * c.num_drafts if all_kept else self.gains(c) for c in candidates}
+        gains = {c.request_id: self.gains(c) for c in candidates}
         # (minus the expected tokens of a request's next draft, the request, that draft's position)
         heap = [(-g[0], request_id, 0) for request_id, g in gains.items() if g]
         heapq.heapify(heap)

@@ -5,7 +5,7 @@ whose sampling lets its tokens be verified a step ahead (`speculates`), at most 
 the tokens it may still generate after the one it samples anyway (max_tokens, the model's length).
 With `adaptive` (the default) the measured rule of policy.py then keeps the drafts that pay this step,
 none at all where the step would cost more than they bring (large batches), and skips proposing when
-not even perfect drafts would pay for making them (a draft model then skips its guessing passes too;
+the drafts expected would not pay for their making as well (a draft model then skips its passes too;
 it still runs each step's tokens, to keep its KV in step with the target's). The proposer guesses;
 the scheduler sends what fits; the runner keeps what the target agrees with.
 """
@@ -44,10 +44,10 @@ class Speculation:
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         prompt = min(budget - decoding, sum(r.num_tokens - r.num_computed_tokens for r in running) - decoding)
         adaptive = self.config.adaptive
-        if adaptive:  # would even drafts the target always keeps pay for proposing them?
-            offers = [Candidate(r.request_id, rooms[r.request_id]) for r in takers]
+        if adaptive:  # would the drafts expected (k each, kept as measured) pay for their making too?
+            offers = [Candidate(r.request_id, rooms[r.request_id], r.spec_reached, r.spec_kept) for r in takers]
             self.worth_proposing = not self.policy.curve.buckets or bool(
-                self.policy.choose(decoding, prompt, offers, self.policy.proposer_seconds, all_kept=True)
+                self.policy.choose(decoding, prompt, offers, self.policy.proposer_seconds)
             )
             if not self.worth_proposing:
                 return
