@@ -66,7 +66,7 @@ class StepOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rows of this chunk
     forward_seconds: float = 0.0  # time in the model forward and the logits
     drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's guesses for the next step
-    draft_seconds: float = 0.0  # what making them took
+    draft_seconds: float = 0.0  # the draft model's share of the step (its pass over the step's tokens, its guesses)
 
 
 @dataclass

@@ -94,7 +94,8 @@ class EngineCore:
             spec.after_step(result.drafts, result.draft_seconds)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
         if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
-            spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted)  # no prompt chunk in it
+            # (the target's share: a draft model's passes are the proposer's cost, counted apart)
+            spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted - result.draft_seconds)
         outputs = [self._output(r, result, had[r.request_id]) for r in changed]
         reported = {r.request_id for r in changed}
         for request_id, rows in result.prompt_logprobs.items():  # a prompt chunk that sampled nothing

@@ -70,6 +70,7 @@ class ModelRunner:
             start = time.perf_counter()
             if self.draft is not None and scheduled.draft_next:  # the draft's KV for the step's tokens
                 self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
+                result.draft_seconds = time.perf_counter() - start  # (the draft's share of the step)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             argmax_only = self._argmax_only(inputs)
             # [R, hidden]: the rows wanting logits (a decode-only step: every row, no copy)
@@ -124,7 +125,7 @@ class ModelRunner:
                 contexts.append((c.request_id, context, state.block_table))
         self.draft.catch_up(contexts, self.device)  # positions it missed while idle
         result.drafts = self.draft.propose(rows, self.device)
-        result.draft_seconds = time.perf_counter() - start
+        result.draft_seconds += time.perf_counter() - start
 
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, argmax_only: bool, result: StepOutput) -> None:
         ids = list(inputs.sample_rows)
