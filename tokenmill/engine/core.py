@@ -43,7 +43,12 @@ class EngineCore:
         self.scheduler: Scheduler = scheduler_cls(sched_config, kv)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
         spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
-        self.speculation = Speculation(spec, make_proposer(spec), self.max_model_len) if spec else None
+        counts = self.scheduler.spec
+        self.speculation = (
+            Speculation(spec, make_proposer(spec), self.max_model_len, counts.reached_per_pos, counts.accepted_per_pos)
+            if spec
+            else None
+        )
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -80,9 +85,7 @@ class EngineCore:
         start = time.perf_counter()
         spec = self.speculation
         if spec is not None:
-            counts = self.scheduler.spec
-            budget = self.config.max_num_batched_tokens
-            spec.draft(self.scheduler.running, budget, counts.reached_per_pos, counts.accepted_per_pos)
+            spec.draft(self.scheduler.running, self.config.max_num_batched_tokens)
         drafted = time.perf_counter()
         scheduled = self.scheduler.schedule(time.monotonic())
         if spec is not None:

@@ -9,6 +9,7 @@ tokens as int32 bytes (`bytes.rfind`, C speed), a hit kept only where it falls o
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 from tokenmill.spec_decode.proposer import DraftRequest
 
@@ -21,20 +22,22 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        return [self._one(r.token_ids, r.max_drafts) for r in requests]
+        return [self._one(r.prompt_token_ids, r.output_token_ids, r.max_drafts) for r in requests]
 
     def take(self, drafts: dict[str, list[int]]) -> None:
         pass  # (it looks up the requests' own tokens)
 
-    def _one(self, tokens: list[int], k: int) -> list[int]:
+    def _one(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
+        tokens = array("i", prompt)
+        tokens.extend(output)
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
-        buf = array("i", tokens).tobytes()  # [len(tokens) * WIDTH]
+        buf = tokens.tobytes()  # [len(tokens) * WIDTH]
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = _latest(buf, buf[-n * WIDTH :], len(buf) - WIDTH)  # an occurrence ending before the last token
             if start is not None:
                 follow = start + n  # the token after the occurrence
-                return tokens[follow : follow + k]
+                return tokens[follow : follow + k].tolist()
         return []
 
 

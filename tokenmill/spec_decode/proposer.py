@@ -7,6 +7,7 @@ token as one chunk of 1 + k tokens, and the runner verifies (runner/spec_verify.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,11 +16,13 @@ from tokenmill.sampling_params import SamplingParams
 
 @dataclass
 class DraftRequest:
-    """What a proposer sees of a request."""
+    """What a proposer sees of a request: its tokens are prompt + output, the request's own lists
+    (read only; nothing is copied for a proposer that does not read them)."""
 
     request_id: str
-    token_ids: list[int]  # prompt + output so far
+    prompt_token_ids: Sequence[int]
     max_drafts: int  # the most drafts it may take this step (k, and the room left in the request)
+    output_token_ids: Sequence[int] = ()
 
 
 class Proposer(Protocol):

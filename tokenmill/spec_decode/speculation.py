@@ -21,19 +21,21 @@ from tokenmill.spec_decode.proposer import DraftRequest, Proposer, speculates
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, reached: list[int], kept: list[int]
+    ) -> None:
+        """`reached`, `kept`: the engine's verified and kept drafts by position (the scheduler's counts,
+        read as they grow)."""
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.policy = SpeculationPolicy()
+        self.policy = SpeculationPolicy(reached=reached, kept=kept)
         self.worth_proposing = True  # whether the latest step judged drafts able to pay for their making
         self._proposed_seconds = 0.0  # this step's proposer call
 
-    def draft(self, running: list[Request], budget: int, reached: list[int], kept: list[int]) -> None:
+    def draft(self, running: list[Request], budget: int) -> None:
         """Set each running request's draft_token_ids for this step (none for those that take none);
-        `budget`: the step's token budget (prompt chunks take what decoding leaves); `reached`, `kept`:
-        the engine's verified and kept drafts by position so far."""
-        self.policy.reached, self.policy.kept = reached, kept
+        `budget`: the step's token budget (prompt chunks take what decoding leaves)."""
         for request in running:
             request.draft_token_ids = []
         rooms = {r.request_id: self._room(r) for r in running}
@@ -53,7 +55,7 @@ class Speculation:
                 return
         start = time.perf_counter()
         proposals = self.proposer.propose(
-            [DraftRequest(r.request_id, r.token_ids(0, r.num_tokens), rooms[r.request_id]) for r in takers]
+            [DraftRequest(r.request_id, r.prompt_token_ids, rooms[r.request_id], r.output_token_ids) for r in takers]
         )
         self._proposed_seconds = time.perf_counter() - start
         drafts = {r.request_id: list(d[: rooms[r.request_id]]) for r, d in zip(takers, proposals, strict=True)}
