@@ -333,7 +333,24 @@ def test_seeded_sampling_with_a_draft_model_is_the_same_sample(llama, plain):
     got = spec.generate(ps, params, use_tqdm=False)
     want = plain.generate(ps, params, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
-    assert spec.stats().spec_decode_num_accepted_tokens > 0
+    # the target as its own draft, sampling from the noise the target samples with: every guess kept
+    s = spec.stats()
+    assert s.spec_decode_num_draft_tokens > 0
+    assert s.spec_decode_num_accepted_tokens >= 0.95 * s.spec_decode_num_draft_tokens
+    assert_no_leaks(spec)
+
+
+def test_unseeded_sampling_verifies_a_draft_equal_to_the_target_by_keeping_it(llama):
+    """Rejection sampling keeps a draft with probability min(1, p / q): the target as its own draft
+    (q = p) keeps every guess, sampling with top-k and min-p."""
+    ps = repetitive_prompts(6, seed=27)
+    spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=draft_config(llama, 3))
+    params = SamplingParams(temperature=0.9, top_k=40, min_p=0.02, max_tokens=24, ignore_eos=True)
+    out = spec.generate(ps, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+    s = spec.stats()
+    assert s.spec_decode_num_draft_tokens > 0
+    assert s.spec_decode_num_accepted_tokens >= 0.95 * s.spec_decode_num_draft_tokens
     assert_no_leaks(spec)
 
 

@@ -181,15 +181,24 @@ class Sampler:
     def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] float32 -> the next token of every row, with log-probabilities when asked for."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        resample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """logits [B, V] float32 -> the next token of every row, with log-probabilities when asked for.
+        `resample` (probs [B, V], tokens [B]) -> tokens [B] may change sampled rows' tokens before their
+        log-probabilities are taken (speculative decoding's rejection sampling); greedy steps skip it."""
         logits = logits.float()
         penalised = metadata.process(logits)  # [B, V]
         if metadata.all_greedy:
             token_ids = self.argmax(penalised)  # [B]
         else:
             probs = self._probabilities(penalised, metadata)  # [B, V]
-            token_ids = self.argmax(probs / self._exponential_noise(probs, metadata))  # [B]
+            token_ids = self.argmax(probs / self.exponential_noise(probs, metadata))  # [B]
+            if resample is not None:
+                token_ids = resample(probs, token_ids)
         logprobs = None
         if metadata.logprobs_requested:
             raw = torch.log_softmax(logits, dim=-1)  # [B, V]
@@ -230,7 +239,7 @@ class Sampler:
         return probs
 
     @staticmethod
-    def _exponential_noise(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def exponential_noise(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """[B, V] i.i.d. Exp(1) noise per sampled row, from its own (seed, position) generator; 1 for greedy rows."""
         noise = torch.ones_like(probs)
         tiny = torch.finfo(noise.dtype).tiny

@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -21,8 +22,9 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import ModelInputs, prepare_inputs
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.spec_decode.draft_model import DraftRunner
+from tokenmill.spec_decode.draft_model import DraftRow, DraftRunner
 from tokenmill.spec_decode.proposer import speculates
+from tokenmill.spec_decode.rejection import RejectionSampler, Verification
 
 
 class ModelRunner:
@@ -40,6 +42,7 @@ class ModelRunner:
         # worker measured it faster than logits + argmax on this machine and dtype.
         self.greedy_head = False
         self.draft: DraftRunner | None = None  # speculative decoding's draft model, where one is configured
+        self.rejection = RejectionSampler()  # verifies unseeded sampled requests' drafts
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
@@ -119,7 +122,10 @@ class ModelRunner:
                 continue
             # the newest token's position: after the chunk's computed tokens (its drafts: the kept ones)
             position = c.start_position + len(c.token_ids) - c.num_draft_tokens + len(sampled) - 1
-            rows.append((c.request_id, sampled[-1], position, state.block_table))
+            first_output = len(state.output_token_ids)  # the first guess's output index (its newest token is in)
+            rows.append(
+                DraftRow(c.request_id, sampled[-1], position, state.block_table, state.params, state.seed, first_output)
+            )
             if self.draft.synced.get(c.request_id, 0) < position:  # it fell behind while the draft was idle
                 context = (state.prompt_token_ids + state.output_token_ids)[:position]
                 contexts.append((c.request_id, context, state.block_table))
@@ -139,8 +145,22 @@ class ModelRunner:
         if argmax_only:  # nothing between the logits and their argmax: no sampling metadata to build
             self._accept(firsts, inputs.drafts, self.sampler.argmax(logits).tolist(), None, result)
             return
-        out = self.sampler(logits, self.batch.sampling_metadata(ids, counts))
+        verifications = self._verifications(firsts, inputs.drafts)
+        resample = partial(self.rejection.resample, verifications=verifications) if verifications else None
+        out = self.sampler(logits, self.batch.sampling_metadata(ids, counts), resample)
         self._accept(firsts, inputs.drafts, out.token_ids.tolist(), out.logprobs, result)
+
+    def _verifications(self, firsts: dict[str, int], drafts: dict[str, list[int]]) -> list[Verification]:
+        """The unseeded sampled requests with drafts: rejection sampling decides what they keep (a seeded
+        or greedy one keeps the drafts equal to its own tokens)."""
+        out = []
+        for request_id, guess in drafts.items():
+            state = self.batch.state(request_id)
+            if state.params.greedy or state.params.seed is not None:
+                continue
+            q = self.draft.draft_probs(request_id, guess) if self.draft is not None else None
+            out.append(Verification(firsts[request_id], guess, q, state.seed, len(state.output_token_ids)))
+        return out
 
     def _accept(
         self,
@@ -150,10 +170,13 @@ class ModelRunner:
         logprobs: LogprobsTensors | None,
         result: StepOutput,
     ) -> None:
-        """`tokens`: the target's own token at each sampling row (request r's at rows firsts[r] ..
-        firsts[r] + its drafts). A request keeps its drafts while each equals the target's token at its
-        position, then the target's token where they part (or after the last draft): the tokens it would
-        have sampled one a step, since a row's token is a function of its logits and (seed, position)."""
+        """`tokens`: the target's token at each sampling row (request r's at rows firsts[r] .. firsts[r] +
+        its drafts). A request keeps its drafts while each equals the target's token at its position,
+        then the target's token where they part (or after the last draft). For a greedy or seeded
+        request those are its own tokens: what it would have sampled one a step, since a row's token
+        is a function of its logits and (seed, position). An unseeded request's rows come rewritten by
+        rejection sampling (spec_decode/rejection.py): its kept drafts, then the token drawn in place of
+        the first refused one."""
         lists = LogprobLists.of(logprobs) if logprobs is not None else None  # one conversion a step
         kept_ids: list[str] = []
         kept_tokens: list[int] = []

@@ -3,7 +3,8 @@
 Runner side (`DraftRunner`): the draft runs every step on exactly the tokens the target runs (the
 same positions, the same slots: its KV cache has the target's block layout and is indexed by the same
 block tables, so prompt chunks, preemption, prefix caching and freed blocks carry over as they are),
-then, for each request that sampled, k greedy decode steps from its newest token. Those steps write
+then, for each request that sampled, k decode steps from its newest token (greedy or sampled, as the
+request samples). Those steps write
 past the request's computed tokens: into its own blocks where it has them, else into scratch blocks
 that only the draft's cache has (ids from num_blocks on, a few per batch row), since the next step
 runs the kept tokens through the draft again anyway. While the measured rule has the draft idle
@@ -14,13 +15,31 @@ Core side: `DraftModelProposer` (proposer.py) hands the engine's speculation wha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from tokenmill.layers.sampler import Sampler, SamplingMetadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+DRAFT_STREAM = 0xD4AF_7000_5EED_0001  # xor-ed into an unseeded request's seed: the stream of its draft samples
+
+
+@dataclass
+class DraftRow:
+    """A request the draft guesses for after this step."""
+
+    request_id: str
+    token: int  # its newest token
+    position: int  # that token's position
+    block_table: list[int]
+    params: SamplingParams
+    seed: int  # the effective seed (the user's, or the engine's draw)
+    output_position: int  # output index of the first guess
 
 
 class DraftRunner:
@@ -43,6 +62,9 @@ class DraftRunner:
         # request -> its positions [0, n) whose tokens the draft's KV holds (it falls behind while the
         # rule has the draft idle; it catches up before it guesses again)
         self.synced: dict[str, int] = {}
+        self.sampler = Sampler(model.ops.argmax)
+        # request -> (the latest guesses, q at each [k, V]) for unseeded sampled requests
+        self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     @staticmethod
     def scratch_blocks(max_rows: int, num_drafts: int, block_size: int) -> int:
@@ -94,25 +116,63 @@ class DraftRunner:
         as_tensor = partial(torch.tensor, dtype=torch.int64, device=device)
         self.model(as_tensor(ids), as_tensor(positions), self.caches, md)
 
-    def propose(self, rows: list[tuple[str, int, int, list[int]]], device: torch.device) -> dict[str, list[int]]:
-        """rows: (request id, its newest token, that token's position, its block table); k greedy draft
-        tokens each. Row i writes past its table into scratch blocks num_blocks + i * scratch_per_row ..."""
+    def propose(self, rows: list[DraftRow], device: torch.device) -> dict[str, list[int]]:
+        """k draft tokens for each row. Row i writes past its table into scratch blocks num_blocks +
+        i * scratch_per_row ... Greedy requests get the draft's argmax; sampled ones a sample of its
+        distribution q (their temperature, top-k, top-p and min-p applied): a seeded request's from
+        the noise its target samples with at that output position (the two agree wherever the
+        distributions are close), an unseeded one's from a stream of its own, with q kept for the
+        rejection sampling that verifies it (`draft_probs`)."""
+        self._probs = {}
         if not rows:
             return {}
         k, bs = self.num_drafts, self.block_size
         tables = []
-        for i, (_, _, position, table) in enumerate(rows):
-            need = -(-(position + k) // bs)  # blocks holding positions up to position + k - 1
+        for i, row in enumerate(rows):
+            need = -(-(row.position + k) // bs)  # blocks holding positions up to position + k - 1
             first = self.num_blocks + i * self.scratch_per_row
+            table = row.block_table
             tables.append(table[:need] + list(range(first, first + max(0, need - len(table)))))
-        tokens = [token for _, token, _, _ in rows]
+        tokens = [row.token for row in rows]
         out: list[list[int]] = [[] for _ in rows]
+        unseeded = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.seed is None]
+        kept: list[list[torch.Tensor]] = [[] for _ in unseeded]  # [k][V] each
         for j in range(k):
-            positions = [p + j for _, _, p, _ in rows]
+            positions = [row.position + j for row in rows]
             md = self.backend.build_metadata([1] * len(rows), [p + 1 for p in positions], tables, bs, device)
             ids = torch.tensor(tokens, dtype=torch.int64, device=device)
             hidden = self.model(ids, torch.tensor(positions, dtype=torch.int64, device=device), self.caches, md)
-            tokens = self.model.ops.argmax(self.model.compute_logits(hidden)).tolist()
-            for row, token in zip(out, tokens, strict=True):
-                row.append(token)
-        return {request_id: drafts for (request_id, _, _, _), drafts in zip(rows, out, strict=True)}
+            logits = self.model.compute_logits(hidden)  # [B, V] float32
+            if all(row.params.greedy for row in rows):
+                tokens = self.model.ops.argmax(logits).tolist()
+            else:
+                sampling = self._metadata(rows, j, logits.shape[-1], device)
+                probs = self.sampler.probabilities(logits, sampling)  # [B, V] (one-hot rows: greedy)
+                tokens = self.sampler.argmax(probs / self.sampler.exponential_noise(probs, sampling)).tolist()
+                for slot, i in enumerate(unseeded):
+                    kept[slot].append(probs[i])
+            for row_out, token in zip(out, tokens, strict=True):
+                row_out.append(token)
+        for slot, i in enumerate(unseeded):
+            self._probs[rows[i].request_id] = (out[i], torch.stack(kept[slot]))
+        return {row.request_id: drafts for row, drafts in zip(rows, out, strict=True)}
+
+    def draft_probs(self, request_id: str, drafts: list[int]) -> torch.Tensor | None:
+        """[len(drafts), V]: q at each of these drafts, which the latest `propose` sampled for this
+        (unseeded) request; None where it sampled none for it."""
+        entry = self._probs.get(request_id)
+        if entry is None:
+            return None
+        tokens, probs = entry
+        if tokens[: len(drafts)] != drafts:
+            raise RuntimeError(f"request {request_id!r}: drafts to verify {drafts} are not the ones proposed {tokens}")
+        return probs[: len(drafts)]
+
+    @staticmethod
+    def _metadata(rows: list[DraftRow], j: int, vocab_size: int, device: torch.device) -> SamplingMetadata:
+        """The sampling of each row's guess j: a seeded request's output position on its own seed's
+        stream, an unseeded one's on the draft's stream of its seed."""
+        seeds = [row.seed if row.params.seed is not None else row.seed ^ DRAFT_STREAM for row in rows]
+        positions = [row.output_position + j for row in rows]
+        params = [row.params for row in rows]
+        return SamplingMetadata.build(params, seeds, positions, vocab_size, [], list(range(len(rows))), device)
