@@ -1,5 +1,5 @@
 """The `tokenmill` command line: one subcommand per job (`make-model`, `convert`, `quantize`, `generate`,
-`serve`, `prefix-report`, `eval-quant`, `bench`; `doctor` arrives with its issue).
+`serve`, `prefix-report`, `eval-quant`, `bench`, `doctor`).
 
 The engine flags and `--config` come from engine_args.py (derived from `EngineConfig`); serve's own
 flags from `ServeSettings` here, the same way. `bench` lives in bench/cli.py, which imports nothing
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokenmill.bench.cli import add_bench_parser
 from tokenmill.config import EngineConfig, check_settings, setting
+from tokenmill.doctor.cli import add_doctor_parser
 from tokenmill.engine_args import (
     DEFAULT_MODEL,
     add_engine_args,
@@ -279,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval_quant)
 
     add_bench_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.bench.records import RequestRecord, Run
 from tokenmill.bench.workloads import BenchRequest, Workload, send_times
@@ -24,11 +24,28 @@ from tokenmill.outputs import OutputKind
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.config import EngineConfig
+    from tokenmill.outputs import EngineStats, RequestOutput, StepStats
+
+
+class SteppedEngine(Protocol):
+    """What a run drives: an `LLMEngine`, or the doctor's simulator in its place."""
+
+    config: EngineConfig
+    tokenizer: Any
+
+    @property
+    def last_step(self) -> StepStats: ...
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, *, output_kind: OutputKind
+    ) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def stats(self) -> EngineStats: ...
+    def has_unfinished_requests(self) -> bool: ...
 
 
 def run_offline(
-    engine: LLMEngine,
+    engine: SteppedEngine,
     workload: Workload,
     label: str,
     repeat: int = 0,

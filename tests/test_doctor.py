@@ -1,0 +1,225 @@
+"""`tokenmill doctor`: the simulator on the real scheduler, the step-cost probe, and planted traces where
+the doctor must name the right cause and the right setting (a system prompt behind a per-request
+timestamp; prompts sharing less than a block; long-tailed outputs under static batching; a memory
+budget the float32 weights do not fit; a repetitive code-edit trace at batch 1 and at batch 32; a clean
+trace where it recommends nothing new). Step costs in the planted cases are a fixed curve (a small
+model's shape: flat at small batches, linear in tokens beyond), so the verdicts do not depend on the
+machine; the CLI test probes for real."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from tokenmill.bench.metrics import summarize
+from tokenmill.bench.offline import run_offline
+from tokenmill.bench.workloads import BenchRequest, Workload, WorkloadSpec
+from tokenmill.cli import main
+from tokenmill.config import EngineConfig
+from tokenmill.doctor.diagnose import diagnose
+from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
+from tokenmill.doctor.simulator import SimulatedEngine
+from tokenmill.doctor.step_cost import StepCost
+from tokenmill.engine.engine import LLMEngine
+
+
+def curve(per_token_ms: float = 0.2, base_ms: float = 10.0) -> StepCost:
+    """A step costs base + per_token x tokens (and decode steps as many tokens as requests)."""
+    xs = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    ms = [base_ms + per_token_ms * x for x in xs]
+    return StepCost(xs, [m / 1e3 for m in ms], xs[:7], [m / 1e3 for m in ms[:7]], 0.05e-3, 0.0)
+
+
+def workload(prompts: list[list[int]], outputs: list[int], arrivals: list[float] | None = None) -> Workload:
+    requests = [
+        BenchRequest(i, o, prompt_token_ids=p, arrival_s=None if arrivals is None else arrivals[i])
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+    ]
+    return Workload(WorkloadSpec("jsonl:planted.jsonl", None), requests)
+
+
+def random_prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 4096) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32))
+
+
+def by_question(diagnosis, number: int):
+    return next(f for f in diagnosis.findings if f.question.startswith(f"{number}."))
+
+
+# ----------------------------------------------------------------------------- the simulator
+
+
+def test_the_simulator_runs_the_schedulers_rule_on_the_cost_model():
+    """Four requests at once: one prompt step of all their tokens, then decode steps of four; every
+    token accounted for, every block given back, and static batching slower on uneven outputs."""
+    config = EngineConfig.from_kwargs("unused", max_num_seqs=4)
+    cost = curve()
+    w = workload(random_prompts(4, 20, 20), [2, 10, 10, 40])
+    sim = SimulatedEngine(config, 100, 512, cost)
+    run = run_offline(sim, w, "sim", clock=sim.clock, sleep=sim.sleep)
+    s = summarize(run.records, run.duration_s)
+    assert s["completed"] == 4 and s["output_tokens"] == 62
+    first = cost.predict([(20, 0)] * 4, decoding=False)
+    assert s["ttft"]["median"] == pytest.approx(first * 1e3)  # every first token comes from the prompt step
+    assert sim.record.steps == 1 + 39  # the longest request decodes 39 more steps
+    stats = sim.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    static = SimulatedEngine(EngineConfig.from_kwargs("unused", max_num_seqs=2, scheduling="static"), 100, 512, cost)
+    run2 = run_offline(static, w, "static", clock=static.clock, sleep=static.sleep)
+    assert summarize(run2.records, run2.duration_s)["output_throughput"] < s["output_throughput"]
+
+
+def test_the_simulator_preempts_when_the_cache_runs_out():
+    config = EngineConfig.from_kwargs("unused", max_num_seqs=8)
+    sim = SimulatedEngine(config, 12, 512, curve())  # 12 blocks of 16: two requests' worth at their end
+    run = run_offline(sim, workload(random_prompts(6, 40, 40), [60] * 6), "tight", clock=sim.clock, sleep=sim.sleep)
+    assert all(r.ok and r.output_tokens == 60 for r in run.records)
+    assert sim.stats().preemptions > 0
+    assert sim.stats().kv_blocks_free == 12
+
+
+# ----------------------------------------------------------------------------- planted traces
+
+
+def test_a_timestamp_in_front_of_the_system_prompt_is_named(engine):
+    tok = engine.tokenizer
+    system = tok.encode(" ".join(["You are a careful assistant who answers questions about Python code."] * 8))
+    prompts = [
+        tok.encode(f"[request at 2026-12-01 10:{i // 60:02d}:{i % 60:02d}]", add_special_tokens=False)
+        + system
+        + tok.encode(f" Question {i}: what does the function number {i * 7} return?", add_special_tokens=False)
+        for i in range(24)
+    ]
+    d = diagnose(engine, workload(prompts, [16] * 24), curve())
+    f = by_question(d, 2)
+    assert "per-request value" in f.verdict and "move it after the shared part" in f.verdict
+    assert "block_size" not in f.settings
+    assert any("prefix hits: prompts part at token" in p for p in f.pitfalls)
+
+
+def test_prompts_sharing_less_than_a_block_get_a_smaller_block(engine):
+    shared = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 12 tokens: under a block of 16
+    prompts = [shared + p for p in random_prompts(24, 60, 120, seed=3)]
+    d = diagnose(engine, workload(prompts, [16] * 24), curve())
+    f = by_question(d, 2)
+    assert "shorter than a block" in f.verdict
+    assert f.settings == {"block_size": 8, "enable_prefix_caching": True}
+
+
+def test_long_tailed_outputs_under_static_batching_get_continuous_batching(tiny_model_dir):
+    static = LLMEngine(
+        EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=16, scheduling="static")
+    )
+    rng = random.Random(5)
+    outputs = [max(2, min(400, int(rng.lognormvariate(3.0, 1.2)))) for _ in range(48)]
+    d = diagnose(static, workload(random_prompts(48, 32, 64, seed=5), outputs), curve())
+    f = by_question(d, 3)
+    assert f.settings == {"scheduling": "continuous"}
+    assert "static batching is configured" in f.verdict
+    assert f.predicted_gain is not None
+
+
+def test_a_budget_the_float32_weights_do_not_fit_gets_16_bit_weights(engine):
+    cfg = engine.model_config
+    params = count_parameters(cfg)
+    reserve = activation_reserve(cfg, engine.config.max_num_batched_tokens)
+    fp32 = weight_bytes(params, "float32")
+    bf16 = weight_bytes(params, "bfloat16")
+    memory = bf16 + reserve + (fp32 - bf16) // 2  # room for bfloat16 and some KV, not for float32
+    assert fp32 + reserve > memory
+    prompts = random_prompts(8, 16, 32, seed=7)
+    d = diagnose(engine, workload(prompts, [8] * 8), curve(), memory=memory)
+    f = by_question(d, 1)
+    assert "do not fit" in f.verdict
+    assert f.settings["dtype"] == "bfloat16" and f.settings["quantization"] == STORAGE["bfloat16"][0]["quantization"]
+    assert 0 < f.settings["kv_cache_memory"] < memory - bf16
+
+
+def code_edit_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
+    """An edit request: a function, and its previous version (the same code with one name changed)."""
+    tok = engine.tokenizer
+    out = []
+    for i in range(count):
+        body = "".join(f"    total_{i} = total_{i} + values[{j}] * weights[{j}]\n" for j in range(6))
+        new = f"def score_{i}(values, weights):\n    total_{i} = 0\n{body}    return total_{i}\n"
+        old = new.replace(f"score_{i}", f"old_score_{i}")
+        out.append(tok.encode(f"Rewrite this function:\n{new}\nIt was:\n{old}"))
+    return out
+
+
+def test_a_repetitive_trace_gets_speculation_at_batch_1_and_not_at_batch_32(engine):
+    prompts = code_edit_prompts(engine, 32)
+    one_at_a_time = workload(prompts[:6], [64] * 6, arrivals=[100.0 * i for i in range(6)])
+    d1 = diagnose(engine, one_at_a_time, curve())
+    f1 = by_question(d1, 5)
+    assert "speculative_config" in f1.settings
+    assert json.loads(f1.settings["speculative_config"])["method"] == "ngram"
+    d32 = diagnose(engine, workload(prompts, [64] * 32), curve(per_token_ms=1.0))
+    f32 = by_question(d32, 5)
+    assert not f32.settings
+    assert "not worth it" in f32.verdict and "batch of 32" in f32.verdict
+
+
+def test_a_clean_trace_gets_nothing_new(engine):
+    rng = random.Random(9)
+    d = diagnose(
+        engine, workload(random_prompts(32, 64, 256, seed=9), [rng.randint(60, 80) for _ in range(32)]), curve()
+    )
+    assert [f.settings for f in d.findings] == [{}] * 5
+    assert by_question(d, 1).verdict.startswith("fits")
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, tmp_path, capsys):
+    rng = random.Random(11)
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"prompt": [rng.randrange(5, 4096) for _ in range(40)], "max_tokens": 12, "arrival_time": i * 0.01}
+        for i in range(16)
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "report"
+    config = tmp_path / "current.yaml"
+    config.write_text("scheduling: static\nmax_num_seqs: 8\ndtype: float32\nmax_num_batched_tokens: 256\n")
+    code = main(
+        [
+            "doctor",
+            str(tiny_model_dir("llama")),
+            "--workload",
+            f"jsonl:{trace}",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["step_cost"]["prompt_tokens"][-1] == 256 and report["step_cost"]["decode_batch"][-1] == 8
+    assert all(s > 0 for s in report["step_cost"]["decode_seconds"])
+    assert len(report["findings"]) == 5
+    recommended = yaml.safe_load((out / "recommended.yaml").read_text())
+    assert recommended == report["recommended"]
+    if recommended:  # what it recommends, serve's --config takes
+        EngineConfig.from_kwargs(str(tiny_model_dir("llama")), **recommended)
+    assert "## 1. Model fit" in (out / "report.md").read_text()
+    assert "tokenmill doctor: wrote" in capsys.readouterr().out
+
+
+def test_the_doctor_names_bad_input(tiny_model_dir, capsys):
+    model = str(tiny_model_dir("llama"))
+    assert main(["doctor", model, "--memory", "lots"]) == 2
+    assert "--memory: 'lots' is not a size" in capsys.readouterr().err
+    assert main(["doctor", model, "--slo", "ttft=5"]) == 2
+    assert "--slo:" in capsys.readouterr().err

@@ -1,0 +1,83 @@
+"""`tokenmill doctor MODEL --workload W|jsonl:TRACE [--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
+[--request-rate R] [--out DIR]`: the parser and the command (the work is in diagnose.py).
+
+The current settings are the engine flags and `--config` file, as `tokenmill serve` takes them. A
+trace states each request's prompt and, as max_tokens, the tokens it generated; its arrival times
+(or `--request-rate`, Poisson) set the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from tokenmill.engine_args import add_engine_args, engine_config
+
+UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
+
+
+def parse_bytes(text: str) -> int:
+    """ "8GiB", "512MiB", "2e9", "1500000000" -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in UNITS:
+        raise ValueError(f"--memory: {text!r} is not a size in bytes (e.g. 8GiB, 512MiB, 2000000000)")
+    value = int(float(m.group(1)) * UNITS[unit])
+    if value < 1:
+        raise ValueError(f"--memory: must be above 0, got {text!r}")
+    return value
+
+
+def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from tokenmill.bench.workloads import BUILT_IN
+
+    doc = sub.add_parser(
+        "doctor", help="which optimizations a workload needs: measured on this machine, replayed on the scheduler"
+    )
+    doc.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: the demo model)")
+    doc.add_argument("--workload", default="mixed", help=f"{', '.join(BUILT_IN)} or jsonl:PATH (a trace)")
+    doc.add_argument("--num-requests", type=int, default=None, help="requests (default 64; a trace: all its lines)")
+    doc.add_argument("--input-len", default="32:512", help="built-in workloads: prompt tokens, N or MIN:MAX")
+    doc.add_argument("--output-len", default="8:256", help="built-in workloads: output tokens, N or MIN:MAX")
+    doc.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals a second (default: the trace's, or at once)"
+    )
+    doc.add_argument("--memory", default=None, help="bytes for weights + KV cache (default: what the settings take)")
+    doc.add_argument("--slo", default=None, help="latency goals in ms, e.g. ttft:500,tpot:50")
+    doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
+    doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")
+    add_engine_args(doc)
+    doc.set_defaults(func=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from tokenmill.bench.metrics import parse_slos
+    from tokenmill.bench.workloads import WorkloadSpec, build_workload, parse_range
+    from tokenmill.doctor.diagnose import diagnose, write_report
+    from tokenmill.doctor.step_cost import probe
+    from tokenmill.engine.engine import LLMEngine
+
+    memory = parse_bytes(args.memory) if args.memory is not None else None
+    try:
+        slos = parse_slos(args.slo)
+    except ValueError as e:  # (its messages name bench's flag)
+        raise ValueError(str(e).replace("--goodput", "--slo")) from None
+    trace = args.workload.startswith("jsonl:")
+    spec = WorkloadSpec(
+        name=args.workload,
+        num_requests=args.num_requests if args.num_requests is not None or trace else 64,
+        seed=args.workload_seed,
+        input_len=parse_range(args.input_len, "--input-len"),
+        output_len=parse_range(args.output_len, "--output-len"),
+    )
+    config = engine_config(args)
+    engine = LLMEngine(config)
+    workload = build_workload(spec, engine.tokenizer)
+    print(f"tokenmill doctor: measuring step costs of {config.model} on this machine ...", flush=True)
+    cost = probe(engine)
+    diagnosis = diagnose(engine, workload, cost, memory, slos, args.request_rate)
+    text = write_report(diagnosis, Path(args.out))
+    print(text)
+    print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")
+    return 0

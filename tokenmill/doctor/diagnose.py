@@ -1,0 +1,189 @@
+"""`tokenmill doctor`: the questions asked in order of a user's workload, answered from measurements.
+
+Loads the model with the current settings (an `LLMEngine`), measures its step costs on this machine
+(`step_cost.probe`, unless given), reads the workload (a built-in one or a JSONL trace, tokenized),
+and replays it through the simulator (`simulator.SimulatedEngine`: the real scheduler and KV manager)
+for the current settings and each alternative a question weighs. Each question's module turns the
+numbers into a `Finding`; `write_report` writes report.md, report.json and recommended.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from tokenmill.bench.metrics import summarize
+from tokenmill.bench.offline import run_offline
+from tokenmill.bench.workloads import Workload
+from tokenmill.config import EngineConfig
+from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
+from tokenmill.doctor.latency import latency_finding
+from tokenmill.doctor.model_fit import fit_finding, kv_bytes_per_token
+from tokenmill.doctor.prefix_report import TraceRequest
+from tokenmill.doctor.redundancy import redundancy_finding
+from tokenmill.doctor.simulator import SimulatedEngine
+from tokenmill.doctor.step_cost import StepCost
+from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine import LLMEngine
+
+
+@dataclass
+class Diagnosis:
+    model: str
+    settings: EngineConfig
+    workload: str
+    cost: StepCost
+    current: dict[str, Any]  # the simulator's summary of the trace at the current settings
+    findings: list[Finding] = field(default_factory=list)
+
+
+class Replays:
+    """The trace through the simulator at the current settings with some changed; each replay once."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_memory: int,
+        kv_token_bytes: float,
+        max_model_len: int,
+        cost: StepCost,
+        workload: Workload,
+        request_rate: float | None,
+    ) -> None:
+        self.config = config
+        self.kv_memory = kv_memory
+        self.kv_token_bytes = kv_token_bytes
+        self.max_model_len = max_model_len
+        self.cost = cost
+        self.workload = workload
+        self.request_rate = request_rate
+        self._done: dict[str, tuple[dict[str, Any], SimulatedEngine]] = {}
+
+    def engine(self, settings: dict[str, Any], num_blocks: int | None = None) -> SimulatedEngine:
+        return self.run(settings, num_blocks)[1]
+
+    def __call__(self, settings: dict[str, Any]) -> dict[str, Any]:
+        return self.run(settings)[0]
+
+    def run(self, settings: dict[str, Any], num_blocks: int | None = None) -> tuple[dict[str, Any], SimulatedEngine]:
+        key = json.dumps([sorted(settings.items()), num_blocks], default=str)
+        if key not in self._done:
+            config = dataclasses.replace(self.config, **settings)
+            memory = settings.get("kv_cache_memory", self.kv_memory)
+            blocks = num_blocks or max(1, int(memory // (config.block_size * self.kv_token_bytes)))
+            sim = SimulatedEngine(config, blocks, self.max_model_len, self.cost)
+            run = run_offline(
+                sim, self.workload, "doctor", request_rate=self.request_rate, clock=sim.clock, sleep=sim.sleep
+            )
+            summary = summarize(run.records, max(run.duration_s, 1e-9))
+            summary["kv_live_share"] = run.extras.get("kv_live_share")
+            summary["preemptions"] = run.extras.get("preemptions")
+            self._done[key] = (summary, sim)
+        return self._done[key]
+
+
+def diagnose(
+    engine: LLMEngine,
+    workload: Workload,
+    cost: StepCost,
+    memory: int | None = None,
+    slos: dict[str, float] | None = None,
+    request_rate: float | None = None,
+) -> Diagnosis:
+    """The findings for `workload` served by `engine`'s settings (its model, its KV cache); `memory`: the
+    bytes for weights and KV cache (default: what the current settings take)."""
+    config = engine.config
+    cfg = engine.model_config
+    worker = engine.core.worker
+    value_bytes = 1.0 if config.kv_cache_dtype == "int8" else float(worker.kv_dtype.itemsize)
+    token_bytes = kv_bytes_per_token(cfg, value_bytes)
+    num_blocks = engine.core.num_blocks
+    kv_memory = int(num_blocks * config.block_size * token_bytes)
+    budget = memory if memory is not None else worker.weight_bytes + kv_memory
+    replays = Replays(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
+    current = replays({})
+
+    requests = workload.requests
+    prompts = [len(r.token_ids(engine.tokenizer)) for r in requests]
+    outputs = [r.max_tokens for r in requests]
+    totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    ample = sum(-(-t // config.block_size) for t in totals) + 1
+    peak = replays.engine({}, num_blocks=ample).record.peak_blocks * config.block_size
+    storage = config.quantization if config.quantization in ("int8", "int4") else str(worker.dtype).split(".")[-1]
+    storage = storage if storage in ("float32", "bfloat16", "int8", "int4") else "bfloat16"
+    findings = [
+        fit_finding(
+            cfg, storage, budget, value_bytes, config.max_num_batched_tokens, max(totals), peak, config.max_num_seqs
+        ),
+        redundancy_finding(
+            [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests],
+            config.block_size,
+            num_blocks,
+            config.enable_prefix_caching,
+            config.max_num_batched_tokens,
+            replays,
+            engine.tokenizer,
+        ),
+        length_finding(prompts, outputs, config.scheduling, replays),
+        fragmentation_finding(prompts, outputs, engine.max_model_len, config.block_size, current["kv_live_share"]),
+        latency_finding(
+            [r.token_ids(engine.tokenizer) for r in requests],
+            current,
+            replays.engine({}).record.batch_sizes,
+            cost,
+            slos or {},
+            config.speculative_config,
+        ),
+    ]
+    if current["failed"]:
+        errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
+        findings[0].pitfalls.append(f"{current['failed']} of {len(requests)} requests cannot run here: {errors}")
+    for f in findings:
+        if f.settings and f.predicted_gain is None and "kv_cache_memory" not in f.settings:
+            after = replays(f.settings)
+            f.predicted_gain = (
+                f"output tokens/s {current['output_throughput']:.1f} -> {after['output_throughput']:.1f}, TTFT p50 "
+                f"{p50(current, 'ttft'):.0f} -> {p50(after, 'ttft'):.0f} ms (simulated)"
+            )
+    return Diagnosis(config.model, config, workload.spec.name, cost, current, findings)
+
+
+def write_report(diagnosis: Diagnosis, out: Path) -> str:
+    """report.md, report.json and recommended.yaml into `out`; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    c, cost = diagnosis.current, diagnosis.cost
+    preamble = [
+        f"Model `{diagnosis.model}`, workload `{diagnosis.workload}`: {c['completed']} requests.",
+        f"Step costs measured on this machine in {cost.probe_seconds:.1f} s: a decode step of 1 request "
+        f"{cost.decode_step(1, 128) * 1e3:.1f} ms, of {cost.decode_batch[-1]} requests "
+        f"{cost.decode_step(cost.decode_batch[-1], 128) * 1e3:.1f} ms (context 128); a {cost.prompt_tokens[-1]}-token "
+        f"prompt step {cost.prompt_seconds[-1] * 1e3:.1f} ms.",
+        f"The trace at the current settings, simulated: output {c['output_throughput']:.1f} tokens/s, TTFT p50 "
+        f"{p50(c, 'ttft'):.0f} ms, TPOT p50 {p50(c, 'tpot'):.1f} ms"
+        if c.get("tpot")
+        else "",
+    ]
+    text = render_markdown("tokenmill doctor", [p for p in preamble if p], diagnosis.findings)
+    (out / "report.md").write_text(text)
+    settings = recommended_settings(diagnosis.findings)
+    (out / "recommended.yaml").write_text(
+        yaml.safe_dump(settings, sort_keys=False) if settings else "# nothing to change\n"
+    )
+    record = {
+        "model": diagnosis.model,
+        "workload": diagnosis.workload,
+        "current": {k: v for k, v in c.items() if k != "errors"},
+        "findings": [dataclasses.asdict(f) for f in diagnosis.findings],
+        "recommended": settings,
+        "serve_flags": serve_flags(settings),
+        "step_cost": dataclasses.asdict(cost),
+    }
+    (out / "report.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return text
