@@ -65,8 +65,9 @@ def main() -> None:
     first = next(iter(engines.values()))
     workload = build_workload(spec, first.tokenizer)
     cost = probe(first)
-    print(f"probe: {cost.probe_seconds:.1f} s; per request {cost.per_request * 1e3:.3f} ms, attention "
-          f"{cost.per_attention * 1e9:.3f} ns a pair")  # fmt: skip
+    print(f"probe: {cost.probe_seconds:.1f} s; per request {cost.per_request * 1e3:.3f} ms, decode attention "
+          f"{cost.per_decode_key * 1e9:.1f} ns a key, prompt attention "
+          f"{cost.per_prompt_pair * 1e9:.2f} ns a pair")  # fmt: skip
 
     measured: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
     for repeat in range(args.repeats):
@@ -101,7 +102,8 @@ def main() -> None:
             "decode_batch": cost.decode_batch,
             "decode_ms": [s * 1e3 for s in cost.decode_seconds],
             "per_request_ms": cost.per_request * 1e3,
-            "per_attention_ns": cost.per_attention * 1e9,
+            "per_decode_key_ns": cost.per_decode_key * 1e9,
+            "per_prompt_pair_ns": cost.per_prompt_pair * 1e9,
             "probe_seconds": cost.probe_seconds,
         },
         "rows": rows,

@@ -19,7 +19,7 @@ from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import BenchRequest, Workload, WorkloadSpec
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
-from tokenmill.doctor.diagnose import diagnose
+from tokenmill.doctor.diagnose import Replays, diagnose
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.step_cost import StepCost
@@ -30,7 +30,7 @@ def curve(per_token_ms: float = 0.2, base_ms: float = 10.0) -> StepCost:
     """A step costs base + per_token x tokens (and decode steps as many tokens as requests)."""
     xs = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     ms = [base_ms + per_token_ms * x for x in xs]
-    return StepCost(xs, [m / 1e3 for m in ms], xs[:7], [m / 1e3 for m in ms[:7]], 0.05e-3, 0.0)
+    return StepCost(xs, [m / 1e3 for m in ms], xs[:7], [m / 1e3 for m in ms[:7]], 0.05e-3, 0.0, 0.0)
 
 
 def workload(prompts: list[list[int]], outputs: list[int], arrivals: list[float] | None = None) -> Workload:
@@ -174,7 +174,7 @@ def test_a_clean_trace_gets_nothing_new(engine):
     d = diagnose(
         engine, workload(random_prompts(32, 64, 256, seed=9), [rng.randint(60, 80) for _ in range(32)]), curve()
     )
-    assert [f.settings for f in d.findings] == [{}] * 5
+    assert [f.settings for f in d.findings] == [{}] * 6
     assert by_question(d, 1).verdict.startswith("fits")
 
 
@@ -208,7 +208,7 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
     report = json.loads((out / "report.json").read_text())
     assert report["step_cost"]["prompt_tokens"][-1] == 256 and report["step_cost"]["decode_batch"][-1] == 8
     assert all(s > 0 for s in report["step_cost"]["decode_seconds"])
-    assert len(report["findings"]) == 5
+    assert len(report["findings"]) == 6
     recommended = yaml.safe_load((out / "recommended.yaml").read_text())
     assert recommended == report["recommended"]
     if recommended:  # what it recommends, serve's --config takes
@@ -223,3 +223,20 @@ def test_the_doctor_names_bad_input(tiny_model_dir, capsys):
     assert "--memory: 'lots' is not a size" in capsys.readouterr().err
     assert main(["doctor", model, "--slo", "ttft=5"]) == 2
     assert "--slo:" in capsys.readouterr().err
+
+
+def test_prefills_that_stretch_tpot_past_the_slo_get_a_smaller_step_budget(engine):
+    """Long prompts arriving while others decode: each prompt step stalls every decode in it. With a
+    TPOT SLO between what the current budget gives and what a quarter of it gives, the doctor
+    recommends the smaller budget (and says by how much the prefills stretch TPOT)."""
+    cost = curve(per_token_ms=0.5)
+    w = workload(random_prompts(40, 380, 400, seed=13), [48] * 40, arrivals=[0.25 * i for i in range(40)])
+    replays = Replays(engine.config, 10**8, 1.0, engine.max_model_len, cost, w, None)
+    as_served = replays({})["tpot"]["p99"]
+    quarter = replays({"max_num_batched_tokens": engine.config.max_num_batched_tokens // 4})["tpot"]["p99"]
+    assert quarter < as_served
+    d = diagnose(engine, w, cost, slos={"tpot": (as_served + quarter) / 2})
+    f = by_question(d, 6)
+    assert f.settings["max_num_batched_tokens"] < engine.config.max_num_batched_tokens
+    assert "past the SLO" in f.verdict
+    assert "prefills stretch the slowest tokens" in f.evidence[0]

@@ -45,6 +45,10 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     doc.add_argument("--memory", default=None, help="bytes for weights + KV cache (default: what the settings take)")
     doc.add_argument("--slo", default=None, help="latency goals in ms, e.g. ttft:500,tpot:50")
+    doc.add_argument(
+        "--link-gbps", type=float, default=10.0, help="network between machines, for a prefill/decode split"
+    )
+    doc.add_argument("--cost-per-hour", type=float, default=None, help="price of the machine an hour: cost per token")
     doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
     doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")
     add_engine_args(doc)
@@ -76,7 +80,9 @@ def _doctor(args: argparse.Namespace) -> int:
     workload = build_workload(spec, engine.tokenizer)
     print(f"tokenmill doctor: measuring step costs of {config.model} on this machine ...", flush=True)
     cost = probe(engine)
-    diagnosis = diagnose(engine, workload, cost, memory, slos, args.request_rate)
+    if not args.link_gbps > 0:
+        raise ValueError(f"--link-gbps: must be above 0, got {args.link_gbps}")
+    diagnosis = diagnose(engine, workload, cost, memory, slos, args.request_rate, args.link_gbps, args.cost_per_hour)
     text = write_report(diagnosis, Path(args.out))
     print(text)
     print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,9 @@ from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import fit_finding, kv_bytes_per_token
 from tokenmill.doctor.prefix_report import TraceRequest
 from tokenmill.doctor.redundancy import redundancy_finding
+from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
-from tokenmill.doctor.step_cost import StepCost
+from tokenmill.doctor.step_cost import CostModel, StepCost
 from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ class Replays:
         self.workload = workload
         self.request_rate = request_rate
         self._done: dict[str, tuple[dict[str, Any], SimulatedEngine]] = {}
+        self.decode_only = DecodeOnlyCost(cost)
 
     def engine(self, settings: dict[str, Any], num_blocks: int | None = None) -> SimulatedEngine:
         return self.run(settings, num_blocks)[1]
@@ -72,21 +75,42 @@ class Replays:
     def __call__(self, settings: dict[str, Any]) -> dict[str, Any]:
         return self.run(settings)[0]
 
-    def run(self, settings: dict[str, Any], num_blocks: int | None = None) -> tuple[dict[str, Any], SimulatedEngine]:
-        key = json.dumps([sorted(settings.items()), num_blocks], default=str)
+    def run(
+        self,
+        settings: dict[str, Any],
+        num_blocks: int | None = None,
+        cost: CostModel | None = None,
+        request_rate: float | None = None,
+    ) -> tuple[dict[str, Any], SimulatedEngine]:
+        """The replay with `settings` changed (and a cache of `num_blocks`, another cost model, Poisson
+        arrivals at `request_rate` in place of the trace's)."""
+        key = json.dumps([sorted(settings.items()), num_blocks, id(cost), request_rate], default=str)
         if key not in self._done:
             config = dataclasses.replace(self.config, **settings)
             memory = settings.get("kv_cache_memory", self.kv_memory)
             blocks = num_blocks or max(1, int(memory // (config.block_size * self.kv_token_bytes)))
-            sim = SimulatedEngine(config, blocks, self.max_model_len, self.cost)
-            run = run_offline(
-                sim, self.workload, "doctor", request_rate=self.request_rate, clock=sim.clock, sleep=sim.sleep
-            )
+            sim = SimulatedEngine(config, blocks, self.max_model_len, cost or self.cost)
+            workload = self.workload
+            if request_rate is not None:  # the trace's requests, at this rate
+                requests = [dataclasses.replace(r, arrival_s=None) for r in workload.requests]
+                workload = Workload(workload.spec, requests)
+            rate = request_rate if request_rate is not None else self.request_rate
+            run = run_offline(sim, workload, "doctor", request_rate=rate, clock=sim.clock, sleep=sim.sleep)
             summary = summarize(run.records, max(run.duration_s, 1e-9))
             summary["kv_live_share"] = run.extras.get("kv_live_share")
             summary["preemptions"] = run.extras.get("preemptions")
             self._done[key] = (summary, sim)
         return self._done[key]
+
+
+def trace_rate(workload: Workload, request_rate: float | None) -> float | None:
+    """Requests a second the trace arrives at: `request_rate`, else its own arrival times' (None: all at once)."""
+    if request_rate is not None:
+        return request_rate
+    times = sorted(r.arrival_s for r in workload.requests if r.arrival_s is not None)
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def diagnose(
@@ -96,6 +120,8 @@ def diagnose(
     memory: int | None = None,
     slos: dict[str, float] | None = None,
     request_rate: float | None = None,
+    link_gbps: float = 10.0,
+    cost_per_hour: float | None = None,
 ) -> Diagnosis:
     """The findings for `workload` served by `engine`'s settings (its model, its KV cache); `memory`: the
     bytes for weights and KV cache (default: what the current settings take)."""
@@ -141,6 +167,7 @@ def diagnose(
             slos or {},
             config.speculative_config,
         ),
+        _scale(replays, workload, prompts, outputs, token_bytes, link_gbps, request_rate, slos or {}, cost_per_hour),
     ]
     if current["failed"]:
         errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
@@ -153,6 +180,34 @@ def diagnose(
                 f"{p50(current, 'ttft'):.0f} -> {p50(after, 'ttft'):.0f} ms (simulated)"
             )
     return Diagnosis(config.model, config, workload.spec.name, cost, current, findings)
+
+
+def _scale(
+    replays: Replays,
+    workload: Workload,
+    prompts: list[int],
+    outputs: list[int],
+    token_bytes: float,
+    link_gbps: float,
+    request_rate: float | None,
+    slos: dict[str, float],
+    cost_per_hour: float | None,
+) -> Finding:
+    current = replays({})
+    decode_only = replays.run({}, cost=replays.decode_only)[0]
+    budget = replays.config.max_num_batched_tokens
+    smaller = {b: replays({"max_num_batched_tokens": b}) for b in (budget // 2, budget // 4) if b >= 16}
+    per_request = sum(outputs) / len(outputs)
+    rate = trace_rate(workload, request_rate)
+    if slos:
+        start = rate or max(current["request_throughput"], 1e-3)
+        replica = capacity(lambda r: replays.run({}, request_rate=r)[0], slos, start)
+    else:  # the ceiling: the whole trace at once
+        replica = 0.8 * replays.run({}, request_rate=math.inf)[0]["request_throughput"]
+    return scale_finding(
+        current, decode_only, smaller, budget, prompts, token_bytes, link_gbps, replica, rate, slos, cost_per_hour,
+        per_request,
+    )  # fmt: skip
 
 
 def write_report(diagnosis: Diagnosis, out: Path) -> str:

@@ -4,12 +4,13 @@ TPOT comes from the simulator's replay of the trace at the current settings. Spe
 lookup is judged on the trace's own prompts, teacher-forced: at up to 64 positions of each prompt's
 second half, the lookup proposes k tokens from the prompt so far, and the tokens that follow in the
 prompt say how many a target would have kept (the trace's n-gram repetition; a model's own outputs
-usually repeat their context more, so this is a floor). With E tokens a verification step yields and
-d drafts a request on average, a step of B requests speculating yields B E tokens for the cost of a
-step running B (1 + d) tokens, against B tokens for a decode step of B: from the measured step costs,
-gain(B) = E x D(B) / S(B, d). The batch above which gain < 1 is where speculation would lose (the
-engine's adaptive rule switches it off there by itself); it is recommended where the trace's own
-decode batch (the replay's median) gains at least 10%.
+usually repeat their context more, so this is a floor). With E tokens a step yields a request on
+average and a share f of requests proposing d' drafts each, a step of B requests speculating yields
+B E tokens for the cost of a step running f B chunks of 1 + d' tokens and the rest of one, against B
+tokens for a decode step of B: from the measured step costs, gain(B) = E x D(B) / S(B, f, d'). The
+batch above which gain < 1 is where speculation would lose (the engine's adaptive rule switches it off
+there by itself); it is recommended where the trace's own decode batch (the replay's median) gains at
+least 10%.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LookupAgreement:
     positions: int  # positions tried
     tokens_per_step: float  # E: 1 + the drafts a target would keep, on average
     drafts_per_step: float  # d: drafts proposed, on average
+    proposing: float = 1.0  # share of positions where the lookup proposes anything
 
 
 def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: int = 64) -> LookupAgreement:
@@ -54,17 +56,21 @@ def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: i
             kept.append(n)
             drafted.append(len(drafts))
     if not kept:
-        return LookupAgreement(0, 1.0, 0.0)
-    return LookupAgreement(len(kept), 1 + statistics.fmean(kept), statistics.fmean(drafted))
+        return LookupAgreement(0, 1.0, 0.0, 0.0)
+    share = sum(1 for d in drafted if d) / len(drafted)
+    return LookupAgreement(len(kept), 1 + statistics.fmean(kept), statistics.fmean(drafted), share)
 
 
 def speculation_gain(cost: StepCost, batch: int, agreement: LookupAgreement, context: int = CONTEXT) -> float:
+    """Decoding's tokens a second with prompt lookup over without, at `batch` requests: the requests that
+    have drafts (the lookup's share of them) run 1 + d' tokens each (d' its drafts when it proposes), the
+    others one; a step without any drafts is a plain decode step."""
     plain = cost.decode_step(batch, context)
-    d = agreement.drafts_per_step
-    if d <= 0:
+    drafting = round(batch * agreement.proposing)
+    if drafting == 0 or agreement.drafts_per_step <= 0:
         return 1.0
-    q = 1 + d  # a request's tokens in a verification step (on average)
-    chunks = [(round(q), context)] * batch
+    per_drafting = agreement.drafts_per_step / agreement.proposing  # d': drafts where it proposes
+    chunks = [(1 + round(per_drafting), context)] * drafting + [(1, context)] * (batch - drafting)
     spec = cost.predict(chunks, decoding=False)
     return agreement.tokens_per_step * plain / spec if spec > 0 else 1.0
 
@@ -96,7 +102,12 @@ def latency_finding(
     pitfalls = []
     if "tpot" in slos and tpot.get("p90", 0) > slos["tpot"]:
         pitfalls.append(f"TPOT p90 {tpot['p90']:.1f} ms misses the {slos['tpot']:.0f} ms SLO at this load")
-    breaks = f"it would lose above a batch of {losing[0] // 2 or 1}" if losing else "it wins at every batch measured"
+    if not losing:
+        breaks = "it wins at every batch measured"
+    elif losing[0] == min(gains):
+        breaks = "it loses at every batch"
+    else:
+        breaks = f"it would lose above a batch of {losing[0] // 2}"
     if speculative_config:
         return Finding(QUESTION, f"speculation is configured; at the trace's batch ({batch}) {here:.2f}x", evidence)
     if here >= 1.1:

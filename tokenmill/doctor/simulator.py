@@ -20,7 +20,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_manager import KVManager
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.static import StaticScheduler
-from tokenmill.doctor.step_cost import StepCost
+from tokenmill.doctor.step_cost import CostModel
 from tokenmill.outputs import (
     CompletionOutput,
     EngineStats,
@@ -49,7 +49,7 @@ class SimulatedSteps:
 
 class SimulatedEngine:
     def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, cost: StepCost, weight_bytes: int = 0
+        self, config: EngineConfig, num_blocks: int, max_model_len: int, cost: CostModel, weight_bytes: int = 0
     ) -> None:
         self.config = config
         self.cost = cost
@@ -71,7 +71,6 @@ class SimulatedEngine:
         self.tokenizer = None  # prompts come as token ids
         self._reported: dict[str, int] = {}  # request -> output tokens already returned
         self._token: dict[str, int] = {}  # request -> the token id its simulated outputs carry
-        self._cached: dict[str, int] = {}
 
     # -- the simulated clock (run_offline's `clock` and `sleep`) ----------------------------------
 

@@ -2,18 +2,21 @@
 
 A step's wall time (schedule, forward, sampling, detokenizing: all of `LLMEngine.step`) is predicted
 from the chunks it runs, each a (query length q, start position s):
-- a step whose every chunk decodes one token (B requests): the measured decode curve D(B), plus
-  `per_attention` x the attention work beyond what the probe's steps of B had;
+- a step whose every chunk decodes one token (B requests): the measured decode curve D(B);
 - any other step (prompt chunks, alone or with decodes): the measured one-request prompt curve P(T) at
-  its T tokens, plus `per_request` for each request after the first, plus the attention work beyond
-  the probe's;
-where the attention work of a chunk is the query-key pairs it scores, q x s + q (q + 1) / 2.
-Curves are piecewise linear in T (B) between the probed points, extended along their last segment.
+  its T tokens, plus `per_request` for each request after the first;
+plus attention beyond what the probe's steps had, in two kinds: a decoding chunk reads its s + 1 keys
+(`per_decode_key`: memory-bound, K and V read once per query), a prompt chunk scores its
+q s + q (q + 1) / 2 query-key pairs (`per_prompt_pair`: many queries share each key read).
+Curves are piecewise linear in T (B) between the probed points, extended along their last segment,
+and made non-decreasing (a busy moment during the probe must not make more tokens look cheaper).
 
-`probe` measures them on a live engine in a few seconds: one-request prompts of 1 .. max_num_batched_tokens
-tokens (each alone in its step), B requests decoding at a short context for B = 1 .. max_num_seqs, the
-same B at a long context (the attention term), and R short prompts in one step (the per-request
-term); random distinct prompts, so the prefix cache never answers; the median of repeats.
+`probe` measures them on a live engine in about ten seconds: one-request prompts of 1 ..
+max_num_batched_tokens tokens (each alone in its step), B requests decoding at a short context for
+B = 1 .. max_num_seqs, a few at a long context (the decode attention term), one long prompt's chunks
+at start 0 and at start one budget (the prompt attention term), and a prompt chunk run beside a few
+decoding requests (the per-request term of such mixed steps); random distinct prompts, so the prefix
+cache never answers; medians of repeats. Nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -32,9 +35,21 @@ if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
 
 
-def attention_work(chunks: Sequence[tuple[int, int]]) -> float:
-    """Query-key pairs a step scores: chunks as (query length, start position)."""
-    return sum(q * s + q * (q + 1) / 2 for q, s in chunks)
+class CostModel(Protocol):
+    def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
+        """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every
+        chunk decodes one token."""
+        ...
+
+
+def decode_keys(chunks: Sequence[tuple[int, int]]) -> float:
+    """Keys the decoding chunks (query length 1) read: chunks as (query length, start position)."""
+    return sum(s + 1 for q, s in chunks if q == 1)
+
+
+def prompt_pairs(chunks: Sequence[tuple[int, int]]) -> float:
+    """Query-key pairs the other chunks score."""
+    return sum(q * s + q * (q + 1) / 2 for q, s in chunks if q > 1)
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -53,14 +68,15 @@ class StepCost:
     decode_batch: list[int]  # D's points: requests decoding
     decode_seconds: list[float]  # D(B), the probe's attention work taken out
     per_request: float  # seconds for each request after the first in a prompt step
-    per_attention: float  # seconds per query-key pair
+    per_decode_key: float  # seconds per key a decoding chunk reads
+    per_prompt_pair: float  # seconds per query-key pair a prompt chunk scores
     probe_seconds: float = 0.0  # what the probe took
     notes: list[str] = field(default_factory=list)
 
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
         """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every
         chunk decodes one token."""
-        work = self.per_attention * attention_work(chunks)
+        work = self.per_decode_key * decode_keys(chunks) + self.per_prompt_pair * prompt_pairs(chunks)
         if decoding:
             return interpolate(self.decode_batch, self.decode_seconds, len(chunks)) + work
         tokens = sum(q for q, _ in chunks)
@@ -70,6 +86,27 @@ class StepCost:
     def decode_step(self, batch: int, context: int) -> float:
         """Seconds for a step of `batch` requests decoding at `context` tokens each."""
         return self.predict([(1, context)] * batch, decoding=True)
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in squared error (pool adjacent violators): a step of
+    more tokens never costs less, and one disturbed measurement is averaged with its neighbours rather
+    than kept."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
+
+def fine_grid(limit: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... below `limit`, and `limit` (step costs bend between powers
+    of two: kernels switch at row counts, and pad)."""
+    out = set(grid(limit)) | {x * 3 // 2 for x in grid(limit) if x >= 16 and x * 3 // 2 < limit}
+    return sorted(out)
 
 
 def grid(limit: int, start: int = 1) -> list[int]:
@@ -120,70 +157,84 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     p = _Prober(engine, seed)
     p.add(min(32, budget), 4)  # warm-up
     p.drain()
-    # attention work per step is known exactly from the probe's shapes
-    prompt_points, prompt_seconds = [], []
-    for tokens in grid(budget):
+    prompt_points, prompt_raw = [], []
+    for tokens in fine_grid(budget):
         times = []
         for _ in range(repeats):
             p.add(tokens, 1)
             times.append(p.drain()[0][0])
         prompt_points.append(tokens)
-        prompt_seconds.append(statistics.median(times))
+        prompt_raw.append(statistics.median(times))
     short = 16
 
     def decode(batch: int, context: int) -> float:
+        """Median step time of `batch` requests all decoding at about `context` tokens; their prompts take
+        several steps when they exceed the budget, so each generates long enough that all decode at once."""
+        prompt_steps = -(-batch * context // budget)
         for _ in range(batch):
-            p.add(context, 2 + 2 * repeats)
+            p.add(context, prompt_steps + 2 + 2 * repeats)
         times = [s for s, running, tokens in p.drain() if running == batch and tokens == batch]
         return statistics.median(times) if times else float("nan")
 
     measured = [(b, decode(b, short)) for b in grid(config.max_num_seqs)]
     batches = [b for b, t in measured if t == t]  # (a batch whose steps never all decoded: dropped)
     decode_raw = [t for _, t in measured if t == t]
-    # the attention term: a few requests decoding at a long context against the same at the short one
     notes = []
-    per_attention = 0.0
-    long_context = min(long_context, engine.max_model_len - 2 - 2 * repeats)
+    # decode attention: a few requests decoding at a long context against the same at the short one
+    per_key = 0.0
     b = min(8, config.max_num_seqs)
+    long_context = min(long_context, engine.max_model_len - 4 - 2 * repeats - b * long_context // budget)
     if long_context > 4 * short:
-        slow = decode(b, long_context)
-        fast = interpolate(batches, decode_raw, b)
-        extra = attention_work([(1, long_context + repeats)] * b) - attention_work([(1, short + repeats)] * b)
-        per_attention = max(0.0, (slow - fast) / extra)
+        slow, fast = decode(b, long_context), interpolate(batches, decode_raw, b)
+        per_key = max(0.0, (slow - fast) / (b * (long_context - short))) if slow == slow else 0.0
     else:
-        notes.append(f"no long-context probe (max_model_len {engine.max_model_len}): attention cost taken as 0")
-    prompt_seconds = [
-        max(0.0, t - per_attention * attention_work([(n, 0)]))
-        for n, t in zip(prompt_points, prompt_seconds, strict=True)
-    ]
-    decode_seconds = [
-        max(0.0, t - per_attention * attention_work([(1, short + repeats)] * n))
-        for n, t in zip(batches, decode_raw, strict=True)
-    ]
-    # the per-request term: R short prompts computed in one step against one prompt of their tokens
-    rates = []
-    for requests in (4, 16):
-        if requests > config.max_num_seqs or requests * short > budget:
-            continue
-        times = []
+        notes.append(f"no long-context probe (max_model_len {engine.max_model_len}): decode attention taken as 0")
+    # prompt attention: a long prompt's second chunk (start = budget) against its first (start 0)
+    per_pair = 0.0
+    if 3 * budget < engine.max_model_len and budget >= 64:
+        extra = []
         for _ in range(repeats):
-            for _ in range(requests):
-                p.add(short, 1)
-            first = p.drain()[0]
-            if first[1] == requests:
-                times.append(first[0])
-        if times:
-            one = interpolate(prompt_points, prompt_seconds, requests * short)
-            work = per_attention * attention_work([(short, 0)] * requests)
-            rates.append(max(0.0, (statistics.median(times) - one - work) / (requests - 1)))
-    per_request = statistics.median(rates) if rates else 0.0
+            p.add(3 * budget, 1)
+            steps = p.drain()
+            extra.append(steps[1][0] - steps[0][0])
+        per_pair = max(0.0, statistics.median(extra) / (budget * budget))
+    else:
+        notes.append(f"no long-prompt probe (max_model_len {engine.max_model_len}): prompt attention taken as 0")
+    prompt_seconds = [
+        max(0.0, t - per_pair * prompt_pairs([(n, 0)])) for n, t in zip(prompt_points, prompt_raw, strict=True)
+    ]
+    decode_seconds = [max(0.0, t - per_key * n * (short + repeats)) for n, t in zip(batches, decode_raw, strict=True)]
+    # the per-request term: B requests decoding while a prompt chunk runs beside them (a mixed step goes
+    # the general way, not the decode path): what the step costs beyond P(T) and the attention, per request
+    per_request = 0.0
+    b = min(8, config.max_num_seqs - 1)
+    chunk = min(256, budget - b)
+    if b >= 1 and chunk >= 16:
+        for _ in range(b):
+            p.add(short, 4 + 4 * repeats)
+        while True:
+            _, running, tokens = p.step()
+            if running == b and tokens == b:
+                break
+        residuals = []
+        for _ in range(repeats):
+            p.add(chunk, 1)
+            seconds, running, tokens = p.step()
+            if running == b + 1 and tokens == b + chunk:
+                plain = interpolate(prompt_points, prompt_seconds, tokens)
+                work = per_pair * prompt_pairs([(chunk, 0)]) + per_key * b * (short + 2 * repeats)
+                residuals.append((seconds - plain - work) / b)
+            p.step()
+        p.drain()
+        per_request = max(0.0, statistics.median(residuals)) if residuals else 0.0
     return StepCost(
         prompt_points,
-        prompt_seconds,
+        monotone(prompt_seconds),
         batches,
-        decode_seconds,
+        monotone(decode_seconds),
         per_request,
-        per_attention,
+        per_key,
+        per_pair,
         time.perf_counter() - t0,
         notes,
     )
