@@ -214,6 +214,10 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
     if recommended:  # what it recommends, serve's --config takes
         EngineConfig.from_kwargs(str(tiny_model_dir("llama")), **recommended)
     assert "## 1. Model fit" in (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 4 and "1. Model fit" in page
+    for chart in ("lengths", "prefix_hit_rate", "step_cost", "latency_cdf"):
+        assert (out / f"{chart}.png").read_bytes()[:4] == b"\x89PNG"
     assert "tokenmill doctor: wrote" in capsys.readouterr().out
 
 
@@ -240,3 +244,18 @@ def test_prefills_that_stretch_tpot_past_the_slo_get_a_smaller_step_budget(engin
     assert f.settings["max_num_batched_tokens"] < engine.config.max_num_batched_tokens
     assert "past the SLO" in f.verdict
     assert "prefills stretch the slowest tokens" in f.evidence[0]
+
+
+def test_a_shared_system_prompt_with_the_cache_off_gets_it_on(tiny_model_dir):
+    off = LLMEngine(
+        EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="float32", enable_prefix_caching=False)
+    )
+    system = random_prompts(1, 256, 256, seed=17)[0]
+    prompts = [system + p for p in random_prompts(32, 8, 24, seed=19)]
+    d = diagnose(off, workload(prompts, [8] * 32, arrivals=[0.05 * i for i in range(32)]), curve())
+    f = by_question(d, 2)
+    assert f.settings == {"enable_prefix_caching": True}
+    assert "lower" in (f.predicted_gain or "")
+    rates = [r for _, r in d.hit_curve]
+    assert rates == sorted(rates) and rates[-1] > 0.8  # more cache never hits less; the whole one holds it
+    assert "recommended" in d.runs and len(d.runs["recommended"]) == 32

@@ -4,7 +4,8 @@ Loads the model with the current settings (an `LLMEngine`), measures its step co
 (`step_cost.probe`, unless given), reads the workload (a built-in one or a JSONL trace, tokenized),
 and replays it through the simulator (`simulator.SimulatedEngine`: the real scheduler and KV manager)
 for the current settings and each alternative a question weighs. Each question's module turns the
-numbers into a `Finding`; `write_report` writes report.md, report.json and recommended.yaml.
+numbers into a `Finding`; `write_report` writes report.md, report.html (with the charts of plots.py),
+report.json and recommended.yaml.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import yaml
 
 from tokenmill.bench.metrics import summarize
 from tokenmill.bench.offline import run_offline
+from tokenmill.bench.records import RequestRecord
 from tokenmill.bench.workloads import Workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
 from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import fit_finding, kv_bytes_per_token
-from tokenmill.doctor.prefix_report import TraceRequest
+from tokenmill.doctor.plots import hit_rate_chart, latency_cdfs, lengths_chart, render_html, step_cost_chart
+from tokenmill.doctor.prefix_report import TraceRequest, replay_kv_cache
 from tokenmill.doctor.redundancy import redundancy_finding
 from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
@@ -44,6 +47,11 @@ class Diagnosis:
     cost: StepCost
     current: dict[str, Any]  # the simulator's summary of the trace at the current settings
     findings: list[Finding] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+    output_lens: list[int] = field(default_factory=list)
+    hit_curve: list[tuple[int, float]] = field(default_factory=list)  # (cache blocks, LRU prefix-hit rate)
+    cache_blocks: int = 0
+    runs: dict[str, list[RequestRecord]] = field(default_factory=dict)  # label -> the replay's records
 
 
 class Replays:
@@ -67,6 +75,7 @@ class Replays:
         self.workload = workload
         self.request_rate = request_rate
         self._done: dict[str, tuple[dict[str, Any], SimulatedEngine]] = {}
+        self.records: dict[str, list[RequestRecord]] = {}  # by the same key
         self.decode_only = DecodeOnlyCost(cost)
 
     def engine(self, settings: dict[str, Any], num_blocks: int | None = None) -> SimulatedEngine:
@@ -84,7 +93,7 @@ class Replays:
     ) -> tuple[dict[str, Any], SimulatedEngine]:
         """The replay with `settings` changed (and a cache of `num_blocks`, another cost model, Poisson
         arrivals at `request_rate` in place of the trace's)."""
-        key = json.dumps([sorted(settings.items()), num_blocks, id(cost), request_rate], default=str)
+        key = self._key(settings, num_blocks, cost, request_rate)
         if key not in self._done:
             config = dataclasses.replace(self.config, **settings)
             memory = settings.get("kv_cache_memory", self.kv_memory)
@@ -100,7 +109,16 @@ class Replays:
             summary["kv_live_share"] = run.extras.get("kv_live_share")
             summary["preemptions"] = run.extras.get("preemptions")
             self._done[key] = (summary, sim)
+            self.records[key] = run.records
         return self._done[key]
+
+    def records_of(self, settings: dict[str, Any]) -> list[RequestRecord]:
+        self.run(settings)
+        return self.records[self._key(settings, None, None, None)]
+
+    @staticmethod
+    def _key(settings: dict[str, Any], num_blocks: int | None, cost: CostModel | None, rate: float | None) -> str:
+        return json.dumps([sorted(settings.items()), num_blocks, id(cost), rate], default=str)
 
 
 def trace_rate(workload: Workload, request_rate: float | None) -> float | None:
@@ -179,7 +197,16 @@ def diagnose(
                 f"output tokens/s {current['output_throughput']:.1f} -> {after['output_throughput']:.1f}, TTFT p50 "
                 f"{p50(current, 'ttft'):.0f} -> {p50(after, 'ttft'):.0f} ms (simulated)"
             )
-    return Diagnosis(config.model, config, workload.spec.name, cost, current, findings)
+    trace = [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests]
+    sizes = sorted({max(1, int(num_blocks * f)) for f in (1 / 256, 1 / 64, 1 / 16, 1 / 4, 1 / 2, 1)})
+    curve = [(n, replay_kv_cache(trace, config.block_size, n)[0] / max(1, sum(prompts))) for n in sizes]
+    settings = recommended_settings(findings)
+    runs = {"current": replays.records_of({})}
+    if settings and "kv_cache_memory" not in settings:
+        runs["recommended"] = replays.records_of(settings)
+    return Diagnosis(
+        config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs
+    )
 
 
 def _scale(
@@ -211,7 +238,7 @@ def _scale(
 
 
 def write_report(diagnosis: Diagnosis, out: Path) -> str:
-    """report.md, report.json and recommended.yaml into `out`; returns the markdown."""
+    """report.md, report.html, the charts, report.json and recommended.yaml into `out`; returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     c, cost = diagnosis.current, diagnosis.cost
     preamble = [
@@ -225,8 +252,17 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         if c.get("tpot")
         else "",
     ]
-    text = render_markdown("tokenmill doctor", [p for p in preamble if p], diagnosis.findings)
+    preamble = [p for p in preamble if p]
+    charts = [
+        lengths_chart(diagnosis.prompt_lens, diagnosis.output_lens, out / "lengths.png"),
+        hit_rate_chart(diagnosis.hit_curve, diagnosis.cache_blocks, out / "prefix_hit_rate.png"),
+        step_cost_chart(cost, out / "step_cost.png"),
+        latency_cdfs(diagnosis.runs, out / "latency_cdf.png"),
+    ]
+    text = render_markdown("tokenmill doctor", preamble, diagnosis.findings)
+    text += "\n" + "\n".join(f"![{c.stem}]({c.name})" for c in charts) + "\n"
     (out / "report.md").write_text(text)
+    (out / "report.html").write_text(render_html("tokenmill doctor", preamble, diagnosis.findings, charts))
     settings = recommended_settings(diagnosis.findings)
     (out / "recommended.yaml").write_text(
         yaml.safe_dump(settings, sort_keys=False) if settings else "# nothing to change\n"
