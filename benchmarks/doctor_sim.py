@@ -104,6 +104,7 @@ def main() -> None:
             "per_request_ms": cost.per_request * 1e3,
             "per_decode_key_ns": cost.per_decode_key * 1e9,
             "per_prompt_pair_ns": cost.per_prompt_pair * 1e9,
+            "per_mixed_key_ns": cost.per_mixed_key * 1e9,
             "probe_seconds": cost.probe_seconds,
         },
         "rows": rows,

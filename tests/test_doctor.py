@@ -30,7 +30,7 @@ def curve(per_token_ms: float = 0.2, base_ms: float = 10.0) -> StepCost:
     """A step costs base + per_token x tokens (and decode steps as many tokens as requests)."""
     xs = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     ms = [base_ms + per_token_ms * x for x in xs]
-    return StepCost(xs, [m / 1e3 for m in ms], xs[:7], [m / 1e3 for m in ms[:7]], 0.05e-3, 0.0, 0.0)
+    return StepCost(xs, [m / 1e3 for m in ms], xs[:7], [m / 1e3 for m in ms[:7]], 0.05e-3, 0.0, 0.0, 0.0)
 
 
 def workload(prompts: list[list[int]], outputs: list[int], arrivals: list[float] | None = None) -> Workload:

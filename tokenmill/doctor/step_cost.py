@@ -5,9 +5,10 @@ from the chunks it runs, each a (query length q, start position s):
 - a step whose every chunk decodes one token (B requests): the measured decode curve D(B);
 - any other step (prompt chunks, alone or with decodes): the measured one-request prompt curve P(T) at
   its T tokens, plus `per_request` for each request after the first;
-plus attention beyond what the probe's steps had, in two kinds: a decoding chunk reads its s + 1 keys
-(`per_decode_key`: memory-bound, K and V read once per query), a prompt chunk scores its
-q s + q (q + 1) / 2 query-key pairs (`per_prompt_pair`: many queries share each key read).
+plus attention beyond what the probe's steps had: a decoding chunk reads its s + 1 keys
+(`per_decode_key` in a step of decodes only, `per_mixed_key` beside prompt chunks: memory-bound, K and
+V read once per query), a prompt chunk scores its q s + q (q + 1) / 2 query-key pairs
+(`per_prompt_pair`: many queries share each key read).
 Curves are piecewise linear in T (B) between the probed points, extended along their last segment,
 and made non-decreasing (a busy moment during the probe must not make more tokens look cheaper).
 
@@ -15,7 +16,7 @@ and made non-decreasing (a busy moment during the probe must not make more token
 max_num_batched_tokens tokens (each alone in its step), B requests decoding at a short context for
 B = 1 .. max_num_seqs, a few at a long context (the decode attention term), one long prompt's chunks
 at start 0 and at start one budget (the prompt attention term), and a prompt chunk run beside a few
-decoding requests (the per-request term of such mixed steps); random distinct prompts, so the prefix
+decoding requests at a short and at a long context (the mixed steps' terms); random distinct prompts, so the prefix
 cache never answers; medians of repeats. Nothing else should run on the machine meanwhile.
 """
 
@@ -68,17 +69,19 @@ class StepCost:
     decode_batch: list[int]  # D's points: requests decoding
     decode_seconds: list[float]  # D(B), the probe's attention work taken out
     per_request: float  # seconds for each request after the first in a prompt step
-    per_decode_key: float  # seconds per key a decoding chunk reads
+    per_decode_key: float  # seconds per key a decoding chunk reads (in a step of decodes only)
     per_prompt_pair: float  # seconds per query-key pair a prompt chunk scores
+    per_mixed_key: float  # seconds per key a decoding chunk reads in a step with prompt chunks
     probe_seconds: float = 0.0  # what the probe took
     notes: list[str] = field(default_factory=list)
 
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
         """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every
         chunk decodes one token."""
-        work = self.per_decode_key * decode_keys(chunks) + self.per_prompt_pair * prompt_pairs(chunks)
         if decoding:
+            work = self.per_decode_key * decode_keys(chunks)
             return interpolate(self.decode_batch, self.decode_seconds, len(chunks)) + work
+        work = self.per_mixed_key * decode_keys(chunks) + self.per_prompt_pair * prompt_pairs(chunks)
         tokens = sum(q for q, _ in chunks)
         prompt = interpolate(self.prompt_tokens, self.prompt_seconds, tokens)
         return prompt + self.per_request * (len(chunks) - 1) + work
@@ -204,29 +207,47 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
         max(0.0, t - per_pair * prompt_pairs([(n, 0)])) for n, t in zip(prompt_points, prompt_raw, strict=True)
     ]
     decode_seconds = [max(0.0, t - per_key * n * (short + repeats)) for n, t in zip(batches, decode_raw, strict=True)]
-    # the per-request term: B requests decoding while a prompt chunk runs beside them (a mixed step goes
-    # the general way, not the decode path): what the step costs beyond P(T) and the attention, per request
-    per_request = 0.0
+    # mixed steps (a prompt chunk beside B decoding requests: the general path, not the decode one):
+    # what they cost beyond P(T) and the chunk's attention, at a short and at a long context: the
+    # decoding rows' attention per key there, and a cost per request
+    per_request, per_mixed_key = 0.0, per_key
     b = min(8, config.max_num_seqs - 1)
     chunk = min(256, budget - b)
-    if b >= 1 and chunk >= 16:
+
+    def mixed(context: int) -> float:
+        """What a mixed step costs beyond the same chunk alone and the curve's price of b more rows: the
+        chunk alone is timed just before (paired, so the chunk's attention and the machine's mood of
+        the moment cancel), then beside b requests decoding at about `context` tokens."""
+        alone = []
+        for _ in range(repeats):
+            p.add(chunk, 1)
+            alone.append(p.drain()[0][0])
+        prompt_steps = -(-b * context // budget)
         for _ in range(b):
-            p.add(short, 4 + 4 * repeats)
+            p.add(context, prompt_steps + 4 + 4 * repeats)
         while True:
             _, running, tokens = p.step()
             if running == b and tokens == b:
                 break
+        rows = interpolate(prompt_points, prompt_seconds, chunk + b) - interpolate(prompt_points, prompt_seconds, chunk)
         residuals = []
         for _ in range(repeats):
             p.add(chunk, 1)
             seconds, running, tokens = p.step()
             if running == b + 1 and tokens == b + chunk:
-                plain = interpolate(prompt_points, prompt_seconds, tokens)
-                work = per_pair * prompt_pairs([(chunk, 0)]) + per_key * b * (short + 2 * repeats)
-                residuals.append((seconds - plain - work) / b)
+                residuals.append(seconds - statistics.median(alone) - rows)
             p.step()
         p.drain()
-        per_request = max(0.0, statistics.median(residuals)) if residuals else 0.0
+        return statistics.median(residuals) if residuals else float("nan")
+
+    if b >= 1 and chunk >= 16:
+        near = mixed(short)
+        if long_context > 4 * short:
+            far = mixed(long_context)
+            if far == far and near == near:
+                per_mixed_key = max(0.0, (far - near) / (b * (long_context - short)))
+        if near == near:
+            per_request = max(0.0, (near - per_mixed_key * b * (short + 2 * repeats)) / b)
     return StepCost(
         prompt_points,
         monotone(prompt_seconds),
@@ -235,6 +256,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
         per_request,
         per_key,
         per_pair,
+        per_mixed_key,
         time.perf_counter() - t0,
         notes,
     )
