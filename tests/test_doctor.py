@@ -259,3 +259,29 @@ def test_a_shared_system_prompt_with_the_cache_off_gets_it_on(tiny_model_dir):
     rates = [r for _, r in d.hit_curve]
     assert rates == sorted(rates) and rates[-1] > 0.8  # more cache never hits less; the whole one holds it
     assert "recommended" in d.runs and len(d.runs["recommended"]) == 32
+
+
+def test_weight_only_quantization_is_timed_at_the_traces_batch_and_its_quality_measured(tiny_model_dir, engine):
+    """In use (int8 weights now): timed against 16-bit weights at the trace's batch, and named a pitfall
+    exactly when it brings no speed-up there. Recommended (a budget only int8 fits): timed against the
+    current weights, with eval-quant's perplexity."""
+    int8 = LLMEngine(
+        EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="bfloat16", quantization="int8", max_num_seqs=8)
+    )
+    prompts = random_prompts(8, 16, 32, seed=23)
+    d = diagnose(int8, workload(prompts, [24] * 8), curve())
+    f = by_question(d, 1)
+    timed = next(e for e in f.evidence if e.startswith("a decode step at the trace's batch"))
+    speedup = float(timed.rsplit("(", 1)[1].split("x")[0])
+    assert any("brings no speed-up" in p for p in f.pitfalls) == (speedup < 1.05)
+
+    cfg = engine.model_config
+    params = count_parameters(cfg)
+    reserve = activation_reserve(cfg, engine.config.max_num_batched_tokens)
+    int8_bytes, bf16_bytes = weight_bytes(params, "int8"), weight_bytes(params, "bfloat16")
+    memory = int8_bytes + reserve + (bf16_bytes - int8_bytes) // 2  # int8 fits, bfloat16 does not
+    d = diagnose(engine, workload(prompts, [8] * 8), curve(), memory=memory)
+    f = by_question(d, 1)
+    assert f.settings["quantization"] == "int8"
+    assert any(e.startswith("int8 quality (tokenmill eval-quant") and "perplexity" in e for e in f.evidence)
+    assert any(e.startswith("a decode step at the trace's batch") for e in f.evidence)

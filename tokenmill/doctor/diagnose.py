@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,10 @@ from tokenmill.bench.workloads import Workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
 from tokenmill.doctor.latency import latency_finding
-from tokenmill.doctor.model_fit import fit_finding, kv_bytes_per_token
+from tokenmill.doctor.model_fit import STORAGE, fit_finding, kv_bytes_per_token
 from tokenmill.doctor.plots import hit_rate_chart, latency_cdfs, lengths_chart, render_html, step_cost_chart
 from tokenmill.doctor.prefix_report import TraceRequest, replay_kv_cache
+from tokenmill.doctor.quant_check import quality_line, speed_lines
 from tokenmill.doctor.redundancy import redundancy_finding
 from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
@@ -140,9 +142,12 @@ def diagnose(
     request_rate: float | None = None,
     link_gbps: float = 10.0,
     cost_per_hour: float | None = None,
+    measure_quantization: bool = True,
 ) -> Diagnosis:
     """The findings for `workload` served by `engine`'s settings (its model, its KV cache); `memory`: the
-    bytes for weights and KV cache (default: what the current settings take)."""
+    bytes for weights and KV cache (default: what the current settings take); `measure_quantization`:
+    time (and for a recommended one, evaluate) weight-only quantization at the trace's batch, which
+    loads the model again for each way of storing it that is weighed."""
     config = engine.config
     cfg = engine.model_config
     worker = engine.core.worker
@@ -187,6 +192,9 @@ def diagnose(
         ),
         _scale(replays, workload, prompts, outputs, token_bytes, link_gbps, request_rate, slos or {}, cost_per_hour),
     ]
+    if measure_quantization:
+        busy = [b for b in replays.engine({}).record.batch_sizes if b > 0]
+        _check_quantization(findings[0], config, storage, int(statistics.median(busy)) if busy else 1, peak)
     if current["failed"]:
         errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
         findings[0].pitfalls.append(f"{current['failed']} of {len(requests)} requests cannot run here: {errors}")
@@ -207,6 +215,32 @@ def diagnose(
     return Diagnosis(
         config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs
     )
+
+
+def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch: int, peak: int) -> None:
+    """Weight-only quantization judged at the trace's batch: the one in use (against 16-bit weights) or
+    the one question 1 recommends (against the current storage, with its quality)."""
+    proposed = fit.settings.get("quantization")
+    if storage in ("int8", "int4"):
+        quantized, other, settings = storage, "bfloat16", {}
+    elif proposed in ("int8", "int4"):
+        quantized, other, settings = proposed, storage, fit.settings
+    else:
+        return
+    times = speed_lines(config, {quantized: STORAGE[quantized][0], other: STORAGE[other][0]}, batch)
+    speedup = times[other] / times[quantized]
+    fit.evidence.append(
+        f"a decode step at the trace's batch ({batch}), measured: {quantized} {times[quantized] * 1e3:.1f} ms, "
+        f"{other} {times[other] * 1e3:.1f} ms ({speedup:.2f}x)"
+    )
+    if settings:
+        fit.evidence.append(quality_line(config.model, quantized))
+    if speedup < 1.05:
+        fit.pitfalls.append(
+            f"weight-only {quantized} brings no speed-up at the trace's batch of {batch} ({speedup:.2f}x {other}): "
+            "it saves memory only"
+            + ("; with memory to spare, 16-bit weights are as fast and exact" if not settings else "")
+        )
 
 
 def _scale(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -24,7 +24,7 @@ DPI = 110
 
 def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
-    FigureCanvasAgg(fig).print_png(str(path))
+    FigureCanvasAgg(fig).print_png(str(path))  # type: ignore[no-untyped-call]
     return path
 
 
@@ -71,7 +71,7 @@ def step_cost_chart(cost: StepCost, path: Path) -> Path:
     return _save(fig, path)
 
 
-def latency_cdfs(runs: dict[str, Sequence[RequestRecord]], path: Path) -> Path:
+def latency_cdfs(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Path:
     """runs: label -> request records (the simulator's)."""
     fig = Figure(figsize=(10, 3.6), dpi=DPI)
     for i, metric in enumerate(("ttft", "tpot")):
