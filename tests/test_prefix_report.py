@@ -10,7 +10,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.cli import main
-from tokenmill.doctor.prefix_report import TraceRequest, _common_prefix, analyse, read_trace
+from tokenmill.doctor.prefix_report import TraceRequest, analyse, common_prefix, read_trace
 from tokenmill.engine.tokenizer import Tokenizer
 
 SYSTEM = "You are a careful assistant. Answer in one short paragraph, cite sources, and never guess. " * 3
@@ -34,11 +34,11 @@ def test_a_planted_timestamp_is_found(tiny_model_dir, tmp_path, capsys):
     assert healthy.achievable_hit_rate > 0.5
     assert broken.achievable_hit_rate < 0.05
     # Where the minute starts, from the tokenizer: prompts 0 and 1 (minutes 00 and 01) agree up to there.
-    minute = _common_prefix(requests[0].token_ids, requests[1].token_ids)
+    minute = common_prefix(requests[0].token_ids, requests[1].token_ids)
     assert tok.decode(requests[0].token_ids[:minute], skip_special_tokens=False).endswith("12:")
     assert 0 < minute < 16
     ids = [r.token_ids for r in requests]
-    splits = [max(_common_prefix(ids[i], earlier) for earlier in ids[:i]) for i in range(1, len(ids))]
+    splits = [max(common_prefix(ids[i], earlier) for earlier in ids[:i]) for i in range(1, len(ids))]
     assert splits.count(minute) >= 5  # most split at the minute; the rest ('0', '4' in two tokens) a token on
     top = broken.divergences[0]
     assert (top.position, top.count) == (minute, splits.count(minute))

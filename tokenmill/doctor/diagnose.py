@@ -160,8 +160,11 @@ def diagnose(
     current = replays({})
 
     requests = workload.requests
-    prompts = [len(r.token_ids(engine.tokenizer)) for r in requests]
+    trace = [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests]
+    prompts = [len(t.token_ids) for t in trace]
     outputs = [r.max_tokens for r in requests]
+    busy = [b for b in replays.engine({}).record.batch_sizes if b > 0]
+    batch = int(statistics.median(busy)) if busy else 1  # the trace's decode batch: the replay's median step
     totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
     ample = sum(-(-t // config.block_size) for t in totals) + 1
     peak = replays.engine({}, num_blocks=ample).record.peak_blocks * config.block_size
@@ -172,7 +175,7 @@ def diagnose(
             cfg, storage, budget, value_bytes, config.max_num_batched_tokens, max(totals), peak, config.max_num_seqs
         ),
         redundancy_finding(
-            [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests],
+            trace,
             config.block_size,
             num_blocks,
             config.enable_prefix_caching,
@@ -183,9 +186,9 @@ def diagnose(
         length_finding(prompts, outputs, config.scheduling, replays),
         fragmentation_finding(prompts, outputs, engine.max_model_len, config.block_size, current["kv_live_share"]),
         latency_finding(
-            [r.token_ids(engine.tokenizer) for r in requests],
+            [t.token_ids for t in trace],
             current,
-            replays.engine({}).record.batch_sizes,
+            batch,
             cost,
             slos or {},
             config.speculative_config,
@@ -193,8 +196,7 @@ def diagnose(
         _scale(replays, workload, prompts, outputs, token_bytes, link_gbps, request_rate, slos or {}, cost_per_hour),
     ]
     if measure_quantization:
-        busy = [b for b in replays.engine({}).record.batch_sizes if b > 0]
-        _check_quantization(findings[0], config, storage, int(statistics.median(busy)) if busy else 1, peak)
+        _check_quantization(findings[0], config, storage, batch)
     if current["failed"]:
         errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
         findings[0].pitfalls.append(f"{current['failed']} of {len(requests)} requests cannot run here: {errors}")
@@ -205,7 +207,6 @@ def diagnose(
                 f"output tokens/s {current['output_throughput']:.1f} -> {after['output_throughput']:.1f}, TTFT p50 "
                 f"{p50(current, 'ttft'):.0f} -> {p50(after, 'ttft'):.0f} ms (simulated)"
             )
-    trace = [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests]
     sizes = sorted({max(1, int(num_blocks * f)) for f in (1 / 256, 1 / 64, 1 / 16, 1 / 4, 1 / 2, 1)})
     curve = [(n, replay_kv_cache(trace, config.block_size, n)[0] / max(1, sum(prompts))) for n in sizes]
     settings = recommended_settings(findings)
@@ -217,7 +218,7 @@ def diagnose(
     )
 
 
-def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch: int, peak: int) -> None:
+def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch: int) -> None:
     """Weight-only quantization judged at the trace's batch: the one in use (against 16-bit weights) or
     the one question 1 recommends (against the current storage, with its quality)."""
     proposed = fit.settings.get("quantization")

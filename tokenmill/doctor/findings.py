@@ -27,10 +27,22 @@ class Finding:
         return bool(self.settings)
 
 
-def p50(summary: dict[str, Any], metric: str) -> float:
-    """A run summary's median of `metric` (ms); 0 when no request gave one."""
+def stat(summary: dict[str, Any], metric: str, key: str) -> float:
+    """A run summary's `key` ("median", "p90", "p99") of `metric` (ms); 0 when no request gave one."""
     dist = summary.get(metric)
-    return float(dist["median"]) if dist else 0.0
+    return float(dist[key]) if dist else 0.0
+
+
+def p50(summary: dict[str, Any], metric: str) -> float:
+    return stat(summary, metric, "median")
+
+
+def p90(summary: dict[str, Any], metric: str) -> float:
+    return stat(summary, metric, "p90")
+
+
+def p99(summary: dict[str, Any], metric: str) -> float:
+    return stat(summary, metric, "p99")
 
 
 def recommended_settings(findings: list[Finding]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.doctor.findings import Finding
+from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.spec_decode import DraftRequest, NgramProposer
 
@@ -78,20 +78,18 @@ def speculation_gain(cost: StepCost, batch: int, agreement: LookupAgreement, con
 def latency_finding(
     prompts: Sequence[Sequence[int]],
     current: dict[str, Any],
-    batch_sizes: Sequence[int],
+    batch: int,
     cost: StepCost,
     slos: dict[str, float],
     speculative_config: str | None,
 ) -> Finding:
-    tpot = current.get("tpot") or {}
-    busy = [b for b in batch_sizes if b > 0]
-    batch = int(statistics.median(busy)) if busy else 1
+    """`batch`: the trace's decode batch (the median of the replay's steps)."""
     agreement = lookup_agreement(prompts)
     gains = {b: speculation_gain(cost, b, agreement) for b in (1, 2, 4, 8, 16, 32, 64)}
     losing = [b for b, g in gains.items() if g < 1]
     here = speculation_gain(cost, batch, agreement)
     evidence = [
-        f"TPOT at the trace's load (simulated): p50 {tpot.get('median', 0):.1f} ms, p90 {tpot.get('p90', 0):.1f} ms"
+        f"TPOT at the trace's load (simulated): p50 {p50(current, 'tpot'):.1f} ms, p90 {p90(current, 'tpot'):.1f} ms"
         + (f", SLO {slos['tpot']:.0f} ms" if "tpot" in slos else ""),
         f"prompt lookup on the trace's own prompts (k = {K}, {agreement.positions} positions, teacher-forced): "
         f"{agreement.drafts_per_step:.2f} drafts a step, {agreement.tokens_per_step:.2f} tokens a verification step",
@@ -100,8 +98,8 @@ def latency_finding(
         f"the trace's decode batch (median of the replay's steps): {batch}",
     ]
     pitfalls = []
-    if "tpot" in slos and tpot.get("p90", 0) > slos["tpot"]:
-        pitfalls.append(f"TPOT p90 {tpot['p90']:.1f} ms misses the {slos['tpot']:.0f} ms SLO at this load")
+    if "tpot" in slos and p90(current, "tpot") > slos["tpot"]:
+        pitfalls.append(f"TPOT p90 {p90(current, 'tpot'):.1f} ms misses the {slos['tpot']:.0f} ms SLO at this load")
     if not losing:
         breaks = "it wins at every batch measured"
     elif losing[0] == min(gains):

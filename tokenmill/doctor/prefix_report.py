@@ -143,7 +143,7 @@ def read_trace(path: Path, tokenizer: TextTokenizer | None) -> list[TraceRequest
     return out
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -238,7 +238,7 @@ def analyse(
             continue
         earlier = requests[max(0, i - COMPARE_WINDOW) : i]
         candidates = [other.token_ids for other in earlier if other.cache_salt == salt]
-        shared = max((_common_prefix(ids, other) for other in candidates), default=0)
+        shared = max((common_prefix(ids, other) for other in candidates), default=0)
         longest_shared = max(longest_shared, shared)
         if shared < len(ids):
             positions[shared] += 1

@@ -11,11 +11,10 @@ the pitfall the doctor names. The quality of a recommended quantization is `toke
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.doctor.step_cost import _Prober
+from tokenmill.doctor.step_cost import Prober
 
 CONTEXT = 128
 
@@ -26,15 +25,11 @@ def decode_seconds(config: EngineConfig, batch: int, repeats: int = 3) -> float:
     from tokenmill.engine.engine import LLMEngine
 
     engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
-    p = _Prober(engine, seed=1)
+    p = Prober(engine, seed=1)
     p.add(16, 4)  # warm-up
     p.drain()
     batch = max(1, min(batch, config.max_num_seqs))
-    prompt_steps = -(-batch * CONTEXT // config.max_num_batched_tokens)
-    for _ in range(batch):
-        p.add(CONTEXT, prompt_steps + 2 + 2 * repeats)
-    times = [s for s, running, tokens in p.drain() if running == batch and tokens == batch]
-    return statistics.median(times) if times else float("nan")
+    return p.decode(batch, CONTEXT, config.max_num_batched_tokens, repeats)
 
 
 def speed_lines(config: EngineConfig, storages: dict[str, dict[str, Any]], batch: int) -> dict[str, float]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenmill.doctor.findings import Finding, p50
-from tokenmill.doctor.prefix_report import TextTokenizer, TraceRequest, analyse
+from tokenmill.doctor.prefix_report import TextTokenizer, TraceRequest, analyse, common_prefix
 
 QUESTION = "2. Prompt redundancy"
 
@@ -117,7 +117,7 @@ def _sharing(requests: Sequence[TraceRequest], block_size: int) -> tuple[int, in
         for other in requests[max(0, i - 64) : i]:
             if other.cache_salt != r.cache_salt:
                 continue
-            n = _common_prefix(r.token_ids, other.token_ids)
+            n = common_prefix(r.token_ids, other.token_ids)
             if n > at:
                 closest, at = other, n
         if closest is None:
@@ -128,12 +128,3 @@ def _sharing(requests: Sequence[TraceRequest], block_size: int) -> tuple[int, in
         if any(tuple(a[k : k + block_size]) in runs for k in range(len(a) - block_size + 1)):
             realigned += 1
     return best, realigned
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.doctor.findings import Finding, p50
+from tokenmill.doctor.findings import Finding, p50, p90, p99
 from tokenmill.doctor.step_cost import StepCost
 
 QUESTION = "6. Scale"
@@ -34,16 +34,6 @@ class DecodeOnlyCost:
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
         rows = [c for c in chunks if c[0] == 1]
         return self.cost.predict(rows, decoding=True) if rows else 0.0
-
-
-def p90(summary: dict[str, Any], metric: str) -> float:
-    dist = summary.get(metric)
-    return float(dist["p90"]) if dist else 0.0
-
-
-def p99(summary: dict[str, Any], metric: str) -> float:
-    dist = summary.get(metric)
-    return float(dist["p99"]) if dist else 0.0
 
 
 def meets(summary: dict[str, Any], slos: dict[str, float]) -> bool:

@@ -120,11 +120,11 @@ class SimulatedEngine:
         scheduler = self.scheduler
         scheduled = scheduler.schedule(self.now)
         chunks = [(len(c.token_ids), c.start_position) for c in scheduled.chunks]
+        requests = scheduler.requests
+        # every chunk decodes one token: a chunk of one token past its request's prompt
         decoding = all(
-            q == 1
-            and scheduler.requests[c.request_id].num_computed_tokens
-            >= len(scheduler.requests[c.request_id].prompt_token_ids)
-            for (q, _), c in zip(chunks, scheduled.chunks, strict=True)
+            len(c.token_ids) == 1 and c.start_position >= requests[c.request_id].num_prompt_tokens
+            for c in scheduled.chunks
         )
         seconds = self.cost.predict(chunks, decoding) if chunks else 0.0
         self.now += seconds

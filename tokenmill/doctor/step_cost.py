@@ -121,7 +121,9 @@ def grid(limit: int, start: int = 1) -> list[int]:
     return [*out, limit]
 
 
-class _Prober:
+class Prober:
+    """Random distinct prompts into an idle engine, and its steps timed one by one."""
+
     def __init__(self, engine: LLMEngine, seed: int) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
@@ -149,6 +151,16 @@ class _Prober:
             steps.append(self.step())
         return steps
 
+    def decode(self, batch: int, context: int, budget: int, repeats: int) -> float:
+        """Median step time of `batch` requests all decoding at about `context` tokens (nan if no step
+        had them all decoding); their prompts take several steps when they exceed the `budget`, so each
+        generates long enough that all decode at once."""
+        prompt_steps = -(-batch * context // budget)
+        for _ in range(batch):
+            self.add(context, prompt_steps + 2 + 2 * repeats)
+        times = [s for s, running, tokens in self.drain() if running == batch and tokens == batch]
+        return statistics.median(times) if times else float("nan")
+
 
 def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: int = 0) -> StepCost:
     """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random)."""
@@ -157,7 +169,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     t0 = time.perf_counter()
     config = engine.config
     budget = min(config.max_num_batched_tokens, engine.max_model_len - 1)
-    p = _Prober(engine, seed)
+    p = Prober(engine, seed)
     p.add(min(32, budget), 4)  # warm-up
     p.drain()
     prompt_points, prompt_raw = [], []
@@ -171,13 +183,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     short = 16
 
     def decode(batch: int, context: int) -> float:
-        """Median step time of `batch` requests all decoding at about `context` tokens; their prompts take
-        several steps when they exceed the budget, so each generates long enough that all decode at once."""
-        prompt_steps = -(-batch * context // budget)
-        for _ in range(batch):
-            p.add(context, prompt_steps + 2 + 2 * repeats)
-        times = [s for s, running, tokens in p.drain() if running == batch and tokens == batch]
-        return statistics.median(times) if times else float("nan")
+        return p.decode(batch, context, budget, repeats)
 
     measured = [(b, decode(b, short)) for b in grid(config.max_num_seqs)]
     batches = [b for b, t in measured if t == t]  # (a batch whose steps never all decoded: dropped)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tokenmill.doctor.findings import Finding, p50
 
 
@@ -34,17 +36,10 @@ class Lengths:
 
     @classmethod
     def of(cls, values: Sequence[int]) -> Lengths:
-        ordered = sorted(values)
-
-        def pct(q: float) -> float:
-            pos = q * (len(ordered) - 1)
-            lo = int(pos)
-            hi = min(lo + 1, len(ordered) - 1)
-            return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-        mean = statistics.fmean(ordered)
-        cv = statistics.pstdev(ordered) / mean if mean else 0.0
-        return cls(pct(0.5), pct(0.9), pct(0.99), ordered[-1], mean, cv)
+        p50, p90, p99 = (float(x) for x in np.percentile(values, [50, 90, 99]))
+        mean = statistics.fmean(values)
+        cv = statistics.pstdev(values) / mean if mean else 0.0
+        return cls(p50, p90, p99, max(values), mean, cv)
 
     def describe(self) -> str:
         return f"p50 {self.p50:.0f}, p90 {self.p90:.0f}, p99 {self.p99:.0f}, max {self.max}, CV {self.cv:.2f}"

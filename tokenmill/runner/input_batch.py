@@ -130,9 +130,13 @@ class InputBatch:
     def sampling_metadata(self, request_ids: list[str], counts: list[int] | None = None) -> SamplingMetadata:
         """The metadata of the logits rows of these requests, in this order: one position each, or
         counts[i] consecutive output positions for request i (a speculative step's verification rows)."""
-        if counts is not None and any(c != 1 for c in counts):
-            return self._spread(request_ids, counts)
-        rows = [self.row_of[i] for i in request_ids]
+        rows: list[int] = []
+        positions: list[int] = []
+        for request_id, count in zip(request_ids, counts or [1] * len(request_ids), strict=True):
+            row = self.row_of[request_id]
+            first = len(self.rows[row].output_token_ids)
+            rows += [row] * count
+            positions += range(first, first + count)
         states = [self.rows[r] for r in rows]
         requested = [s.params.logprobs for s in states if s.params.logprobs is not None]
         if rows == list(range(len(rows))):  # the usual decode step: rows in order, so views, no copies
@@ -148,30 +152,6 @@ class InputBatch:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            seeds=[s.seed for s in states],
-            output_positions=[len(s.output_token_ids) for s in states],
-            max_num_logprobs=max(requested, default=0),
-            logprobs_requested=bool(requested),
-            all_greedy=all(s.params.greedy for s in states),
-            processors=[p for p in self.processors if p.active],
-            batch_rows=index,
-        )
-
-    def _spread(self, request_ids: list[str], counts: list[int]) -> SamplingMetadata:
-        rows = [self.row_of[i] for i, c in zip(request_ids, counts, strict=True) for _ in range(c)]
-        states = [self.rows[r] for r in rows]
-        positions = [
-            len(self.rows[self.row_of[i]].output_token_ids) + j
-            for i, c in zip(request_ids, counts, strict=True)
-            for j in range(c)
-        ]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        requested = [s.params.logprobs for s in states if s.params.logprobs is not None]
-        return SamplingMetadata(
-            temperature=self.temperature.index_select(0, index),
-            top_k=self.top_k.index_select(0, index),
-            top_p=self.top_p.index_select(0, index),
-            min_p=self.min_p.index_select(0, index),
             seeds=[s.seed for s in states],
             output_positions=positions,
             max_num_logprobs=max(requested, default=0),

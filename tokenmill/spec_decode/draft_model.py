@@ -15,6 +15,7 @@ Core side: `DraftModelProposer` (proposer.py) hands the engine's speculation wha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -137,18 +138,19 @@ class DraftRunner:
         out: list[list[int]] = [[] for _ in rows]
         unseeded = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.seed is None]
         kept: list[list[torch.Tensor]] = [[] for _ in unseeded]  # [k][V] each
+        sampling = None if all(row.params.greedy for row in rows) else self._metadata(rows, device)
         for j in range(k):
             positions = [row.position + j for row in rows]
             md = self.backend.build_metadata([1] * len(rows), [p + 1 for p in positions], tables, bs, device)
             ids = torch.tensor(tokens, dtype=torch.int64, device=device)
             hidden = self.model(ids, torch.tensor(positions, dtype=torch.int64, device=device), self.caches, md)
             logits = self.model.compute_logits(hidden)  # [B, V] float32
-            if all(row.params.greedy for row in rows):
+            if sampling is None:
                 tokens = self.model.ops.argmax(logits).tolist()
-            else:
-                sampling = self._metadata(rows, j, logits.shape[-1], device)
-                probs = self.sampler.probabilities(logits, sampling)  # [B, V] (one-hot rows: greedy)
-                tokens = self.sampler.argmax(probs / self.sampler.exponential_noise(probs, sampling)).tolist()
+            else:  # guess j samples output position output_position + j
+                at_j = dataclasses.replace(sampling, output_positions=[row.output_position + j for row in rows])
+                probs = self.sampler.probabilities(logits, at_j)  # [B, V] (one-hot rows: greedy)
+                tokens = self.sampler.argmax(probs / self.sampler.exponential_noise(probs, at_j)).tolist()
                 for slot, i in enumerate(unseeded):
                     kept[slot].append(probs[i])
             for row_out, token in zip(out, tokens, strict=True):
@@ -168,11 +170,11 @@ class DraftRunner:
             raise RuntimeError(f"request {request_id!r}: drafts to verify {drafts} are not the ones proposed {tokens}")
         return probs[: len(drafts)]
 
-    @staticmethod
-    def _metadata(rows: list[DraftRow], j: int, vocab_size: int, device: torch.device) -> SamplingMetadata:
-        """The sampling of each row's guess j: a seeded request's output position on its own seed's
-        stream, an unseeded one's on the draft's stream of its seed."""
+    def _metadata(self, rows: list[DraftRow], device: torch.device) -> SamplingMetadata:
+        """The sampling of each row's first guess: a seeded request on its own seed's stream, an unseeded
+        one on the draft's stream of its seed."""
         seeds = [row.seed if row.params.seed is not None else row.seed ^ DRAFT_STREAM for row in rows]
-        positions = [row.output_position + j for row in rows]
+        positions = [row.output_position for row in rows]
         params = [row.params for row in rows]
-        return SamplingMetadata.build(params, seeds, positions, vocab_size, [], list(range(len(rows))), device)
+        vocab = self.model.config.vocab_size
+        return SamplingMetadata.build(params, seeds, positions, vocab, [], list(range(len(rows))), device)
