@@ -3,14 +3,22 @@
 SmolLM2-135M-Instruct in bfloat16 (the README's real model), the `mixed` workload (log-normal input and
 output lengths: 64 requests, input 32-1024, output 8-256 tokens, Poisson arrivals), three settings:
 continuous batching with 16 sequences, continuous batching with 4, and static batching with 16. The
-step-cost curve is probed once (`doctor/step_cost.py`) on an engine of the largest setting; each setting
-then runs for real (`bench.offline.run_offline`, an in-process engine) and through the simulator
-(`doctor/simulator.py`: the real scheduler and KV manager, the probed costs instead of the model), the
-measured runs repeated (median of the repeats, spread shown) and interleaved across settings.
+step-cost curve is probed (`doctor/step_cost.py`) on the setting's own engine right before each measured
+run and calibrated on the trace's first 16 requests run for real (`doctor/calibrate.py`), as the doctor
+does on the engine it reports on: these machines drift by 10-20% within minutes, a setting whose TTFT
+is queueing (a saturated replica) magnifies a throughput error about threefold, and of several engines
+in one process the first built decodes 15-30% slower than the others (seen in three of three
+orderings, cause not found), so one engine's probe does not price another's steps. Each run goes for
+real (`bench.offline.run_offline`, an in-process engine) and through the simulator with the cost model
+taken just before it (`doctor/simulator.py`: the real scheduler and KV manager, the probed costs
+instead of the model); runs repeated and interleaved across settings, each figure the median of the
+repeats (spread shown), the error the median of the repeats' own errors. And the cost model apart
+from the schedule: each measured run's own steps (`calibrate.StepLog`), summed measured time over the
+time the cost model gives them.
 
 Writes benchmarks/results/doctor_sim.json and prints the README's table.
 
-Usage: python benchmarks/doctor_sim.py [--repeats 3] [--rate 4]
+Usage: python benchmarks/doctor_sim.py [--repeats 5] [--rate 4]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from tokenmill.bench.metrics import summarize
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import WorkloadSpec, build_workload
 from tokenmill.config import EngineConfig
+from tokenmill.doctor.calibrate import StepLog, calibrate
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.step_cost import probe
 from tokenmill.engine.engine import LLMEngine
@@ -52,7 +61,7 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--model", default=str(SMOLLM2))
@@ -64,39 +73,54 @@ def main() -> None:
     spec = WorkloadSpec("mixed", args.requests, seed=0, input_len=(32, 1024), output_len=(8, 256))
     first = next(iter(engines.values()))
     workload = build_workload(spec, first.tokenizer)
-    cost = probe(first)
-    print(f"probe: {cost.probe_seconds:.1f} s; per request {cost.per_request * 1e3:.3f} ms, decode attention "
-          f"{cost.per_decode_key * 1e9:.1f} ns a key, prompt attention "
-          f"{cost.per_prompt_pair * 1e9:.2f} ns a pair")  # fmt: skip
-
     measured: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
+    predicted: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
+    steps: dict[str, int] = {}
+    probes = []
+    step_level: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
     for repeat in range(args.repeats):
         for name, engine in engines.items():
+            cost = calibrate(engine, workload, probe(engine), args.rate)
+            probes.append(cost)
+            log = StepLog(engine)
             run = run_offline(engine, workload, name, repeat, request_rate=args.rate)
+            log.close()
+            step_level[name].append({k: v[0] for k, v in log.measured_over_predicted(cost).items()})
             measured[name].append(figures(summarize(run.records, run.duration_s)))
-            print(f"measured {name} #{repeat}: {measured[name][-1]}")
+            sim = SimulatedEngine(engine.config, engine.core.num_blocks, engine.max_model_len, cost)
+            replay = run_offline(sim, workload, name, request_rate=args.rate, clock=sim.clock, sleep=sim.sleep)
+            predicted[name].append(figures(summarize(replay.records, replay.duration_s)))
+            steps[name] = sim.record.steps
+            print(f"{name} #{repeat} (probe {cost.probe_seconds:.1f} s): measured {measured[name][-1]}, "
+                  f"predicted {predicted[name][-1]}, the run's own steps measured/predicted "
+                  f"{step_level[name][-1]}")  # fmt: skip
     rows: dict[str, Any] = {}
-    for name, engine in engines.items():
-        sim = SimulatedEngine(engine.config, engine.core.num_blocks, engine.max_model_len, cost)
-        run = run_offline(sim, workload, name, request_rate=args.rate, clock=sim.clock, sleep=sim.sleep)
-        predicted = figures(summarize(run.records, run.duration_s))
-        runs = measured[name]
-        med = {m: statistics.median(r[m] for r in runs) for m in METRICS}
+    for name in SETTINGS:
+        runs, sims = measured[name], predicted[name]
+        errors = [{m: p[m] / r[m] - 1 for m in METRICS} for r, p in zip(runs, sims, strict=True)]
         rows[name] = {
             "settings": SETTINGS[name],
-            "measured": med,
+            "measured": {m: statistics.median(r[m] for r in runs) for m in METRICS},
             "measured_range": {m: [min(r[m] for r in runs), max(r[m] for r in runs)] for m in METRICS},
-            "predicted": predicted,
-            "error": {m: predicted[m] / med[m] - 1 for m in METRICS},
-            "simulated_steps": sim.record.steps,
+            "predicted": {m: statistics.median(p[m] for p in sims) for m in METRICS},
+            "predicted_range": {m: [min(p[m] for p in sims), max(p[m] for p in sims)] for m in METRICS},
+            "error": {m: statistics.median(e[m] for e in errors) for m in METRICS},
+            "error_range": {m: [min(e[m] for e in errors), max(e[m] for e in errors)] for m in METRICS},
+            "simulated_steps": steps[name],
+            # each measured run's own steps through the cost model: summed measured / predicted time
+            "own_steps_measured_over_predicted": {
+                kind: statistics.median(r[kind] for r in step_level[name] if kind in r)
+                for kind in ("decode", "other", "all")
+            },
         }
+    cost = probes[len(probes) // 2]
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags()},
         "model": Path(args.model).name,
         "workload": workload.describe(),
         "request_rate": args.rate,
         "repeats": args.repeats,
-        "step_cost": {
+        "step_cost": {  # the middle probe's
             "prompt_tokens": cost.prompt_tokens,
             "prompt_ms": [s * 1e3 for s in cost.prompt_seconds],
             "decode_batch": cost.decode_batch,
@@ -106,15 +130,23 @@ def main() -> None:
             "per_prompt_pair_ns": cost.per_prompt_pair * 1e9,
             "per_mixed_key_ns": cost.per_mixed_key * 1e9,
             "probe_seconds": cost.probe_seconds,
+            "calibration": cost.calibration,
         },
+        "calibrations": [c.calibration for c in probes],
+        "probe_decode_ms_at_16": [c.decode_step(16, 128) * 1e3 for c in probes],  # how far the machine drifted
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("| setting | TTFT p50 measured / predicted | TPOT p50 | output tokens/s |")
-    print("|---|---|---|---|")
+    print("| setting | TTFT p50 measured / predicted | TPOT p50 | output tokens/s | own steps decode / other / all |")
+    print("|---|---|---|---|---|")
     for name, r in rows.items():
-        cells = [f"{r['measured'][m]:.1f} / {r['predicted'][m]:.1f} ({r['error'][m] * 100:+.0f}%)" for m in METRICS]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        cells = [
+            f"{r['measured'][m]:.1f} / {r['predicted'][m]:.1f} ({r['error'][m] * 100:+.0f}% "
+            f"[{r['error_range'][m][0] * 100:+.0f}..{r['error_range'][m][1] * 100:+.0f}])"
+            for m in METRICS
+        ]
+        own = r["own_steps_measured_over_predicted"]
+        print(f"| {name} | " + " | ".join(cells) + f" | {own['decode']:.2f} / {own['other']:.2f} / {own['all']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 the doctor must name the right cause and the right setting (a system prompt behind a per-request
 timestamp; prompts sharing less than a block; long-tailed outputs under static batching; a memory
 budget the float32 weights do not fit; a repetitive code-edit trace at batch 1 and at batch 32; a clean
-trace where it recommends nothing new). Step costs in the planted cases are a fixed curve (a small
+trace where it recommends nothing new; a draft model that agrees with the target and one that does not).
+Step costs in the planted cases are a fixed curve (a small
 model's shape: flat at small batches, linear in tokens beyond), so the verdicts do not depend on the
 machine; the CLI test probes for real."""
 
@@ -19,11 +20,16 @@ from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import BenchRequest, Workload, WorkloadSpec
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
+from tokenmill.doctor.calibrate import StepLog, calibrate
 from tokenmill.doctor.diagnose import Replays, diagnose
+from tokenmill.doctor.draft_check import DraftAgreement, draft_agreement
+from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
+from tokenmill.doctor.stall import measure_stall
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.models.make_model import make_model
 
 
 def curve(per_token_ms: float = 0.2, base_ms: float = 10.0) -> StepCost:
@@ -169,6 +175,74 @@ def test_a_repetitive_trace_gets_speculation_at_batch_1_and_not_at_batch_32(engi
     assert "not worth it" in f32.verdict and "batch of 32" in f32.verdict
 
 
+def test_a_draft_is_measured_against_the_target_on_the_traces_prompts(engine, tiny_model_dir, tmp_path):
+    prompts = random_prompts(6, 40, 120, seed=4)
+    itself = LLMEngine(EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4))
+    same = draft_agreement(engine, itself, prompts, [1, 2, 4, 8])
+    assert same.alpha == 1.0 and same.positions == sum(len(p) - 1 - (len(p) - 1) // 2 for p in prompts)
+    assert same.decode_batch == [1, 2, 4] and all(t > 0 for t in same.decode_seconds)
+    assert same.decode_seconds == sorted(same.decode_seconds)
+    assert same.tokens_per_step(5) == 6.0
+    other_dir = make_model("llama", "tiny", tmp_path / "other", seed=7)
+    other = LLMEngine(EngineConfig.from_kwargs(str(other_dir), dtype="float32", max_num_seqs=4))
+    unrelated = draft_agreement(engine, other, prompts, [1])
+    assert unrelated.alpha < 0.2  # random weights of another seed: as good as chance
+    assert not itself.has_unfinished_requests() and not other.has_unfinished_requests()
+
+
+def test_a_draft_that_agrees_gets_draft_speculation_at_batch_1_and_one_that_does_not_gets_none(engine):
+    prompts = random_prompts(8, 64, 256, seed=5)  # nothing repeats: prompt lookup has nothing to offer
+    steps = [1, 2, 4, 8, 16, 32], [1e-3 * (2 + 0.1 * b) for b in (1, 2, 4, 8, 16, 32)]  # a fifth of the target's
+    agreeing = DraftAgreement("drafts/good", 500, 0.8, *steps)
+    current = diagnose(engine, workload(prompts[:1], [64]), curve()).current
+    f1 = latency_finding(prompts, current, 1, curve(), {}, None, agreeing)
+    assert json.loads(f1.settings["speculative_config"]) == {
+        "method": "draft_model", "model": "drafts/good", "num_speculative_tokens": 5
+    }  # fmt: skip
+    assert f1.verdict.startswith("draft model drafts/good is predicted")
+    f32 = latency_finding(prompts, current, 32, curve(per_token_ms=1.0), {}, None, agreeing)
+    assert not f32.settings and "batch of 32" in f32.verdict
+    poor = DraftAgreement("drafts/poor", 500, 0.1, *steps)
+    f_poor = latency_finding(prompts, current, 1, curve(), {}, None, poor)
+    assert not f_poor.settings
+    assert "the draft agrees with the target on only 10%" in f_poor.verdict
+    assert "the prompts repeat too little" in f_poor.verdict
+
+
+def test_the_stall_is_measured_on_the_engine_with_the_traces_prompts_arriving(engine):
+    prompts = [480, 400, 450]
+    m = measure_stall(engine, prompts, batch=4, share=1.0, context=40, steps=24)
+    assert m is not None and (m.batch, m.context, m.prompts) == (4, 40, 24)
+    assert len(m.decode_only_ms) == len(m.with_prompts_ms) == 24
+    assert m.p("with", 50) > 1.5 * m.p("without", 50)  # a 400-token prompt in every step: far slower steps
+    half = measure_stall(engine, prompts, batch=4, share=0.5, context=40, steps=24)
+    assert half is not None and half.prompts == 12
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0 and stats.waiting == 0
+
+
+def test_the_step_log_sees_every_step_and_calibration_rescales_the_cost_model(engine):
+    prompts = random_prompts(6, 20, 60, seed=6)
+    trace = workload(prompts, [12] * 6)  # all at once: one prompt step, then 11 decode-only steps
+    log = StepLog(engine)
+    run_offline(engine, trace, "logged")
+    log.close()
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.core.scheduler)  # the wrappers gone
+    assert sum(q for s in log.steps for q, _ in s.chunks) == sum(map(len, prompts)) + 6 * (12 - 1)
+    assert any(s.decoding for s in log.steps) and all(s.seconds > 0 for s in log.steps)
+    slow = curve(base_ms=100.0)  # ten times a tiny model's step, and more
+    ratios = log.measured_over_predicted(slow)
+    assert ratios["all"][1] == len(log.steps) and 0 < ratios["all"][0] < 0.5
+    tuned = calibrate(engine, trace, slow, None)
+    assert 0 < tuned.calibration["decode"] < 0.5
+    assert tuned.calibration["other"] == 1.0  # (fewer than MIN_STEPS such steps: left as probed)
+    assert tuned.decode_seconds == [t * tuned.calibration["decode"] for t in slow.decode_seconds]
+    assert tuned.prompt_seconds == [t * tuned.calibration["other"] for t in slow.prompt_seconds]
+    assert slow.calibration == {}  # (a copy: the probe's own curve kept)
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
+
+
 def test_a_clean_trace_gets_nothing_new(engine):
     rng = random.Random(9)
     d = diagnose(
@@ -200,6 +274,8 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
             f"jsonl:{trace}",
             "--config",
             str(config),
+            "--draft",
+            str(tiny_model_dir("llama")),
             "--out",
             str(out),
         ]
@@ -209,6 +285,9 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
     assert report["step_cost"]["prompt_tokens"][-1] == 256 and report["step_cost"]["decode_batch"][-1] == 8
     assert all(s > 0 for s in report["step_cost"]["decode_seconds"])
     assert len(report["findings"]) == 6
+    q5 = report["findings"][4]
+    assert any("draft model" in e and "at 100% of them" in e for e in q5["evidence"])  # (itself as its draft)
+    assert any(e.startswith("measured on this engine") for e in report["findings"][5]["evidence"])
     recommended = yaml.safe_load((out / "recommended.yaml").read_text())
     assert recommended == report["recommended"]
     if recommended:  # what it recommends, serve's --config takes

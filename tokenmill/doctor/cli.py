@@ -1,5 +1,5 @@
 """`tokenmill doctor MODEL --workload W|jsonl:TRACE [--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
-[--request-rate R] [--out DIR]`: the parser and the command (the work is in diagnose.py).
+[--request-rate R] [--draft DIR] [--out DIR]`: the parser and the command (the work is in diagnose.py).
 
 The current settings are the engine flags and `--config` file, as `tokenmill serve` takes them. A
 trace states each request's prompt and, as max_tokens, the tokens it generated; its arrival times
@@ -49,6 +49,9 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "--link-gbps", type=float, default=10.0, help="network between machines, for a prefill/decode split"
     )
     doc.add_argument("--cost-per-hour", type=float, default=None, help="price of the machine an hour: cost per token")
+    doc.add_argument(
+        "--draft", default=None, help="a draft model's folder: its agreement with MODEL on the trace, for question 5"
+    )
     doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
     doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")
     add_engine_args(doc)
@@ -58,6 +61,8 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 def _doctor(args: argparse.Namespace) -> int:
     from tokenmill.bench.metrics import parse_slos
     from tokenmill.bench.workloads import WorkloadSpec, build_workload, parse_range
+    from tokenmill.config import EngineConfig
+    from tokenmill.doctor.calibrate import calibrate
     from tokenmill.doctor.diagnose import diagnose, write_report
     from tokenmill.doctor.step_cost import probe
     from tokenmill.engine.engine import LLMEngine
@@ -79,10 +84,23 @@ def _doctor(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     workload = build_workload(spec, engine.tokenizer)
     print(f"tokenmill doctor: measuring step costs of {config.model} on this machine ...", flush=True)
-    cost = probe(engine)
+    cost = calibrate(engine, workload, probe(engine), args.request_rate)
     if not args.link_gbps > 0:
         raise ValueError(f"--link-gbps: must be above 0, got {args.link_gbps}")
-    diagnosis = diagnose(engine, workload, cost, memory, slos, args.request_rate, args.link_gbps, args.cost_per_hour)
+    draft = None
+    if args.draft is not None:
+        draft = LLMEngine(
+            EngineConfig.from_kwargs(
+                args.draft,
+                dtype=config.dtype,
+                device=config.device,
+                max_num_seqs=config.max_num_seqs,
+                enable_prefix_caching=False,
+            )
+        )
+    diagnosis = diagnose(
+        engine, workload, cost, memory, slos, args.request_rate, args.link_gbps, args.cost_per_hour, draft=draft
+    )
     text = write_report(diagnosis, Path(args.out))
     print(text)
     print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")

@@ -1,11 +1,12 @@
 """`tokenmill doctor`: the questions asked in order of a user's workload, answered from measurements.
 
 Loads the model with the current settings (an `LLMEngine`), measures its step costs on this machine
-(`step_cost.probe`, unless given), reads the workload (a built-in one or a JSONL trace, tokenized),
-and replays it through the simulator (`simulator.SimulatedEngine`: the real scheduler and KV manager)
-for the current settings and each alternative a question weighs. Each question's module turns the
-numbers into a `Finding`; `write_report` writes report.md, report.html (with the charts of plots.py),
-report.json and recommended.yaml.
+(`step_cost.probe`, calibrated on the trace's first requests by `calibrate.calibrate`, unless given),
+reads the workload (a built-in one or a JSONL trace, tokenized), and replays it through the simulator
+(`simulator.SimulatedEngine`: the real scheduler and KV manager) for the current settings and each
+alternative a question weighs. Each question's module turns the numbers into a `Finding`;
+`write_report` writes report.md, report.html (with the charts of plots.py), report.json and
+recommended.yaml.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tokenmill.bench.offline import run_offline
 from tokenmill.bench.records import RequestRecord
 from tokenmill.bench.workloads import Workload
 from tokenmill.config import EngineConfig
+from tokenmill.doctor.draft_check import draft_agreement
 from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
 from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, fit_finding, kv_bytes_per_token
@@ -34,6 +36,7 @@ from tokenmill.doctor.quant_check import quality_line, speed_lines
 from tokenmill.doctor.redundancy import redundancy_finding
 from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
+from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
 from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
 
@@ -143,11 +146,15 @@ def diagnose(
     link_gbps: float = 10.0,
     cost_per_hour: float | None = None,
     measure_quantization: bool = True,
+    draft: LLMEngine | None = None,
+    measure_stalls: bool = True,
 ) -> Diagnosis:
     """The findings for `workload` served by `engine`'s settings (its model, its KV cache); `memory`: the
     bytes for weights and KV cache (default: what the current settings take); `measure_quantization`:
     time (and for a recommended one, evaluate) weight-only quantization at the trace's batch, which
-    loads the model again for each way of storing it that is weighed."""
+    loads the model again for each way of storing it that is weighed; `draft`: a draft model's engine, its
+    agreement with the target on the trace and its decode steps measured (question 5); `measure_stalls`:
+    time the trace's decodes with and without its prompts arriving on `engine` (question 6)."""
     config = engine.config
     cfg = engine.model_config
     worker = engine.core.worker
@@ -163,11 +170,19 @@ def diagnose(
     trace = [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests]
     prompts = [len(t.token_ids) for t in trace]
     outputs = [r.max_tokens for r in requests]
+    agreement = None
+    if draft is not None:
+        agreement = draft_agreement(engine, draft, [t.token_ids for t in trace], cost.decode_batch)
     busy = [b for b in replays.engine({}).record.batch_sizes if b > 0]
     batch = int(statistics.median(busy)) if busy else 1  # the trace's decode batch: the replay's median step
     totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
     ample = sum(-(-t // config.block_size) for t in totals) + 1
     peak = replays.engine({}, num_blocks=ample).record.peak_blocks * config.block_size
+    stall = None
+    if measure_stalls:  # as many prompts arriving as the replay's steps carried
+        record = replays.engine({}).record
+        share = 1 - record.decode_only_steps / max(1, record.steps)
+        stall = measure_stall(engine, prompts, batch, share, int(statistics.median(prompts)))
     storage = config.quantization if config.quantization in ("int8", "int4") else str(worker.dtype).split(".")[-1]
     storage = storage if storage in ("float32", "bfloat16", "int8", "int4") else "bfloat16"
     findings = [
@@ -192,8 +207,11 @@ def diagnose(
             cost,
             slos or {},
             config.speculative_config,
+            agreement,
         ),
-        _scale(replays, workload, prompts, outputs, token_bytes, link_gbps, request_rate, slos or {}, cost_per_hour),
+        _scale(
+            replays, workload, prompts, outputs, token_bytes, link_gbps, request_rate, slos or {}, cost_per_hour, stall
+        ),
     ]
     if measure_quantization:
         _check_quantization(findings[0], config, storage, batch)
@@ -254,6 +272,7 @@ def _scale(
     request_rate: float | None,
     slos: dict[str, float],
     cost_per_hour: float | None,
+    stall: StallMeasurement | None,
 ) -> Finding:
     current = replays({})
     decode_only = replays.run({}, cost=replays.decode_only)[0]
@@ -268,7 +287,7 @@ def _scale(
         replica = 0.8 * replays.run({}, request_rate=math.inf)[0]["request_throughput"]
     return scale_finding(
         current, decode_only, smaller, budget, prompts, token_bytes, link_gbps, replica, rate, slos, cost_per_hour,
-        per_request,
+        per_request, stall,
     )  # fmt: skip
 
 
@@ -281,7 +300,13 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         f"Step costs measured on this machine in {cost.probe_seconds:.1f} s: a decode step of 1 request "
         f"{cost.decode_step(1, 128) * 1e3:.1f} ms, of {cost.decode_batch[-1]} requests "
         f"{cost.decode_step(cost.decode_batch[-1], 128) * 1e3:.1f} ms (context 128); a {cost.prompt_tokens[-1]}-token "
-        f"prompt step {cost.prompt_seconds[-1] * 1e3:.1f} ms.",
+        f"prompt step {cost.prompt_seconds[-1] * 1e3:.1f} ms"
+        + (
+            f"; calibrated on the trace's first requests run for real (decode steps x{cost.calibration['decode']:.2f}, "
+            f"the others x{cost.calibration['other']:.2f})."
+            if cost.calibration
+            else "."
+        ),
         f"The trace at the current settings, simulated: output {c['output_throughput']:.1f} tokens/s, TTFT p50 "
         f"{p50(c, 'ttft'):.0f} ms, TPOT p50 {p50(c, 'tpot'):.1f} ms"
         if c.get("tpot")

@@ -7,10 +7,12 @@ prompt say how many a target would have kept (the trace's n-gram repetition; a m
 usually repeat their context more, so this is a floor). With E tokens a step yields a request on
 average and a share f of requests proposing d' drafts each, a step of B requests speculating yields
 B E tokens for the cost of a step running f B chunks of 1 + d' tokens and the rest of one, against B
-tokens for a decode step of B: from the measured step costs, gain(B) = E x D(B) / S(B, f, d'). The
-batch above which gain < 1 is where speculation would lose (the engine's adaptive rule switches it off
-there by itself); it is recommended where the trace's own decode batch (the replay's median) gains at
-least 10%.
+tokens for a decode step of B: from the measured step costs, gain(B) = E x D(B) / S(B, f, d'). A draft
+model (`--draft`) is judged the same way from its agreement with the target on the trace's prompts
+(`draft_check.py`: f = 1, d' = k, E from the agreement), its k decode steps a step (measured on it)
+added to S. The batch above which gain < 1 is where speculation would lose (the engine's adaptive rule
+switches it off there by itself); the better of the two is recommended where the trace's own decode
+batch (the replay's median) gains at least 10%.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.doctor.draft_check import DraftAgreement
 from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.spec_decode import DraftRequest, NgramProposer
@@ -61,18 +64,58 @@ def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: i
     return LookupAgreement(len(kept), 1 + statistics.fmean(kept), statistics.fmean(drafted), share)
 
 
-def speculation_gain(cost: StepCost, batch: int, agreement: LookupAgreement, context: int = CONTEXT) -> float:
-    """Decoding's tokens a second with prompt lookup over without, at `batch` requests: the requests that
-    have drafts (the lookup's share of them) run 1 + d' tokens each (d' its drafts when it proposes), the
-    others one; a step without any drafts is a plain decode step."""
+@dataclass
+class Speculator:
+    """One way of speculating as judged on the trace: the setting that turns it on and what it yields."""
+
+    name: str
+    settings: dict[str, str]  # speculative_config, as serve takes it
+    tokens_per_step: float  # E: tokens a verification step yields a request, on average
+    drafts_per_step: float  # d: drafts a request is verified on, on average
+    proposing: float  # share of requests with drafts
+    draft: DraftAgreement | None = None  # a draft model's decode curve (None: drafts cost nothing)
+    why_not: str = ""  # what keeps E low, for the verdict
+
+
+def lookup_speculator(a: LookupAgreement) -> Speculator:
+    return Speculator(
+        "prompt lookup",
+        {"speculative_config": json.dumps({"method": "ngram", "num_speculative_tokens": K})},
+        a.tokens_per_step,
+        a.drafts_per_step,
+        a.proposing,
+        why_not="the prompts repeat too little for prompt lookup" if a.tokens_per_step < 1.5 else "",
+    )
+
+
+def draft_speculator(agreement: DraftAgreement) -> Speculator:
+    config = {"method": "draft_model", "model": agreement.model, "num_speculative_tokens": K}
+    low = agreement.alpha < 0.5
+    return Speculator(
+        f"draft model {agreement.model}",
+        {"speculative_config": json.dumps(config)},
+        agreement.tokens_per_step(K),
+        float(K),
+        1.0,
+        agreement,
+        f"the draft agrees with the target on only {agreement.alpha:.0%} of the prompts' positions" if low else "",
+    )
+
+
+def speculation_gain(cost: StepCost, batch: int, spec: Speculator, context: int = CONTEXT) -> float:
+    """Decoding's tokens a second with `spec` over without, at `batch` requests: the requests that have
+    drafts (its share of them) run 1 + d' tokens each (d' its drafts when it proposes), the others one,
+    after k draft decode steps where a draft model proposes; a step without any drafts is a plain one."""
     plain = cost.decode_step(batch, context)
-    drafting = round(batch * agreement.proposing)
-    if drafting == 0 or agreement.drafts_per_step <= 0:
+    drafting = round(batch * spec.proposing)
+    if drafting == 0 or spec.drafts_per_step <= 0:
         return 1.0
-    per_drafting = agreement.drafts_per_step / agreement.proposing  # d': drafts where it proposes
+    per_drafting = spec.drafts_per_step / spec.proposing  # d': drafts where it proposes
     chunks = [(1 + round(per_drafting), context)] * drafting + [(1, context)] * (batch - drafting)
-    spec = cost.predict(chunks, decoding=False)
-    return agreement.tokens_per_step * plain / spec if spec > 0 else 1.0
+    step = cost.predict(chunks, decoding=False)
+    if spec.draft is not None:
+        step += K * spec.draft.draft_step(batch)
+    return spec.tokens_per_step * plain / step if step > 0 else 1.0
 
 
 def latency_finding(
@@ -82,47 +125,64 @@ def latency_finding(
     cost: StepCost,
     slos: dict[str, float],
     speculative_config: str | None,
+    draft: DraftAgreement | None = None,
 ) -> Finding:
-    """`batch`: the trace's decode batch (the median of the replay's steps)."""
-    agreement = lookup_agreement(prompts)
-    gains = {b: speculation_gain(cost, b, agreement) for b in (1, 2, 4, 8, 16, 32, 64)}
-    losing = [b for b, g in gains.items() if g < 1]
-    here = speculation_gain(cost, batch, agreement)
+    """`batch`: the trace's decode batch (the median of the replay's steps); `draft`: a draft model's
+    agreement with the target on the trace, to weigh beside prompt lookup."""
+    lookup = lookup_agreement(prompts)
+    candidates = [lookup_speculator(lookup)] + ([draft_speculator(draft)] if draft is not None else [])
+    batches = (1, 2, 4, 8, 16, 32, 64)
+    gains = {s.name: {b: speculation_gain(cost, b, s) for b in batches} for s in candidates}
+    here = {s.name: speculation_gain(cost, batch, s) for s in candidates}
     evidence = [
         f"TPOT at the trace's load (simulated): p50 {p50(current, 'tpot'):.1f} ms, p90 {p90(current, 'tpot'):.1f} ms"
         + (f", SLO {slos['tpot']:.0f} ms" if "tpot" in slos else ""),
-        f"prompt lookup on the trace's own prompts (k = {K}, {agreement.positions} positions, teacher-forced): "
-        f"{agreement.drafts_per_step:.2f} drafts a step, {agreement.tokens_per_step:.2f} tokens a verification step",
-        "predicted speed-up of decoding by batch (measured step costs): "
-        + ", ".join(f"{b}: {g:.2f}x" for b, g in gains.items()),
-        f"the trace's decode batch (median of the replay's steps): {batch}",
+        f"prompt lookup on the trace's own prompts (k = {K}, {lookup.positions} positions, teacher-forced): "
+        f"{lookup.drafts_per_step:.2f} drafts a step, {lookup.tokens_per_step:.2f} tokens a verification step",
     ]
+    if draft is not None:
+        evidence.append(
+            f"draft model {draft.model} on the trace's own prompts ({draft.positions} positions, teacher-forced): "
+            f"its most likely token is the target's at {draft.alpha:.0%} of them, so {draft.tokens_per_step(K):.2f} "
+            f"tokens a verification of k = {K}; its decode step measured here: "
+            + ", ".join(f"{b}: {t * 1e3:.1f} ms" for b, t in zip(draft.decode_batch, draft.decode_seconds, strict=True))
+        )
+    for s in candidates:
+        evidence.append(
+            f"predicted speed-up of decoding with {s.name} by batch (measured step costs): "
+            + ", ".join(f"{b}: {g:.2f}x" for b, g in gains[s.name].items())
+        )
+    evidence.append(f"the trace's decode batch (median of the replay's steps): {batch}")
     pitfalls = []
     if "tpot" in slos and p90(current, "tpot") > slos["tpot"]:
         pitfalls.append(f"TPOT p90 {p90(current, 'tpot'):.1f} ms misses the {slos['tpot']:.0f} ms SLO at this load")
-    if not losing:
-        breaks = "it wins at every batch measured"
-    elif losing[0] == min(gains):
-        breaks = "it loses at every batch"
-    else:
-        breaks = f"it would lose above a batch of {losing[0] // 2}"
+    best = max(candidates, key=lambda s: here[s.name])
+    gain = here[best.name]
+    breaks = _where_it_loses(gains[best.name])
     if speculative_config:
-        return Finding(QUESTION, f"speculation is configured; at the trace's batch ({batch}) {here:.2f}x", evidence)
-    if here >= 1.1:
-        config = json.dumps({"method": "ngram", "num_speculative_tokens": K})
+        said = ", ".join(f"{s.name} {here[s.name]:.2f}x" for s in candidates)
+        return Finding(QUESTION, f"speculation is configured; at the trace's batch ({batch}): {said}", evidence)
+    if gain >= 1.1:
         return Finding(
             QUESTION,
-            f"prompt lookup is predicted {here:.2f}x faster decoding at the trace's batch of {batch}; {breaks} (the "
+            f"{best.name} is predicted {gain:.2f}x faster decoding at the trace's batch of {batch}; {breaks} (the "
             "adaptive rule switches it off there)",
             evidence,
-            {"speculative_config": config},
-            f"TPOT about {1 / here:.2f}x of today's at batch {batch}",
+            dict(best.settings),
+            f"TPOT about {1 / gain:.2f}x of today's at batch {batch}",
             pitfalls,
         )
-    why = (
-        "the prompts repeat too little for prompt lookup"
-        if agreement.tokens_per_step < 1.5
-        else f"at a batch of {batch} a longer step costs about what its extra tokens bring"
-    )
-    verdict = f"speculation is not worth it here ({here:.2f}x): {why}; {breaks}"
+    reasons = [s.why_not for s in candidates if s.why_not]
+    if len(reasons) < len(candidates):
+        reasons.append(f"at a batch of {batch} a longer step costs about what its extra tokens bring")
+    verdict = f"speculation is not worth it here ({gain:.2f}x): {'; '.join(reasons)}; {breaks}"
     return Finding(QUESTION, verdict, evidence, pitfalls=pitfalls)
+
+
+def _where_it_loses(gains: dict[int, float]) -> str:
+    losing = [b for b, g in gains.items() if g < 1]
+    if not losing:
+        return "it wins at every batch measured"
+    if losing[0] == min(gains):
+        return "it loses at every batch"
+    return f"it would lose above a batch of {losing[0] // 2}"

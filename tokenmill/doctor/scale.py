@@ -6,6 +6,8 @@ All from the simulator on the measured step costs:
   decode-only instance of a prefill/decode split would see), and with a smaller token budget a step
   (`max_num_batched_tokens` halved, twice), the setting that bounds a stall without a second machine;
 - what a split moves: each request's prompt KV (prompt tokens x KV bytes a token) over `link_gbps`;
+- the stall measured (`stall.py`, unless turned off): the same comparison on the engine itself, the
+  trace's decode batch decoding alone and then with the trace's prompts arriving;
 - capacity: with SLOs, the highest Poisson request rate at which one replica meets them (TTFT and TPOT
   p90), by bisection; without, its ceiling (requests a second with the whole trace at once), of which
   a replica is planned at 80%; the replicas the trace's own rate needs, and the cost per million
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.doctor.findings import Finding, p50, p90, p99
+from tokenmill.doctor.stall import StallMeasurement
 from tokenmill.doctor.step_cost import StepCost
 
 QUESTION = "6. Scale"
@@ -73,6 +76,7 @@ def scale_finding(
     slos: dict[str, float],
     cost_per_hour: float | None,
     tokens_per_request: float,
+    measured: StallMeasurement | None = None,
 ) -> Finding:
     stall = p99(current, "tpot") / max(p99(decode_only, "tpot"), 1e-9)
     kv_mb = [p * kv_token_bytes / 1e6 for p in prompts]
@@ -81,6 +85,17 @@ def scale_finding(
     evidence = [
         f"TPOT p99 as served: {p99(current, 'tpot'):.1f} ms; with the prompts computed elsewhere (decode-only "
         f"steps): {p99(decode_only, 'tpot'):.1f} ms: prefills stretch the slowest tokens {stall:.2f}x",
+    ]
+    if measured is not None:
+        m = measured
+        evidence.append(
+            f"measured on this engine ({m.batch} requests decoding at {m.context} tokens, {len(m.decode_only_ms)} "
+            f"steps each way): inter-token time p50 / p99 {m.p('without', 50):.1f} / {m.p('without', 99):.1f} ms "
+            f"decode-only, {m.p('with', 50):.1f} / {m.p('with', 99):.1f} ms with {m.prompts} prompts of the trace's "
+            f"lengths arriving (before {m.prompt_share:.0%} of the steps, as in the replay): "
+            f"{m.p('with', 99) / max(m.p('without', 99), 1e-9):.2f}x at p99"
+        )
+    evidence += [
         "TPOT p99 with a smaller step budget: "
         + ", ".join(f"max_num_batched_tokens {b}: {p99(s, 'tpot'):.1f} ms" for b, s in smaller_budgets.items()),
         f"a prefill/decode split would move {mean_mb:.2f} MB of KV a request on average (max {max(kv_mb):.2f}), "

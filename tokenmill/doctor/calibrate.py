@@ -1,0 +1,114 @@
+"""The probe checked against the trace itself: a slice of the trace run for real, each of its steps priced
+by the cost model, and the model scaled by what the slice measured.
+
+The probe times steps in isolation, each shape a few times in a row; a run of the trace is not like
+that (steps of every shape follow each other, many requests' KV in use, outputs processed), and on the
+AMX machine the probe priced a real run's steps at 0.86-0.96 of their measured time, which a saturated
+replica turns into a TTFT error about three times as large. `calibrate` runs the first requests of the
+trace (CALIBRATION_REQUESTS, at the trace's arrival times or rate) on the engine through
+`bench.offline.run_offline`, records every step with `StepLog`, and returns the cost model with its
+decode terms scaled by the measured over the predicted time of the slice's decode-only steps and its
+other terms by the same over its other steps (a factor stays 1 where the slice had fewer than
+MIN_STEPS such steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.bench.offline import run_offline
+from tokenmill.bench.workloads import Workload
+from tokenmill.doctor.step_cost import CostModel, StepCost
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine import LLMEngine
+
+CALIBRATION_REQUESTS = 16
+MIN_STEPS = 8
+
+
+@dataclass
+class LoggedStep:
+    chunks: list[tuple[int, int]]  # (query length, start position) of each chunk, as the simulator sees them
+    decoding: bool  # every chunk decodes one token
+    seconds: float  # the whole `LLMEngine.step`
+
+
+class StepLog:
+    """Every step `engine` runs from now on, as a `LoggedStep`: its `schedule` and `step` wrapped."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[LoggedStep] = []
+        scheduler = engine.core.scheduler
+        schedule, step = scheduler.schedule, engine.step
+        pending: list[tuple[list[tuple[int, int]], bool]] = []
+
+        def logged_schedule(now: float) -> Any:
+            out = schedule(now)
+            prompts = {c.request_id: scheduler.requests[c.request_id].num_prompt_tokens for c in out.chunks}
+            chunks = [(len(c.token_ids), c.start_position) for c in out.chunks]
+            decoding = all(len(c.token_ids) == 1 and c.start_position >= prompts[c.request_id] for c in out.chunks)
+            pending.append((chunks, decoding))
+            return out
+
+        def logged_step() -> Any:
+            start = time.perf_counter()
+            outputs = step()
+            seconds = time.perf_counter() - start
+            if pending and pending[-1][0]:
+                self.steps.append(LoggedStep(*pending[-1], seconds))
+            pending.clear()
+            return outputs
+
+        scheduler.schedule = logged_schedule  # type: ignore[method-assign]
+        engine.step = logged_step  # type: ignore[method-assign]
+        self._wrapped = (scheduler, engine)
+
+    def close(self) -> None:
+        """Stop logging: the engine's own `schedule` and `step` back (the wrappers were instance attributes)."""
+        scheduler, engine = self._wrapped
+        del scheduler.schedule, engine.step
+
+    def measured_over_predicted(self, cost: CostModel) -> dict[str, tuple[float, int]]:
+        """For decode-only steps, the others and all: (summed measured time / summed predicted, steps)."""
+        sums: dict[str, list[float]] = {"decode": [0.0, 0.0, 0], "other": [0.0, 0.0, 0], "all": [0.0, 0.0, 0]}
+        for s in self.steps:
+            for kind in ("decode" if s.decoding else "other", "all"):
+                sums[kind][0] += s.seconds
+                sums[kind][1] += cost.predict(s.chunks, s.decoding)
+                sums[kind][2] += 1
+        return {k: (measured / predicted, int(n)) for k, (measured, predicted, n) in sums.items() if predicted > 0}
+
+
+def scaled(cost: StepCost, decode: float, other: float) -> StepCost:
+    """`cost` with its decode-only terms times `decode` and the rest times `other`."""
+    return dataclasses.replace(
+        cost,
+        decode_seconds=[t * decode for t in cost.decode_seconds],
+        per_decode_key=cost.per_decode_key * decode,
+        prompt_seconds=[t * other for t in cost.prompt_seconds],
+        per_request=cost.per_request * other,
+        per_prompt_pair=cost.per_prompt_pair * other,
+        per_mixed_key=cost.per_mixed_key * other,
+        calibration={"decode": decode, "other": other},
+    )
+
+
+def calibrate(engine: LLMEngine, workload: Workload, cost: StepCost, request_rate: float | None) -> StepCost:
+    """`cost` scaled to what the trace's first requests measured on `engine` (idle, and left so: its prefix
+    cache emptied after)."""
+    if engine.has_unfinished_requests():
+        raise ValueError("engine: busy; the calibration needs an idle engine")
+    head = Workload(workload.spec, workload.requests[:CALIBRATION_REQUESTS])
+    log = StepLog(engine)
+    try:
+        run_offline(engine, head, "doctor-calibration", request_rate=request_rate)
+    finally:
+        log.close()
+    engine.reset_prefix_cache()
+    ratios = log.measured_over_predicted(cost)
+    factors = {k: ratios[k][0] if k in ratios and ratios[k][1] >= MIN_STEPS else 1.0 for k in ("decode", "other")}
+    return scaled(cost, factors["decode"], factors["other"])
