@@ -124,6 +124,7 @@ def test_each_flag_sets_its_field():
         "cpu_threads": 3,
         "greedy_head": "logits",
         "linear_backend": "torch",
+        "cpu_huge_pages": False,
         "fused_decode": False,
         "kv_cache_dtype": "int8",
         "quantization": "int4",

@@ -154,6 +154,11 @@ class EngineConfig:
         "torch's GEMM above), `torch` (torch's GEMM), or `auto` (per weight shape and row count, whichever "
         "measures faster at start; torch where the kernels do not build)",
     )
+    cpu_huge_pages: bool = setting(
+        True,
+        "on a CPU device, weights and KV cache on 2 MB pages where Linux's transparent huge pages allow "
+        "(madvise or always mode): fewer TLB misses as a step streams them",
+    )
     fused_decode: bool = setting(
         True,
         "run each decoder layer of a step without prompt chunks as one native call where the native attention, "

@@ -40,6 +40,7 @@ from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model, read_model_config, resolve_dtype
 from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
+from tokenmill.runner import huge_pages
 from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.cpu_threads import physical_cores
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
@@ -99,6 +100,7 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory()
             torch.set_num_threads(config.cpu_threads or physical_cores())
+        self.huge_pages = self.device.type == "cpu" and config.cpu_huge_pages and huge_pages.available()
         self.tuner = Autotuner(self.device, default_cache_path())
         # a GGUF file is read once (its metadata parse takes seconds), then built from as often as needed
         source: str | GGUFCheckpoint = GGUFCheckpoint(config.model) if is_gguf(config.model) else config.model
@@ -210,6 +212,8 @@ class Worker:
             head_method=head,
             checkpoint_methods=checkpoint_methods,
         )
+        if self.huge_pages:
+            logger.info("weights on 2 MB pages: %.1f MiB", huge_pages.move_to_huge_pages(model) / 2**20)
         prepare_native(
             model,
             self.tuner,
@@ -326,6 +330,7 @@ class Worker:
             cfg.head_dim,
             self.kv_dtype,
             self.device,
+            huge_pages.huge_zeros if self.huge_pages else None,
         )
 
     def _greedy_head_is_faster(self, model: LlamaForCausalLM, rows: int) -> bool:

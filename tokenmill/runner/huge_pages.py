@@ -1,0 +1,80 @@
+"""Weights and KV cache on 2 MB pages (Linux transparent huge pages) on a CPU device.
+
+A decode step streams every weight matrix and reads the KV its requests attend to; on 4 KB pages that
+is a TLB entry every 4 KB, and the page walks show at memory bandwidth. Linux backs anonymous memory
+with 2 MB pages where asked when its transparent huge pages are in `madvise` mode (the default of many
+distributions, and of these machines; `always` needs no asking, `never` gives none). `huge_zeros` maps
+anonymous memory, asks for huge pages (madvise MADV_HUGEPAGE) before anything touches it, and hands
+it to torch 2 MB-aligned (`torch.frombuffer`: the tensor keeps the mapping alive); `move_to_huge_pages`
+re-homes a model's large parameters and buffers there. Where the kernel or Python's mmap cannot,
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (always, madvise, never), None where it has none."""
+    try:
+        text = THP_SETTING.read_text()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def available() -> bool:
+    """Whether asking for huge pages can get them here."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+
+
+def huge_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on memory asked to be backed by 2 MB pages, starting on one."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the faults then take 2 MB pages
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # [nbytes + HUGE_PAGE], untouched, zero when read
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Copy each contiguous CPU parameter and buffer of `model` of a huge page or more onto huge pages (a
+    parameter shared by several modules once: they keep sharing it). Returns the bytes moved."""
+    moved: dict[int, torch.Tensor] = {}  # data_ptr of the old storage -> its copy
+    total = 0
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                key = tensor.data_ptr()
+                if key not in moved and (nbytes < HUGE_PAGE or not owns_storage(tensor)):
+                    continue  # (small, or a view sharing its storage with others: left as it is)
+                if key not in moved:
+                    copy = huge_zeros(tensor.shape, tensor.dtype)
+                    copy.copy_(tensor.detach())
+                    moved[key] = moved[copy.data_ptr()] = copy  # (a second visit finds the copy)
+                    total += nbytes
+                if isinstance(tensor, nn.Parameter):
+                    tensor.data = moved[key]
+                else:
+                    table[name] = moved[key]
+    return total
+
+
+def owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is its whole storage (not a view into a larger one that something else may read)."""
+    storage = tensor.untyped_storage()
+    return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
