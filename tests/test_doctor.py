@@ -276,6 +276,11 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
             str(config),
             "--draft",
             str(tiny_model_dir("llama")),
+            "--verify",
+            "--repeats",
+            "2",
+            "--budget-s",
+            "30",
             "--out",
             str(out),
         ]
@@ -288,6 +293,11 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
     q5 = report["findings"][4]
     assert any("draft model" in e and "at 100% of them" in e for e in q5["evidence"])  # (itself as its draft)
     assert any(e.startswith("measured on this engine") for e in report["findings"][5]["evidence"])
+    assert report["verified"]  # (static batching is configured: continuous is recommended, and run)
+    for v in report["verified"]:  # each recommendation measured; what stays is what recommended.yaml holds
+        assert len(v["gains"]["output_throughput"]) == 2 and set(v["sim_error"]) == {"output_throughput", "ttft_p50_ms"}
+        if not v["kept"] and v["label"] != "all recommended":
+            assert not set(v["settings"]) & set(report["recommended"])
     recommended = yaml.safe_load((out / "recommended.yaml").read_text())
     assert recommended == report["recommended"]
     if recommended:  # what it recommends, serve's --config takes

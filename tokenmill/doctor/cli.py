@@ -1,5 +1,6 @@
 """`tokenmill doctor MODEL --workload W|jsonl:TRACE [--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
-[--request-rate R] [--draft DIR] [--out DIR]`: the parser and the command (the work is in diagnose.py).
+[--request-rate R] [--draft DIR] [--verify [--budget-s S] [--repeats N]] [--out DIR]`: the parser and the
+command (the work is in diagnose.py and, for --verify, verify.py).
 
 The current settings are the engine flags and `--config` file, as `tokenmill serve` takes them. A
 trace states each request's prompt and, as max_tokens, the tokens it generated; its arrival times
@@ -52,6 +53,14 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     doc.add_argument(
         "--draft", default=None, help="a draft model's folder: its agreement with MODEL on the trace, for question 5"
     )
+    doc.add_argument(
+        "--verify",
+        action="store_true",
+        help="run each recommendation against the current settings on a sample of the trace; withdraw what "
+        "moves neither TTFT nor tokens/s beyond the runs' noise (recommended.yaml keeps what stays)",
+    )
+    doc.add_argument("--budget-s", type=float, default=120.0, help="--verify: seconds all its runs may take")
+    doc.add_argument("--repeats", type=int, default=3, help="--verify: interleaved runs of each setting")
     doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
     doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")
     add_engine_args(doc)
@@ -63,7 +72,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from tokenmill.bench.workloads import WorkloadSpec, build_workload, parse_range
     from tokenmill.config import EngineConfig
     from tokenmill.doctor.calibrate import calibrate
-    from tokenmill.doctor.diagnose import diagnose, write_report
+    from tokenmill.doctor.diagnose import diagnose, verify_findings, write_report
     from tokenmill.doctor.step_cost import probe
     from tokenmill.engine.engine import LLMEngine
 
@@ -101,6 +110,11 @@ def _doctor(args: argparse.Namespace) -> int:
     diagnosis = diagnose(
         engine, workload, cost, memory, slos, args.request_rate, args.link_gbps, args.cost_per_hour, draft=draft
     )
+    if args.verify:
+        if args.repeats < 2 or not args.budget_s > 0:
+            raise ValueError("--repeats: at least 2, --budget-s: above 0, for --verify")
+        print("tokenmill doctor: verifying the recommendations ...", flush=True)
+        verify_findings(engine, diagnosis, workload, args.request_rate, args.budget_s, args.repeats)
     text = write_report(diagnosis, Path(args.out))
     print(text)
     print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")

@@ -38,6 +38,7 @@ from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
+from tokenmill.doctor.verify import Verified, apply_verdicts, sample, sample_every, verify
 from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class Diagnosis:
     hit_curve: list[tuple[int, float]] = field(default_factory=list)  # (cache blocks, LRU prefix-hit rate)
     cache_blocks: int = 0
     runs: dict[str, list[RequestRecord]] = field(default_factory=dict)  # label -> the replay's records
+    verified: list[Verified] = field(default_factory=list)  # --verify's runs
+    sample_every: int = 0  # --verify ran every k-th request of the trace
 
 
 class Replays:
@@ -82,6 +85,15 @@ class Replays:
         self._done: dict[str, tuple[dict[str, Any], SimulatedEngine]] = {}
         self.records: dict[str, list[RequestRecord]] = {}  # by the same key
         self.decode_only = DecodeOnlyCost(cost)
+
+    @classmethod
+    def of(cls, engine: LLMEngine, cost: StepCost, workload: Workload, request_rate: float | None) -> Replays:
+        """The replays of `workload` on the KV cache and settings of `engine`."""
+        config = engine.config
+        value_bytes = 1.0 if config.kv_cache_dtype == "int8" else float(engine.core.worker.kv_dtype.itemsize)
+        token_bytes = kv_bytes_per_token(engine.model_config, value_bytes)
+        kv_memory = int(engine.core.num_blocks * config.block_size * token_bytes)
+        return cls(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
 
     def engine(self, settings: dict[str, Any], num_blocks: int | None = None) -> SimulatedEngine:
         return self.run(settings, num_blocks)[1]
@@ -158,12 +170,10 @@ def diagnose(
     config = engine.config
     cfg = engine.model_config
     worker = engine.core.worker
+    replays = Replays.of(engine, cost, workload, request_rate)
+    token_bytes, kv_memory, num_blocks = replays.kv_token_bytes, replays.kv_memory, engine.core.num_blocks
     value_bytes = 1.0 if config.kv_cache_dtype == "int8" else float(worker.kv_dtype.itemsize)
-    token_bytes = kv_bytes_per_token(cfg, value_bytes)
-    num_blocks = engine.core.num_blocks
-    kv_memory = int(num_blocks * config.block_size * token_bytes)
     budget = memory if memory is not None else worker.weight_bytes + kv_memory
-    replays = Replays(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
     current = replays({})
 
     requests = workload.requests
@@ -312,6 +322,15 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         if c.get("tpot")
         else "",
     ]
+    if diagnosis.verified:
+        sampled = -(-len(diagnosis.prompt_lens) // diagnosis.sample_every)
+        preamble.append(
+            f"Verified (--verify): each recommendation run against the current settings on every "
+            f"{diagnosis.sample_every}th request of the trace ({sampled} requests), "
+            f"{len(diagnosis.verified[0].gains['output_throughput'])} repeats interleaved; kept: "
+            + (", ".join(v.label for v in diagnosis.verified if v.kept) or "none")
+            + "."
+        )
     preamble = [p for p in preamble if p]
     charts = [
         lengths_chart(diagnosis.prompt_lens, diagnosis.output_lens, out / "lengths.png"),
@@ -335,6 +354,41 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         "recommended": settings,
         "serve_flags": serve_flags(settings),
         "step_cost": dataclasses.asdict(cost),
+        "verified": [
+            {**dataclasses.asdict(v), "sim_error": {m: v.sim_error(m) for m in v.measured}} for v in diagnosis.verified
+        ],
     }
     (out / "report.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return text
+
+
+def verify_findings(
+    engine: LLMEngine,
+    diagnosis: Diagnosis,
+    workload: Workload,
+    request_rate: float | None,
+    budget_s: float,
+    repeats: int,
+) -> list[Verified]:
+    """`--verify`: the diagnosis's recommendations run against `engine`'s settings on a sample of the
+    trace sized to `budget_s` (verify.py), the findings updated with what was kept."""
+    cost = diagnosis.cost
+    runs = (repeats + 1) * (1 + sum(1 for f in diagnosis.findings if f.settings) + 1)  # (+1: the warm-up)
+    every = sample_every(diagnosis.current["duration_s"], runs, budget_s)
+    part = sample(workload, every)
+    replays = Replays.of(engine, cost, part, request_rate)
+
+    def predict(settings: dict[str, Any], _: Workload) -> dict[str, float]:
+        s = replays(settings)
+        return {"output_throughput": s["output_throughput"], "ttft_p50_ms": p50(s, "ttft")}
+
+    def build(settings: dict[str, Any]) -> LLMEngine:
+        from tokenmill.engine.engine import LLMEngine
+
+        return LLMEngine(dataclasses.replace(engine.config, **settings))
+
+    verified = verify(engine, build, part, diagnosis.findings, predict, request_rate, repeats)
+    apply_verdicts(diagnosis.findings, verified)
+    diagnosis.verified = verified
+    diagnosis.sample_every = every
+    return verified

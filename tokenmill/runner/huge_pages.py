@@ -39,10 +39,15 @@ def available() -> bool:
 
 
 def huge_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on memory asked to be backed by 2 MB pages, starting on one."""
+    """A zeroed CPU tensor on memory asked to be backed by 2 MB pages, starting on a 2 MB boundary."""
     nbytes = math.prod(shape) * dtype.itemsize
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the faults then take 2 MB pages
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # (Linux only)
+    try:
+        if advice is not None:
+            region.madvise(advice)  # before the first touch: the faults then take 2 MB pages
+    except OSError:  # (a kernel without transparent huge pages: 4 KB pages, aligned all the same)
+        pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # [nbytes + HUGE_PAGE], untouched, zero when read
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start : start + nbytes].view(dtype).view(shape)
