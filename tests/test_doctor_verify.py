@@ -13,16 +13,17 @@ from tests.test_doctor import by_question, curve, random_prompts, workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.diagnose import Replays, diagnose, verify_findings
 from tokenmill.doctor.findings import Finding, p50, recommended_settings
-from tokenmill.doctor.verify import apply_verdicts, sample, sample_every, verify
+from tokenmill.doctor.verify import apply_verdicts, verify, window, window_size
 from tokenmill.engine.engine import LLMEngine
 
 
-def test_the_sample_keeps_every_kth_request_in_order():
+def test_the_window_is_the_longest_start_of_the_trace_that_fits_the_budget():
     trace = workload(random_prompts(10, 4, 8), list(range(1, 11)))
-    part = sample(trace, 3)
-    assert [r.max_tokens for r in part.requests] == [1, 4, 7, 10]
-    assert sample_every(run_seconds=10.0, runs=12, budget_s=60) == 2
-    assert sample_every(run_seconds=1.0, runs=12, budget_s=60) == 1
+    assert [r.max_tokens for r in window(trace, 3).requests] == [1, 2, 3]
+    seconds = lambda n: 2.0 * n  # noqa: E731  (a run of n requests: 2 n seconds)
+    assert window_size(seconds, 100, runs=5, budget_s=200, least=8) == 20  # 5 x 2 x 20 = 200
+    assert window_size(seconds, 100, runs=5, budget_s=10, least=8) == 8  # never below `least`
+    assert window_size(seconds, 6, runs=5, budget_s=10, least=8) == 6  # nor above the trace
 
 
 @pytest.mark.timeout(300)

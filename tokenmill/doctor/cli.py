@@ -59,7 +59,9 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="run each recommendation against the current settings on a sample of the trace; withdraw what "
         "moves neither TTFT nor tokens/s beyond the runs' noise (recommended.yaml keeps what stays)",
     )
-    doc.add_argument("--budget-s", type=float, default=120.0, help="--verify: seconds all its runs may take")
+    doc.add_argument(
+        "--budget-s", type=float, default=120.0, help="--verify: seconds its runs should take (8 requests at least)"
+    )
     doc.add_argument("--repeats", type=int, default=3, help="--verify: interleaved runs of each setting")
     doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
     doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")

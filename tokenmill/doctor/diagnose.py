@@ -38,7 +38,7 @@ from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
-from tokenmill.doctor.verify import Verified, apply_verdicts, sample, sample_every, verify
+from tokenmill.doctor.verify import Verified, apply_verdicts, verify, window, window_size
 from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Diagnosis:
     cache_blocks: int = 0
     runs: dict[str, list[RequestRecord]] = field(default_factory=dict)  # label -> the replay's records
     verified: list[Verified] = field(default_factory=list)  # --verify's runs
-    sample_every: int = 0  # --verify ran every k-th request of the trace
+    verified_requests: int = 0  # --verify ran the trace's first this many requests
 
 
 class Replays:
@@ -264,7 +264,7 @@ def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch:
     )
     if settings:
         fit.evidence.append(quality_line(config.model, quantized))
-    if speedup < 1.05:
+    if round(speedup, 2) < 1.05:  # (as printed: never "1.05x" and "no speed-up" together)
         fit.pitfalls.append(
             f"weight-only {quantized} brings no speed-up at the trace's batch of {batch} ({speedup:.2f}x {other}): "
             "it saves memory only"
@@ -323,10 +323,9 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         else "",
     ]
     if diagnosis.verified:
-        sampled = -(-len(diagnosis.prompt_lens) // diagnosis.sample_every)
         preamble.append(
-            f"Verified (--verify): each recommendation run against the current settings on every "
-            f"{diagnosis.sample_every}th request of the trace ({sampled} requests), "
+            f"Verified (--verify): each recommendation run against the current settings on the trace's first "
+            f"{diagnosis.verified_requests} requests, "
             f"{len(diagnosis.verified[0].gains['output_throughput'])} repeats interleaved; kept: "
             + (", ".join(v.label for v in diagnosis.verified if v.kept) or "none")
             + "."
@@ -373,9 +372,14 @@ def verify_findings(
     """`--verify`: the diagnosis's recommendations run against `engine`'s settings on a sample of the
     trace sized to `budget_s` (verify.py), the findings updated with what was kept."""
     cost = diagnosis.cost
-    runs = (repeats + 1) * (1 + sum(1 for f in diagnosis.findings if f.settings) + 1)  # (+1: the warm-up)
-    every = sample_every(diagnosis.current["duration_s"], runs, budget_s)
-    part = sample(workload, every)
+    settings = sum(1 for f in diagnosis.findings if f.settings)
+    runs = repeats * (1 + settings + (settings > 1)) + 1  # (+1: the warm-ups, a quarter each)
+
+    def duration(n: int) -> float:
+        return Replays.of(engine, cost, window(workload, n), request_rate)({})["duration_s"]
+
+    count = window_size(duration, len(workload.requests), runs, budget_s)
+    part = window(workload, count)
     replays = Replays.of(engine, cost, part, request_rate)
 
     def predict(settings: dict[str, Any], _: Workload) -> dict[str, float]:
@@ -390,5 +394,5 @@ def verify_findings(
     verified = verify(engine, build, part, diagnosis.findings, predict, request_rate, repeats)
     apply_verdicts(diagnosis.findings, verified)
     diagnosis.verified = verified
-    diagnosis.sample_every = every
+    diagnosis.verified_requests = count
     return verified

@@ -3,9 +3,11 @@ withdrawn when it moves neither TTFT nor tokens/s beyond the runs' own noise.
 
 For each finding that recommends settings (and for all of them together, when more than one does), an
 engine is built with the current settings changed by them; the current engine and each of these run a
-sample of the trace (`sample`: every k-th request, k chosen so that all the runs fit `budget_s` by the
-simulator's estimate of one run; a systematic sample keeps the length distributions and, the trace's
-order being kept, whichever prompts share a prefix stay spread through it) `repeats` times,
+window of the trace (`window`: its first n requests, n the most whose runs all fit `budget_s` by the
+simulator's replay of them, `window_size`; a contiguous window keeps the arrival process and load, and
+the prompts that share a prefix with their neighbours still do; sparser samples were tried and lose
+both: every 23rd request of a shared-prefix trace shared nothing, and kept arrival times cut the load
+23-fold) `repeats` times,
 interleaved (current, each variant, then again), after a warm-up run of each on the sample's first
 quarter (an engine's first run is 2-3x slower on the tiny model: kernels built for new shapes). Per
 repeat, a variant's gain over the current run of the same repeat: output tokens/s (variant / current)
@@ -73,14 +75,24 @@ def figures(records: Sequence[Any], duration_s: float) -> dict[str, float]:
     return {"output_throughput": s["output_throughput"], "ttft_p50_ms": p50(s, "ttft")}
 
 
-def sample(workload: Workload, every: int) -> Workload:
-    """Every `every`-th request of the trace, in its order (its arrival times kept)."""
-    return Workload(workload.spec, workload.requests[:: max(1, every)])
+def window(workload: Workload, count: int) -> Workload:
+    """The trace's first `count` requests, in order, with their own arrival times."""
+    return Workload(workload.spec, workload.requests[: max(1, count)])
 
 
-def sample_every(run_seconds: float, runs: int, budget_s: float) -> int:
-    """The k for `sample`: one replay of the whole trace takes `run_seconds`; `runs` runs must fit `budget_s`."""
-    return max(1, -(-int(run_seconds * runs) // max(1, int(budget_s))))
+def window_size(duration: Callable[[int], float], total: int, runs: int, budget_s: float, least: int = 8) -> int:
+    """The most requests from the trace's start whose run, `runs` times, fits `budget_s` by `duration(n)`
+    (the simulator's seconds for the first n); at least `least` (or all, when fewer)."""
+    low, high = min(least, total), total
+    if runs * duration(high) <= budget_s:
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if runs * duration(mid) <= budget_s:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def verify(
