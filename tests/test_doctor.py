@@ -316,6 +316,8 @@ def test_the_doctor_names_bad_input(tiny_model_dir, capsys):
     assert "--memory: 'lots' is not a size" in capsys.readouterr().err
     assert main(["doctor", model, "--slo", "ttft=5"]) == 2
     assert "--slo:" in capsys.readouterr().err
+    assert main(["doctor", model, "--verify", "--repeats", "1"]) == 2  # (before anything is measured)
+    assert "--repeats: at least 2" in capsys.readouterr().err
 
 
 def test_prefills_that_stretch_tpot_past_the_slo_get_a_smaller_step_budget(engine):

@@ -79,6 +79,10 @@ def _doctor(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import LLMEngine
 
     memory = parse_bytes(args.memory) if args.memory is not None else None
+    if not args.link_gbps > 0:
+        raise ValueError(f"--link-gbps: must be above 0, got {args.link_gbps}")
+    if args.verify and (args.repeats < 2 or not args.budget_s > 0):
+        raise ValueError("--repeats: at least 2, --budget-s: above 0, for --verify")
     try:
         slos = parse_slos(args.slo)
     except ValueError as e:  # (its messages name bench's flag)
@@ -96,8 +100,6 @@ def _doctor(args: argparse.Namespace) -> int:
     workload = build_workload(spec, engine.tokenizer)
     print(f"tokenmill doctor: measuring step costs of {config.model} on this machine ...", flush=True)
     cost = calibrate(engine, workload, probe(engine), args.request_rate)
-    if not args.link_gbps > 0:
-        raise ValueError(f"--link-gbps: must be above 0, got {args.link_gbps}")
     draft = None
     if args.draft is not None:
         draft = LLMEngine(
@@ -113,8 +115,6 @@ def _doctor(args: argparse.Namespace) -> int:
         engine, workload, cost, memory, slos, args.request_rate, args.link_gbps, args.cost_per_hour, draft=draft
     )
     if args.verify:
-        if args.repeats < 2 or not args.budget_s > 0:
-            raise ValueError("--repeats: at least 2, --budget-s: above 0, for --verify")
         print("tokenmill doctor: verifying the recommendations ...", flush=True)
         verify_findings(engine, diagnosis, workload, args.request_rate, args.budget_s, args.repeats)
     text = write_report(diagnosis, Path(args.out))
