@@ -27,7 +27,7 @@ from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import measure_stall
-from tokenmill.doctor.step_cost import StepCost
+from tokenmill.doctor.step_cost import StepCost, probe
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.models.make_model import make_model
 
@@ -82,6 +82,15 @@ def test_the_simulator_runs_the_schedulers_rule_on_the_cost_model():
     static = SimulatedEngine(EngineConfig.from_kwargs("unused", max_num_seqs=2, scheduling="static"), 100, 512, cost)
     run2 = run_offline(static, w, "static", clock=static.clock, sleep=static.sleep)
     assert summarize(run2.records, run2.duration_s)["output_throughput"] < s["output_throughput"]
+
+
+def test_a_short_context_probe_notes_what_it_could_not_measure(tiny_model_dir):
+    short = LLMEngine(
+        EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, max_model_len=96)
+    )
+    cost = probe(short, repeats=2)
+    assert any("no long-prompt probe" in n for n in cost.notes) and cost.calibration == {}
+    assert cost.per_prompt_pair == 0.0 and not short.has_unfinished_requests()
 
 
 def test_the_simulator_preempts_when_the_cache_runs_out():

@@ -12,8 +12,8 @@ import pytest
 from tests.test_doctor import by_question, curve, random_prompts, workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.diagnose import Replays, diagnose, verify_findings
-from tokenmill.doctor.findings import Finding, p50, recommended_settings
-from tokenmill.doctor.verify import apply_verdicts, verify, window, window_size
+from tokenmill.doctor.findings import Finding, recommended_settings
+from tokenmill.doctor.verify import apply_verdicts, headline, verify, window, window_size
 from tokenmill.engine.engine import LLMEngine
 
 
@@ -55,8 +55,7 @@ def test_a_useless_recommendation_is_withdrawn_by_measurement(tiny_model_dir):
     replays = Replays.of(engine, curve(), trace, None)
 
     def predict(settings, _):
-        s = replays(settings)
-        return {"output_throughput": s["output_throughput"], "ttft_p50_ms": p50(s, "ttft")}
+        return headline(replays(settings))
 
     def build(settings):
         return LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", **{"max_num_seqs": 4, **settings}))

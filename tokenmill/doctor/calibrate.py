@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import Workload
-from tokenmill.doctor.step_cost import CostModel, StepCost
+from tokenmill.doctor.step_cost import CostModel, StepCost, step_chunks
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
@@ -48,10 +48,7 @@ class StepLog:
 
         def logged_schedule(now: float) -> Any:
             out = schedule(now)
-            prompts = {c.request_id: scheduler.requests[c.request_id].num_prompt_tokens for c in out.chunks}
-            chunks = [(len(c.token_ids), c.start_position) for c in out.chunks]
-            decoding = all(len(c.token_ids) == 1 and c.start_position >= prompts[c.request_id] for c in out.chunks)
-            pending.append((chunks, decoding))
+            pending.append(step_chunks(out, scheduler.requests))  # (before the step: requests still there)
             return out
 
         def logged_step() -> Any:

@@ -38,7 +38,7 @@ from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
-from tokenmill.doctor.verify import Verified, apply_verdicts, verify, window, window_size
+from tokenmill.doctor.verify import Verified, apply_verdicts, headline, verify, window, window_size
 from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
 
 if TYPE_CHECKING:
@@ -376,15 +376,14 @@ def verify_findings(
     runs = repeats * (1 + settings + (settings > 1)) + 1  # (+1: the warm-ups, a quarter each)
 
     def duration(n: int) -> float:
-        return Replays.of(engine, cost, window(workload, n), request_rate)({})["duration_s"]
+        return float(Replays.of(engine, cost, window(workload, n), request_rate)({})["duration_s"])
 
     count = window_size(duration, len(workload.requests), runs, budget_s)
     part = window(workload, count)
     replays = Replays.of(engine, cost, part, request_rate)
 
     def predict(settings: dict[str, Any], _: Workload) -> dict[str, float]:
-        s = replays(settings)
-        return {"output_throughput": s["output_throughput"], "ttft_p50_ms": p50(s, "ttft")}
+        return headline(replays(settings))
 
     def build(settings: dict[str, Any]) -> LLMEngine:
         from tokenmill.engine.engine import LLMEngine

@@ -20,7 +20,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_manager import KVManager
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.static import StaticScheduler
-from tokenmill.doctor.step_cost import CostModel
+from tokenmill.doctor.step_cost import CostModel, step_chunks
 from tokenmill.outputs import (
     CompletionOutput,
     EngineStats,
@@ -119,13 +119,7 @@ class SimulatedEngine:
     def step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         scheduled = scheduler.schedule(self.now)
-        chunks = [(len(c.token_ids), c.start_position) for c in scheduled.chunks]
-        requests = scheduler.requests
-        # every chunk decodes one token: a chunk of one token past its request's prompt
-        decoding = all(
-            len(c.token_ids) == 1 and c.start_position >= requests[c.request_id].num_prompt_tokens
-            for c in scheduled.chunks
-        )
+        chunks, decoding = step_chunks(scheduled, scheduler.requests)
         seconds = self.cost.predict(chunks, decoding) if chunks else 0.0
         self.now += seconds
         result = StepOutput()

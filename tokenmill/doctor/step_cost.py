@@ -29,7 +29,7 @@ import random
 import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,6 +37,8 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
+    from tokenmill.outputs import SchedulerOutput
+    from tokenmill.request import Request
 
 
 class CostModel(Protocol):
@@ -44,6 +46,16 @@ class CostModel(Protocol):
         """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every
         chunk decodes one token."""
         ...
+
+
+def step_chunks(scheduled: SchedulerOutput, requests: Mapping[str, Request]) -> tuple[list[tuple[int, int]], bool]:
+    """A scheduled step as the cost model takes it: its chunks as (query length, start position), and
+    whether every chunk decodes one token (a chunk of one token past its request's prompt)."""
+    chunks = [(len(c.token_ids), c.start_position) for c in scheduled.chunks]
+    decoding = all(
+        len(c.token_ids) == 1 and c.start_position >= requests[c.request_id].num_prompt_tokens for c in scheduled.chunks
+    )
+    return chunks, decoding
 
 
 def decode_keys(chunks: Sequence[tuple[int, int]]) -> float:
@@ -76,8 +88,8 @@ class StepCost:
     per_prompt_pair: float  # seconds per query-key pair a prompt chunk scores
     per_mixed_key: float  # seconds per key a decoding chunk reads in a step with prompt chunks
     probe_seconds: float = 0.0  # what the probe took
-    calibration: dict[str, float] = field(default_factory=dict)  # factors a run of the trace set (calibrate.py)
     notes: list[str] = field(default_factory=list)
+    calibration: dict[str, float] = field(default_factory=dict)  # factors a run of the trace set (calibrate.py)
 
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
         """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every

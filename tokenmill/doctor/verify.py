@@ -70,9 +70,20 @@ class Verified:
         return f"{self.label} ({'; '.join(parts)}): {verdict}"
 
 
+def headline(summary: dict[str, Any]) -> dict[str, float]:
+    """The figures a verification compares, from a run summary (`bench.metrics.summarize`)."""
+    return {"output_throughput": summary["output_throughput"], "ttft_p50_ms": p50(summary, "ttft")}
+
+
 def figures(records: Sequence[Any], duration_s: float) -> dict[str, float]:
-    s = summarize(records, max(duration_s, 1e-9))
-    return {"output_throughput": s["output_throughput"], "ttft_p50_ms": p50(s, "ttft")}
+    return headline(summarize(records, max(duration_s, 1e-9)))
+
+
+def gain(metric: str, variant: dict[str, float], base: dict[str, float]) -> float:
+    """How much better `variant` is than `base` on `metric` (above 1: better; TTFT: lower is better)."""
+    if metric == "ttft_p50_ms":
+        return base[metric] / max(variant[metric], 1e-9)
+    return variant[metric] / max(base[metric], 1e-9)
 
 
 def window(workload: Workload, count: int) -> Workload:
@@ -135,18 +146,10 @@ def verify(
     out = []
     for label, settings, _ in engines:
         v = Verified(label, settings, noise=noise)
-        v.gains["output_throughput"] = [
-            r["output_throughput"] / max(b["output_throughput"], 1e-9) for r, b in zip(runs[label], base, strict=True)
-        ]
-        v.gains["ttft_p50_ms"] = [
-            b["ttft_p50_ms"] / max(r["ttft_p50_ms"], 1e-9) for r, b in zip(runs[label], base, strict=True)
-        ]
+        v.gains = {m: [gain(m, r, b) for r, b in zip(runs[label], base, strict=True)] for m in METRICS}
         v.measured = {m: statistics.median(r[m] for r in runs[label]) for m in METRICS}
         v.predicted = predict(settings, workload)
-        v.predicted_gain = {
-            "output_throughput": v.predicted["output_throughput"] / max(before["output_throughput"], 1e-9),
-            "ttft_p50_ms": before["ttft_p50_ms"] / max(v.predicted["ttft_p50_ms"], 1e-9),
-        }
+        v.predicted_gain = {m: gain(m, v.predicted, before) for m in METRICS}
         v.kept = any(min(v.gains[m]) > 1 + NOISE_FLOOR and v.gain(m) > 1 + noise for m in METRICS)
         out.append(v)
     return out
