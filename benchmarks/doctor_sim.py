@@ -7,8 +7,8 @@ step-cost curve is probed (`doctor/step_cost.py`) on the setting's own engine ri
 run and calibrated on the trace's first 16 requests run for real (`doctor/calibrate.py`), as the doctor
 does on the engine it reports on: these machines drift by 10-20% within minutes, a setting whose TTFT
 is queueing (a saturated replica) magnifies a throughput error about threefold, and of several engines
-in one process the first built decodes 15-30% slower than the others (seen in three of three
-orderings, cause not found), so one engine's probe does not price another's steps. Each run goes for
+in one process the first built decoded slower than the others (in each of three orderings tried,
+cause not found), so one engine's probe does not price another's steps. Each run goes for
 real (`bench.offline.run_offline`, an in-process engine) and through the simulator with the cost model
 taken just before it (`doctor/simulator.py`: the real scheduler and KV manager, the probed costs
 instead of the model); runs repeated and interleaved across settings, each figure the median of the

@@ -190,7 +190,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     p.drain()
     # one-request prompts, the grid in a new order each round and each round one token shorter: every
     # step a length the engine has not run and another length just before it, as a server meets them
-    # (a length met again, right after itself, runs 10-20% faster on the AMX machine: oneDNN's kernel
+    # (a length met again, right after itself, runs faster: benchmarks/prompt_lengths.py; oneDNN's kernel
     # for that row count built, the caches warm with its shapes)
     prompt_points = fine_grid(budget)
     times: dict[int, list[float]] = {tokens: [] for tokens in prompt_points}
