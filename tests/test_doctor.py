@@ -9,6 +9,7 @@ machine; the CLI test probes for real."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 
@@ -29,6 +30,7 @@ from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import measure_stall
 from tokenmill.doctor.step_cost import StepCost, probe
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine_args import engine_config, read_config_file
 from tokenmill.models.make_model import make_model
 
 
@@ -290,13 +292,16 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
             "2",
             "--budget-s",
             "30",
+            "--apply",
+            "--max-num-batched-tokens",
+            "128",
             "--out",
             str(out),
         ]
     )
     assert code == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["step_cost"]["prompt_tokens"][-1] == 256 and report["step_cost"]["decode_batch"][-1] == 8
+    assert report["step_cost"]["prompt_tokens"][-1] == 128 and report["step_cost"]["decode_batch"][-1] == 8
     assert all(s > 0 for s in report["step_cost"]["decode_seconds"])
     assert len(report["findings"]) == 6
     q5 = report["findings"][4]
@@ -307,10 +312,14 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
         assert len(v["gains"]["output_throughput"]) == 2 and set(v["sim_error"]) == {"output_throughput", "ttft_p50_ms"}
         if not v["kept"] and v["label"] != "all recommended":
             assert not set(v["settings"]) & set(report["recommended"])
-    recommended = yaml.safe_load((out / "recommended.yaml").read_text())
-    assert recommended == report["recommended"]
-    if recommended:  # what it recommends, serve's --config takes
-        EngineConfig.from_kwargs(str(tiny_model_dir("llama")), **recommended)
+    applied = yaml.safe_load((out / "recommended.yaml").read_text())  # --apply: the whole configuration
+    current = {"scheduling": "static", "max_num_seqs": 8, "dtype": "float32", "max_num_batched_tokens": 128}
+    assert applied == {"model": str(tiny_model_dir("llama")), **current, **report["recommended"]}
+    served = engine_config(
+        argparse.Namespace(model=None), read_config_file(str(out / "recommended.yaml"), EngineConfig)
+    )
+    assert served.max_num_batched_tokens == 128 and served.dtype == "float32"  # (the flag given, the file's)
+    assert served.scheduling == report["recommended"].get("scheduling", "static")
     assert "## 1. Model fit" in (out / "report.md").read_text()
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4 and "1. Model fit" in page
@@ -327,6 +336,8 @@ def test_the_doctor_names_bad_input(tiny_model_dir, capsys):
     assert "--slo:" in capsys.readouterr().err
     assert main(["doctor", model, "--verify", "--repeats", "1"]) == 2  # (before anything is measured)
     assert "--repeats: at least 2" in capsys.readouterr().err
+    assert main(["doctor", model, "--apply"]) == 2
+    assert "--apply: needs --verify" in capsys.readouterr().err
 
 
 def test_prefills_that_stretch_tpot_past_the_slo_get_a_smaller_step_budget(engine):

@@ -1,7 +1,9 @@
-"""`tokenmill doctor --verify`: a recommendation with a real gain (continuous batching for long-tailed
-outputs under static batching) measured and kept, a deliberately useless one (prefix caching on prompts
-that share nothing) measured and withdrawn, the findings and recommended settings updated, and the
-simulator's error reported when its cost model is not this machine's (a fixed curve here)."""
+"""`tokenmill doctor --verify`: recommendations with a real gain (continuous batching for long-tailed
+outputs under static batching; the prefix cache for a shared system prompt) measured and kept, a
+deliberately useless one (a batch limit a trace never reaches) measured and withdrawn, settings that
+pay only together kept by leaving each out of the combination, a clean trace's "nothing to change"
+checked against the simulator on a probed cost model, the findings and recommended settings
+updated, and every run starting from an empty prefix cache."""
 
 from __future__ import annotations
 
@@ -13,7 +15,18 @@ from tests.test_doctor import by_question, curve, random_prompts, workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.diagnose import Replays, diagnose, verify_findings
 from tokenmill.doctor.findings import Finding, recommended_settings
-from tokenmill.doctor.verify import apply_verdicts, headline, verify, window, window_size
+from tokenmill.doctor.step_cost import probe
+from tokenmill.doctor.verify import (
+    ALL,
+    CURRENT,
+    METRICS,
+    apply_verdicts,
+    headline,
+    offline_runner,
+    verify,
+    window,
+    window_size,
+)
 from tokenmill.engine.engine import LLMEngine
 
 
@@ -60,11 +73,93 @@ def test_a_useless_recommendation_is_withdrawn_by_measurement(tiny_model_dir):
     def build(settings):
         return LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", **{"max_num_seqs": 4, **settings}))
 
-    [v] = verify(engine, build, trace, [useless], predict, None, repeats=3)
+    [v] = verify(engine, build, trace, [useless], predict, offline_runner(None), repeats=3)
     assert not v.kept, v.line()
-    assert v.noise >= 0.05 and all(len(g) == 3 for g in v.gains.values())
+    assert min(v.noise.values()) >= 0.05 and all(len(g) == 3 for g in v.gains.values())
     assert abs(v.predicted_gain["output_throughput"] - 1) < 0.02  # the simulator agrees: nothing to gain
     assert abs(v.gain("output_throughput") - 1) < 0.05  # (the arrivals set the pace)
     assert "withdrawn" in v.line()
     apply_verdicts([useless], [v])
     assert useless.settings == {} and "withdrawn by --verify" in useless.verdict
+
+
+class Fake:
+    """An engine whose runs take figures from its settings: 100 tokens/s, 1.5x with both "a" and
+    "b" on (neither alone does anything), "c" nothing ever; a run-to-run wobble of +-1%."""
+
+    def __init__(self, settings: dict, rng: random.Random) -> None:
+        self.settings, self.rng = settings, rng
+
+    def figures(self) -> dict[str, float]:
+        both = self.settings.get("a") and self.settings.get("b")
+        wobble = 1 + self.rng.uniform(-0.01, 0.01)
+        return {"output_throughput": 100 * (1.5 if both else 1) * wobble, "ttft_p50_ms": 50 / (1.5 if both else 1)}
+
+
+def test_settings_that_pay_only_together_are_kept_by_leaving_each_out():
+    rng = random.Random(0)
+    findings = [Finding(f"{i}. {k}", k, settings={k: True}) for i, k in enumerate("abc", 2)]
+    built: list[dict] = []
+
+    def build(settings):
+        built.append(settings)
+        return Fake(settings, rng)
+
+    runs = []
+
+    def run(engine, workload, label, repeat):
+        runs.append(label)
+        return engine.figures()
+
+    trace = workload(random_prompts(8, 4, 8), [4] * 8)
+    verified = verify(Fake({}, rng), build, trace, findings, lambda s, w: {m: 1.0 for m in METRICS}, run)
+    by_label = {v.label: v for v in verified}
+    assert by_label[ALL].kept and by_label[ALL].gain("output_throughput") > 1.4
+    for k in "ab":  # alone: nothing; left out: the combination loses its 1.5x
+        v = by_label[f"{'abc'.index(k) + 2}. {k}"]
+        assert v.kept and min(v.gains["output_throughput"]) < 1.05 and min(v.needed["output_throughput"]) > 1.4
+        assert "the others lose without it" in v.line()
+    c = by_label["4. c"]
+    assert not c.kept and c.needed and "left out of the rest" in c.line()
+    assert built[-3:] == [{"b": True, "c": True}, {"a": True, "c": True}, {"a": True, "b": True}]  # all but each
+    assert runs.count(ALL) == 6  # 3 beside each alone, 3 beside each left out
+    apply_verdicts(findings, verified)
+    assert recommended_settings(findings) == {"a": True, "b": True}
+
+
+@pytest.mark.timeout(300)
+def test_a_shared_system_prompt_gets_the_prefix_cache_kept_by_measurement(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    off = LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", enable_prefix_caching=False))
+    system = random_prompts(1, 480, 480, seed=17)[0]
+    prompts = [system + p for p in random_prompts(24, 8, 24, seed=19)]
+    trace = workload(prompts, [4] * 24, arrivals=[0.05 * i for i in range(24)])
+    d = diagnose(off, trace, curve(), measure_quantization=False, measure_stalls=False)
+    assert by_question(d, 2).settings == {"enable_prefix_caching": True}
+    verified = verify_findings(off, d, trace, None, budget_s=600, repeats=3)
+    v = next(v for v in verified if v.label.startswith("2."))
+    assert v.kept and v.gain("ttft_p50_ms") > 1.3, v.line()
+    assert recommended_settings(d.findings)["enable_prefix_caching"] is True
+
+
+@pytest.mark.timeout(300)
+def test_a_clean_traces_nothing_to_change_is_checked_against_the_simulator_on_a_probed_cost_model(tiny_model_dir):
+    """Confirmed only when the simulator that found nothing to gain is within 15% of the runs (on the
+    tiny model a TTFT of a few ms is mostly Python, so only throughput, paced by the arrivals, is held
+    to it here)."""
+    model = str(tiny_model_dir("llama"))
+    engine = LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", max_num_seqs=8))
+    rng = random.Random(9)
+    trace = workload(
+        random_prompts(24, 64, 128, seed=9), [rng.randint(30, 40) for _ in range(24)], [0.05 * i for i in range(24)]
+    )
+    cost = probe(engine, repeats=2)
+    d = diagnose(engine, trace, cost, measure_quantization=False, measure_stalls=False)
+    assert [f.settings for f in d.findings] == [{}] * 6
+    [v] = verify_findings(engine, d, trace, None, budget_s=600, repeats=3)
+    assert v.label == CURRENT and "nothing to change" in v.line()
+    errors = {m: v.sim_error(m) for m in v.measured}
+    assert v.kept == all(abs(e) <= 0.15 for e in errors.values())
+    assert abs(errors["output_throughput"]) <= 0.15, v.line()  # (the arrivals set the pace: the model must know)
+    stats = engine.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -1,19 +1,28 @@
 """`tokenmill doctor MODEL --workload W|jsonl:TRACE [--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
-[--request-rate R] [--draft DIR] [--verify [--budget-s S] [--repeats N]] [--out DIR]`: the parser and the
-command (the work is in diagnose.py and, for --verify, verify.py).
+[--request-rate R] [--draft DIR] [--verify [--budget-s S] [--repeats N] [--apply]] [--out DIR]`: the parser
+and the command (the work is in diagnose.py and, for --verify, verify.py).
 
 The current settings are the engine flags and `--config` file, as `tokenmill serve` takes them. A
 trace states each request's prompt and, as max_tokens, the tokens it generated; its arrival times
-(or `--request-rate`, Poisson) set the load.
+(or `--request-rate`, Poisson) set the load. `recommended.yaml` holds the settings to change (with
+--verify, those it kept); with `--apply`, the whole configuration to serve instead: the model, the
+current `--config` file's settings and the engine flags given, changed by the verified recommendations
+(`tokenmill serve --config recommended.yaml`), read back as serve reads it before it is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
-from tokenmill.engine_args import add_engine_args, engine_config
+import yaml
+
+from tokenmill.config import EngineConfig
+from tokenmill.doctor.findings import recommended_settings
+from tokenmill.engine_args import add_engine_args, engine_config, given, read_config_file
 
 UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
 
@@ -63,6 +72,12 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "--budget-s", type=float, default=120.0, help="--verify: seconds its runs should take (8 requests at least)"
     )
     doc.add_argument("--repeats", type=int, default=3, help="--verify: interleaved runs of each setting")
+    doc.add_argument(
+        "--apply",
+        action="store_true",
+        help="with --verify: recommended.yaml becomes the whole configuration to serve (the current settings "
+        "changed by the verified recommendations), for tokenmill serve --config",
+    )
     doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
     doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")
     add_engine_args(doc)
@@ -72,7 +87,6 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 def _doctor(args: argparse.Namespace) -> int:
     from tokenmill.bench.metrics import parse_slos
     from tokenmill.bench.workloads import WorkloadSpec, build_workload, parse_range
-    from tokenmill.config import EngineConfig
     from tokenmill.doctor.calibrate import calibrate
     from tokenmill.doctor.diagnose import diagnose, verify_findings, write_report
     from tokenmill.doctor.step_cost import probe
@@ -83,6 +97,8 @@ def _doctor(args: argparse.Namespace) -> int:
         raise ValueError(f"--link-gbps: must be above 0, got {args.link_gbps}")
     if args.verify and (args.repeats < 2 or not args.budget_s > 0):
         raise ValueError("--repeats: at least 2, --budget-s: above 0, for --verify")
+    if args.apply and not args.verify:
+        raise ValueError("--apply: needs --verify (only measured recommendations are applied)")
     try:
         slos = parse_slos(args.slo)
     except ValueError as e:  # (its messages name bench's flag)
@@ -119,5 +135,24 @@ def _doctor(args: argparse.Namespace) -> int:
         verify_findings(engine, diagnosis, workload, args.request_rate, args.budget_s, args.repeats)
     text = write_report(diagnosis, Path(args.out))
     print(text)
+    if args.apply:
+        write_applied(args, config, recommended_settings(diagnosis.findings), Path(args.out) / "recommended.yaml")
     print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")
     return 0
+
+
+def write_applied(args: argparse.Namespace, current: EngineConfig, settings: dict[str, Any], path: Path) -> None:
+    """`path`: the current configuration (the model, the --config file's settings, the engine flags
+    given) changed by `settings`; read back as `serve --config` reads it, it must give exactly the
+    current EngineConfig changed by `settings`."""
+    values = {
+        "model": current.model,
+        **read_config_file(args.config, EngineConfig),
+        **given(args, EngineConfig),
+        **settings,
+    }
+    lines = "# tokenmill doctor --verify --apply: the current settings, changed by the verified recommendations\n"
+    path.write_text(lines + yaml.safe_dump(values, sort_keys=False))
+    back = engine_config(argparse.Namespace(model=None), read_config_file(str(path), EngineConfig))
+    if back != dataclasses.replace(current, **settings):
+        raise ValueError(f"--apply: {path} does not read back as the recommended configuration")

@@ -38,7 +38,17 @@ from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
-from tokenmill.doctor.verify import Verified, apply_verdicts, headline, verify, window, window_size
+from tokenmill.doctor.verify import (
+    CURRENT,
+    Verified,
+    apply_verdicts,
+    headline,
+    offline_runner,
+    runs_needed,
+    verify,
+    window,
+    window_size,
+)
 from tokenmill.doctor.workload_shape import fragmentation_finding, length_finding
 
 if TYPE_CHECKING:
@@ -322,13 +332,17 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         if c.get("tpot")
         else "",
     ]
-    if diagnosis.verified:
+    verified = diagnosis.verified
+    if verified and verified[0].label == CURRENT:
+        preamble.append(
+            f"Verified (--verify), on the trace's first {diagnosis.verified_requests} requests: {verified[0].line()}."
+        )
+    elif verified:
         preamble.append(
             f"Verified (--verify): each recommendation run against the current settings on the trace's first "
             f"{diagnosis.verified_requests} requests, "
-            f"{len(diagnosis.verified[0].gains['output_throughput'])} repeats interleaved; kept: "
-            + (", ".join(v.label for v in diagnosis.verified if v.kept) or "none")
-            + "."
+            f"{len(verified[0].gains['output_throughput'])} repeats interleaved, every run from an empty prefix "
+            "cache; kept: " + (", ".join(v.label for v in verified if v.kept) or "none") + "."
         )
     preamble = [p for p in preamble if p]
     charts = [
@@ -372,8 +386,7 @@ def verify_findings(
     """`--verify`: the diagnosis's recommendations run against `engine`'s settings on a sample of the
     trace sized to `budget_s` (verify.py), the findings updated with what was kept."""
     cost = diagnosis.cost
-    settings = sum(1 for f in diagnosis.findings if f.settings)
-    runs = repeats * (1 + settings + (settings > 1)) + 1  # (+1: the warm-ups, a quarter each)
+    runs = runs_needed(sum(1 for f in diagnosis.findings if f.settings), repeats)
 
     def duration(n: int) -> float:
         return float(Replays.of(engine, cost, window(workload, n), request_rate)({})["duration_s"])
@@ -390,7 +403,7 @@ def verify_findings(
 
         return LLMEngine(dataclasses.replace(engine.config, **settings))
 
-    verified = verify(engine, build, part, diagnosis.findings, predict, request_rate, repeats)
+    verified = verify(engine, build, part, diagnosis.findings, predict, offline_runner(request_rate), repeats)
     apply_verdicts(diagnosis.findings, verified)
     diagnosis.verified = verified
     diagnosis.verified_requests = count
