@@ -1,4 +1,4 @@
-"""Weights and KV cache on 2 MB pages (runner/huge_pages.py): the memory it hands out (zeroed, aligned
+"""Weights on 2 MB pages (runner/huge_pages.py): the memory it hands out (zeroed, aligned
 to a huge page, shaped), the model's large tensors moved with their values and their sharing kept, and
 an engine with and without it generating the same tokens."""
 

@@ -156,8 +156,8 @@ class EngineConfig:
     )
     cpu_huge_pages: bool = setting(
         True,
-        "on a CPU device, weights and KV cache on 2 MB pages where Linux's transparent huge pages allow "
-        "(madvise or always mode): fewer TLB misses as a step streams them",
+        "on a CPU device, weights on 2 MB pages where Linux's transparent huge pages allow (madvise or "
+        "always mode): fewer TLB misses as a step streams them",
     )
     fused_decode: bool = setting(
         True,

@@ -39,7 +39,9 @@ from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
 from tokenmill.doctor.verify import (
+    ALL,
     CURRENT,
+    SIM_TOLERANCE,
     Verified,
     apply_verdicts,
     headline,
@@ -344,6 +346,7 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
             f"{len(verified[0].gains['output_throughput'])} repeats interleaved, every run from an empty prefix "
             "cache; kept: " + (", ".join(v.label for v in verified if v.kept) or "none") + "."
         )
+        preamble += [f"Verified: {v.line()}{sim_note(v)}." for v in verified if v.label == ALL]
     preamble = [p for p in preamble if p]
     charts = [
         lengths_chart(diagnosis.prompt_lens, diagnosis.output_lens, out / "lengths.png"),
@@ -373,6 +376,12 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
     }
     (out / "report.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return text
+
+
+def sim_note(v: Verified) -> str:
+    """The simulator's errors on `v`'s runs where past SIM_TOLERANCE, for the report ("" when none)."""
+    off = [f"{m.replace('_', ' ')} {v.sim_error(m):+.0%}" for m in v.measured if abs(v.sim_error(m)) > SIM_TOLERANCE]
+    return f"; the simulator was off by {', '.join(off)}: the cost model needs a new probe" if off else ""
 
 
 def verify_findings(

@@ -14,7 +14,6 @@ meaningless.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,22 +82,14 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> list[KVCache]:
-    """One zeroed KVCache per layer, in the backend's layout; `dtype` int8: with per-token scales;
-    `zeros` (shape, dtype) -> a zeroed tensor: where the K and V tensors come from (default torch.zeros
-    on `device`)."""
+    """One zeroed KVCache per layer, in the backend's layout; `dtype` int8: with per-token scales."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
     shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
-    def plain(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    make = zeros or plain
-
     def layer() -> KVCache:
-        k, v = make(shape, dtype), make(shape, dtype)
+        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         if dtype != torch.int8:
             return KVCache(k, v)
         scales = backend.kv_scale_shape(num_blocks, block_size, num_kv_heads)

@@ -1,7 +1,11 @@
-"""Weights and KV cache on 2 MB pages (Linux transparent huge pages) on a CPU device.
+"""Weights on 2 MB pages (Linux transparent huge pages) on a CPU device.
 
-A decode step streams every weight matrix and reads the KV its requests attend to; on 4 KB pages that
-is a TLB entry every 4 KB, and the page walks show at memory bandwidth. Linux backs anonymous memory
+A decode step streams every weight matrix; on 4 KB pages that is a TLB entry every 4 KB, and the page
+walks show at memory bandwidth. The KV cache stays on 4 KB pages: it is touched for the first time
+as requests fill it, inside steps, and on these virtual machines a 2 MB page met for the first time
+can take milliseconds (1 GiB of them touched in a fresh process: 7.2 s, the same again after freeing
+it: 0.1-0.2 s); on 2 MB pages SmolLM2's prompt steps stalled up to 2.2 s (10x their price) as they
+wrote new KV blocks, while the weights are touched once, at load. Linux backs anonymous memory
 with 2 MB pages where asked when its transparent huge pages are in `madvise` mode (the default of many
 distributions, and of these machines; `always` needs no asking, `never` gives none). `huge_zeros` maps
 anonymous memory, asks for huge pages (madvise MADV_HUGEPAGE) before anything touches it, and hands

@@ -330,7 +330,6 @@ class Worker:
             cfg.head_dim,
             self.kv_dtype,
             self.device,
-            huge_pages.huge_zeros if self.huge_pages else None,
         )
 
     def _greedy_head_is_faster(self, model: LlamaForCausalLM, rows: int) -> bool:
