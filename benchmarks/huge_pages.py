@@ -1,4 +1,4 @@
-"""Weights and KV cache on 2 MB pages (`cpu_huge_pages`, runner/huge_pages.py) against 4 KB pages.
+"""Weights on 2 MB pages (`cpu_huge_pages`, runner/huge_pages.py) against 4 KB pages.
 
 SmolLM2-135M-Instruct, a decode step (the whole `LLMEngine.step`) of 1, 4 and 16 requests at a
 128-token context, median of 12 steps, in float32 and in bfloat16. Each measurement is its own process

@@ -10,6 +10,7 @@ machine; the CLI test probes for real."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 
@@ -24,6 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.doctor.calibrate import StepLog, calibrate
 from tokenmill.doctor.diagnose import Replays, diagnose
 from tokenmill.doctor.draft_check import DraftAgreement, draft_agreement
+from tokenmill.doctor.findings import serve_flags
 from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
@@ -184,6 +186,22 @@ def test_a_repetitive_trace_gets_speculation_at_batch_1_and_not_at_batch_32(engi
     f32 = by_question(d32, 5)
     assert not f32.settings
     assert "not worth it" in f32.verdict and "batch of 32" in f32.verdict
+
+
+def test_prompt_lookup_configured_for_a_code_edit_trace_at_batch_32_is_switched_off(tiny_model_dir, engine):
+    """Its drafts cost a batch of 32 more than they bring (the same trace at batch 1 gets it recommended)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 5})
+    config = EngineConfig.from_kwargs(
+        str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=32, speculative_config=spec
+    )
+    speculating = LLMEngine(config)
+    trace = workload(code_edit_prompts(engine, 32), [64] * 32)
+    d = diagnose(speculating, trace, curve(per_token_ms=1.0), measure_quantization=False, measure_stalls=False)
+    f = by_question(d, 5)
+    assert f.settings == {"speculative_config": None}, f.verdict
+    assert "switch it off" in f.verdict and any("prompt lookup at the trace's load" in p for p in f.pitfalls)
+    assert "(without --speculative-config)" in serve_flags(f.settings)
+    assert dataclasses.replace(config, **f.settings).speculative_config is None
 
 
 def test_a_draft_is_measured_against_the_target_on_the_traces_prompts(engine, tiny_model_dir, tmp_path):

@@ -139,6 +139,7 @@ def test_a_shared_system_prompt_gets_the_prefix_cache_kept_by_measurement(tiny_m
     verified = verify_findings(off, d, trace, None, budget_s=600, repeats=3)
     v = next(v for v in verified if v.label.startswith("2."))
     assert v.kept and v.gain("ttft_p50_ms") > 1.3, v.line()
+    assert v.hit_rate > 0.8 and "prefix-cache hits measured" in v.line()  # (480 of each ~496 tokens shared)
     assert recommended_settings(d.findings)["enable_prefix_caching"] is True
 
 

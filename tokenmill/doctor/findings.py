@@ -58,7 +58,9 @@ def serve_flags(settings: dict[str, Any]) -> str:
     parts = []
     for key, value in settings.items():
         flag = "--" + key.replace("_", "-")
-        if value is True:
+        if value is None:  # (an optional setting unset: no flag gives it, the configuration leaves it out)
+            parts.append(f"(without {flag})")
+        elif value is True:
             parts.append(flag)
         elif value is False:
             parts.append("--no-" + key.replace("_", "-"))

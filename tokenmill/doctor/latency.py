@@ -12,7 +12,9 @@ model (`--draft`) is judged the same way from its agreement with the target on t
 (`draft_check.py`: f = 1, d' = k, E from the agreement), its k decode steps a step (measured on it)
 added to S. The batch above which gain < 1 is where speculation would lose (the engine's adaptive rule
 switches it off there by itself); the better of the two is recommended where the trace's own decode
-batch (the replay's median) gains at least 10%.
+batch (the replay's median) gains at least 10%. Speculation already configured is judged the same way
+at the trace's batch, and switched off where predicted below LOSES (`--verify` then measures that
+at the trace's load).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tokenmill.doctor.draft_check import DraftAgreement
 from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.spec_decode import DraftRequest, NgramProposer
+from tokenmill.spec_decode.config import SpeculativeConfig
 
 QUESTION = "5. Per-token latency"
 K = 5
@@ -118,6 +121,9 @@ def speculation_gain(cost: StepCost, batch: int, spec: Speculator, context: int 
     return spec.tokens_per_step * plain / step if step > 0 else 1.0
 
 
+LOSES = 0.95  # a configured speculation predicted below this at the trace's batch: switched off
+
+
 def latency_finding(
     prompts: Sequence[Sequence[int]],
     current: dict[str, Any],
@@ -161,7 +167,22 @@ def latency_finding(
     breaks = _where_it_loses(gains[best.name])
     if speculative_config:
         said = ", ".join(f"{s.name} {here[s.name]:.2f}x" for s in candidates)
-        return Finding(QUESTION, f"speculation is configured; at the trace's batch ({batch}): {said}", evidence)
+        method = SpeculativeConfig.parse(speculative_config).method
+        configured = next(
+            (s for s in candidates if SpeculativeConfig.parse(s.settings["speculative_config"]).method == method), None
+        )
+        if configured is None or here[configured.name] >= LOSES:
+            return Finding(QUESTION, f"speculation is configured; at the trace's batch ({batch}): {said}", evidence)
+        loss = here[configured.name]
+        return Finding(
+            QUESTION,
+            f"speculation is configured ({configured.name}) and predicted to slow decoding at the trace's batch "
+            f"of {batch} ({loss:.2f}x): switch it off; {_where_it_loses(gains[configured.name])}",
+            evidence,
+            {"speculative_config": None},
+            f"TPOT about {loss:.2f}x of today's at batch {batch}",
+            [*pitfalls, f"{configured.name} at the trace's load: {loss:.2f}x predicted (measured step costs)"],
+        )
     if gain >= 1.1:
         return Finding(
             QUESTION,

@@ -18,16 +18,17 @@ own run-to-run spread of it (max / min - 1 over the repeats, at least NOISE_FLOO
 kept when, for either metric, its median gain exceeds 1 + that noise and its gain in every repeat
 exceeds 1 + NOISE_FLOOR, else withdrawn, and says so.
 
-Settings can pay only together (prefix caching under static batching hits nothing: a batch's prompts
-are admitted at once). When all of them together are kept, each one not kept alone is measured by
-leaving it out: all but it against all, interleaved the same way, the noise the whole combination's
-own spread; it stays when the combination loses beyond that noise without it (`needed`). With nothing
-to recommend, the current settings run `repeats` times against the simulator's prediction for them:
-"nothing to change" rests on what-ifs priced by that cost model, confirmed when it is within
-SIM_TOLERANCE. Beside each, the simulator's prediction for the same sample and settings, and its error
-against the measured medians: beyond SIM_TOLERANCE, the report says that the cost model needs a new
-probe. Settings that change memory only (`kv_cache_memory`) are not timed (a memory fit is not a speed
-claim) and stay as recommended.
+Where a variant caches prefixes, the hit rate its runs measured is reported beside its gains (the
+trace's real hit rate, not the replay's). Settings can pay only together (prefix caching under static
+batching hits nothing: a batch's prompts are admitted at once). When all of them together are kept, each
+one not kept alone is measured by leaving it out: all but it against all, interleaved the same way, the
+noise the whole combination's own spread; it stays when the combination loses beyond that noise without
+it (`needed`). With nothing to recommend, the current settings run `repeats` times against the
+simulator's prediction for them: "nothing to change" rests on what-ifs priced by that cost model,
+confirmed when it is within SIM_TOLERANCE. Beside each, the simulator's prediction for the same sample
+and settings, and its error against the measured medians: beyond SIM_TOLERANCE, the report says that the
+cost model needs a new probe. Settings that change memory only (`kv_cache_memory`) are not timed (a
+memory fit is not a speed claim) and stay as recommended.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ SIM_TOLERANCE = 0.15
 METRICS = ("output_throughput", "ttft_p50_ms")
 UNTIMED = ("kv_cache_memory",)
 ALL = "all recommended"
+HIT_RATE = "prefix_hit_rate"  # a run's prefix-cache hits over the prompt tokens looked up (not a gain)
 CURRENT = "current settings"
 
 
@@ -64,6 +66,7 @@ class Verified:
     noise: dict[str, float] = field(default_factory=dict)  # metric -> the baseline's own spread
     needed: dict[str, list[float]] = field(default_factory=dict)  # metric -> per repeat: all / all but this
     needed_noise: dict[str, float] = field(default_factory=dict)  # metric -> the combination's own spread
+    hit_rate: float = 0.0  # the prefix cache's hit rate in these settings' runs (median), as measured
     kept: bool = False
 
     def gain(self, metric: str) -> float:
@@ -86,6 +89,8 @@ class Verified:
             f"{self.predicted_gain[m]:.2f}x predicted"
             for m, g in self.gains.items()
         ]
+        if self.hit_rate > 0:
+            parts.append(f"prefix-cache hits measured: {self.hit_rate:.0%} of prompt tokens")
         if self.needed:
             together = "; ".join(
                 f"{m.replace('_', ' ')} {statistics.median(g):.2f}x [{min(g):.2f}-{max(g):.2f}]"
@@ -166,8 +171,12 @@ def offline_runner(request_rate: float | None) -> Runner:
 
     def run(engine: LLMEngine, workload: Workload, label: str, repeat: int) -> dict[str, float]:
         engine.reset_prefix_cache()
+        before = engine.stats()
         done = run_offline(engine, workload, label, repeat, request_rate=request_rate)
-        return figures(done.records, done.duration_s)
+        after = engine.stats()
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        hits = (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0
+        return {**figures(done.records, done.duration_s), HIT_RATE: hits}
 
     return run
 
@@ -218,6 +227,7 @@ def verify(
         v = Verified(label, settings, noise=spread(base))
         v.gains = {m: [gain(m, r, b) for r, b in zip(measured[label], base, strict=True)] for m in METRICS}
         v.measured = {m: statistics.median(r[m] for r in measured[label]) for m in METRICS}
+        v.hit_rate = statistics.median(r.get(HIT_RATE, 0.0) for r in measured[label])
         v.predicted = predict(settings, workload)
         v.predicted_gain = {m: gain(m, v.predicted, before) for m in METRICS}
         v.kept = beyond_noise(v.gains, v.noise)
