@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from tests.test_doctor import by_question, curve, random_prompts, workload
+from tests.test_doctor import by_question, code_edit_prompts, curve, random_prompts, workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.diagnose import Replays, diagnose, verify_findings
 from tokenmill.doctor.findings import Finding, recommended_settings
@@ -28,6 +28,7 @@ from tokenmill.doctor.verify import (
     window_size,
 )
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine_args import DEMO_MODEL
 
 
 def test_the_window_is_the_longest_start_of_the_trace_that_fits_the_budget():
@@ -93,7 +94,8 @@ class Fake:
     def figures(self) -> dict[str, float]:
         both = self.settings.get("a") and self.settings.get("b")
         wobble = 1 + self.rng.uniform(-0.01, 0.01)
-        return {"output_throughput": 100 * (1.5 if both else 1) * wobble, "ttft_p50_ms": 50 / (1.5 if both else 1)}
+        speed = 1.5 if both else 1
+        return {"output_throughput": 100 * speed * wobble, "ttft_p50_ms": 50 / speed, "tpot_p50_ms": 20 / speed}
 
 
 def test_settings_that_pay_only_together_are_kept_by_leaving_each_out():
@@ -133,7 +135,7 @@ def test_a_shared_system_prompt_gets_the_prefix_cache_kept_by_measurement(tiny_m
     off = LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", enable_prefix_caching=False))
     system = random_prompts(1, 480, 480, seed=17)[0]
     prompts = [system + p for p in random_prompts(24, 8, 24, seed=19)]
-    trace = workload(prompts, [4] * 24, arrivals=[0.05 * i for i in range(24)])
+    trace = workload(prompts, [4] * 24)  # (all at once: their prompts queue for the steps)
     d = diagnose(off, trace, curve(), measure_quantization=False, measure_stalls=False)
     assert by_question(d, 2).settings == {"enable_prefix_caching": True}
     verified = verify_findings(off, d, trace, None, budget_s=600, repeats=3)
@@ -164,3 +166,18 @@ def test_a_clean_traces_nothing_to_change_is_checked_against_the_simulator_on_a_
     assert abs(errors["output_throughput"]) <= 0.15, v.line()  # (the arrivals set the pace: the model must know)
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.mark.timeout(300)
+def test_prompt_lookup_for_a_code_edit_trace_at_batch_1_is_kept_by_its_tpot():
+    """One request at a time: the arrivals pace tokens/s and speculation leaves TTFT alone, so only
+    the time between tokens can show its gain. On the bundled demo model (trained: its outputs copy
+    the code they edit; a random model's do not, and there prompt lookup is withdrawn: TPOT 0.98x)."""
+    engine = LLMEngine(EngineConfig.from_kwargs(str(DEMO_MODEL), dtype="float32", max_num_seqs=8))
+    trace = workload(code_edit_prompts(engine, 6), [64] * 6, arrivals=[0.6 * i for i in range(6)])
+    d = diagnose(engine, trace, curve(), measure_quantization=False, measure_stalls=False)
+    assert "speculative_config" in by_question(d, 5).settings
+    verified = verify_findings(engine, d, trace, None, budget_s=600, repeats=3)
+    v = next(v for v in verified if v.label.startswith("5."))
+    assert v.kept and v.gain("tpot_p50_ms") > 1.2, v.line()
+    assert "speculative_config" in recommended_settings(d.findings)

@@ -66,7 +66,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "--verify",
         action="store_true",
         help="run each recommendation against the current settings on a sample of the trace; withdraw what "
-        "moves neither TTFT nor tokens/s beyond the runs' noise (recommended.yaml keeps what stays)",
+        "moves none of TTFT, TPOT and tokens/s beyond the runs' noise (recommended.yaml keeps what stays)",
     )
     doc.add_argument(
         "--budget-s", type=float, default=120.0, help="--verify: seconds its runs should take (8 requests at least)"

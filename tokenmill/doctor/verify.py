@@ -1,5 +1,5 @@
 """`tokenmill doctor --verify`: each recommendation run against the current settings, side by side, and
-withdrawn when it moves neither TTFT nor tokens/s beyond the runs' own noise.
+withdrawn when it moves none of TTFT, TPOT and tokens/s beyond the runs' own noise.
 
 For each finding that recommends settings (and for all of them together, when more than one does), an
 engine is built with the current settings changed by them; the current engine and each of these run a
@@ -13,10 +13,11 @@ for new shapes). Every run starts with the prefix cache empty: the same prompts 
 otherwise hit blocks the previous run left (a 50x TTFT "gain" that a user's first requests never see).
 
 Per repeat, a variant's gain over the current run of the same repeat: output tokens/s (variant /
-current) and TTFT p50 (current / variant), above 1 better. A metric's noise is the current settings'
-own run-to-run spread of it (max / min - 1 over the repeats, at least NOISE_FLOOR); a recommendation is
-kept when, for either metric, its median gain exceeds 1 + that noise and its gain in every repeat
-exceeds 1 + NOISE_FLOOR, else withdrawn, and says so.
+current), TTFT p50 and TPOT p50 (current / variant: speculation is for the time between tokens, which at
+a trace's load paced by its arrivals moves neither of the others), above 1 better. A metric's noise is
+the current settings' own run-to-run spread of it (max / min - 1 over the repeats, at least
+NOISE_FLOOR); a recommendation is kept when, for any metric, its median gain exceeds 1 + that noise and
+its gain in every repeat exceeds 1 + NOISE_FLOOR, else withdrawn, and says so.
 
 Where a variant caches prefixes, the hit rate its runs measured is reported beside its gains (the
 trace's real hit rate, not the replay's). Settings can pay only together (prefix caching under static
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 
 NOISE_FLOOR = 0.05  # a shared machine's run-to-run drift, at least
 SIM_TOLERANCE = 0.15
-METRICS = ("output_throughput", "ttft_p50_ms")
+METRICS = ("output_throughput", "ttft_p50_ms", "tpot_p50_ms")
+LOWER_BETTER = ("ttft_p50_ms", "tpot_p50_ms")
 UNTIMED = ("kv_cache_memory",)
 ALL = "all recommended"
 HIT_RATE = "prefix_hit_rate"  # a run's prefix-cache hits over the prompt tokens looked up (not a gain)
@@ -100,9 +102,9 @@ class Verified:
         if self.kept:
             verdict = "kept" if not self.needed else "kept: the others lose without it"
         elif self.needed:
-            verdict = "withdrawn: alone or left out of the rest, it moves neither beyond the runs' noise"
+            verdict = "withdrawn: alone or left out of the rest, it moves none beyond the runs' noise"
         else:
-            verdict = f"withdrawn: neither moves beyond the runs' noise ({self._spread()})"
+            verdict = f"withdrawn: none moves beyond the runs' noise ({self._spread()})"
         return f"{self.label} ({'; '.join(parts)}): {verdict}"
 
     def _spread(self, needed: bool = False) -> str:
@@ -112,7 +114,11 @@ class Verified:
 
 def headline(summary: dict[str, Any]) -> dict[str, float]:
     """The figures a verification compares, from a run summary (`bench.metrics.summarize`)."""
-    return {"output_throughput": summary["output_throughput"], "ttft_p50_ms": p50(summary, "ttft")}
+    return {
+        "output_throughput": summary["output_throughput"],
+        "ttft_p50_ms": p50(summary, "ttft"),
+        "tpot_p50_ms": p50(summary, "tpot"),
+    }
 
 
 def figures(records: Sequence[Any], duration_s: float) -> dict[str, float]:
@@ -120,9 +126,10 @@ def figures(records: Sequence[Any], duration_s: float) -> dict[str, float]:
 
 
 def gain(metric: str, variant: dict[str, float], base: dict[str, float]) -> float:
-    """How much better `variant` is than `base` on `metric` (above 1: better; TTFT: lower is better)."""
-    if metric == "ttft_p50_ms":
-        return base[metric] / max(variant[metric], 1e-9)
+    """How much better `variant` is than `base` on `metric` (above 1: better; latencies: lower is better;
+    1 where a run gave none, as TPOT without a second token)."""
+    if metric in LOWER_BETTER:
+        return base[metric] / variant[metric] if base[metric] > 0 and variant[metric] > 0 else 1.0
     return variant[metric] / max(base[metric], 1e-9)
 
 
@@ -132,7 +139,7 @@ def spread(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def beyond_noise(gains: dict[str, list[float]], noise: dict[str, float]) -> bool:
-    """For either metric: the median gain above 1 + its noise, and every repeat's above 1 + NOISE_FLOOR."""
+    """For any metric: the median gain above 1 + its noise, and every repeat's above 1 + NOISE_FLOOR."""
     return any(min(g) > 1 + NOISE_FLOOR and statistics.median(g) > 1 + noise[m] for m, g in gains.items())
 
 
