@@ -31,6 +31,7 @@ from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parame
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import measure_stall
 from tokenmill.doctor.step_cost import StepCost, probe
+from tokenmill.doctor.verify import METRICS
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import engine_config, read_config_file
 from tokenmill.models.make_model import make_model
@@ -327,7 +328,7 @@ def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, 
     assert any(e.startswith("measured on this engine") for e in report["findings"][5]["evidence"])
     assert report["verified"]  # (static batching is configured: continuous is recommended, and run)
     for v in report["verified"]:  # each recommendation measured; what stays is what recommended.yaml holds
-        assert len(v["gains"]["output_throughput"]) == 2 and set(v["sim_error"]) == {"output_throughput", "ttft_p50_ms"}
+        assert len(v["gains"]["output_throughput"]) == 2 and set(v["sim_error"]) == set(METRICS)
         if not v["kept"] and v["label"] != "all recommended":
             assert not set(v["settings"]) & set(report["recommended"])
     applied = yaml.safe_load((out / "recommended.yaml").read_text())  # --apply: the whole configuration
