@@ -102,8 +102,7 @@ class Replays:
     def of(cls, engine: LLMEngine, cost: StepCost, workload: Workload, request_rate: float | None) -> Replays:
         """The replays of `workload` on the KV cache and settings of `engine`."""
         config = engine.config
-        value_bytes = 1.0 if config.kv_cache_dtype == "int8" else float(engine.core.worker.kv_dtype.itemsize)
-        token_bytes = kv_bytes_per_token(engine.model_config, value_bytes)
+        token_bytes = kv_bytes_per_token(engine.model_config, kv_value_bytes(engine))
         kv_memory = int(engine.core.num_blocks * config.block_size * token_bytes)
         return cls(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
 
@@ -150,6 +149,11 @@ class Replays:
         return json.dumps([sorted(settings.items()), num_blocks, id(cost), rate], default=str)
 
 
+def kv_value_bytes(engine: LLMEngine) -> float:
+    """Bytes a K or V value takes in `engine`'s cache (int8: its per-token scales left out)."""
+    return 1.0 if engine.config.kv_cache_dtype == "int8" else float(engine.core.worker.kv_dtype.itemsize)
+
+
 def trace_rate(workload: Workload, request_rate: float | None) -> float | None:
     """Requests a second the trace arrives at: `request_rate`, else its own arrival times' (None: all at once)."""
     if request_rate is not None:
@@ -184,7 +188,7 @@ def diagnose(
     worker = engine.core.worker
     replays = Replays.of(engine, cost, workload, request_rate)
     token_bytes, kv_memory, num_blocks = replays.kv_token_bytes, replays.kv_memory, engine.core.num_blocks
-    value_bytes = 1.0 if config.kv_cache_dtype == "int8" else float(worker.kv_dtype.itemsize)
+    value_bytes = kv_value_bytes(engine)
     budget = memory if memory is not None else worker.weight_bytes + kv_memory
     current = replays({})
 
@@ -195,15 +199,15 @@ def diagnose(
     agreement = None
     if draft is not None:
         agreement = draft_agreement(engine, draft, [t.token_ids for t in trace], cost.decode_batch)
-    busy = [b for b in replays.engine({}).record.batch_sizes if b > 0]
+    replayed = replays.engine({}).record
+    busy = [b for b in replayed.batch_sizes if b > 0]
     batch = int(statistics.median(busy)) if busy else 1  # the trace's decode batch: the replay's median step
     totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
     ample = sum(-(-t // config.block_size) for t in totals) + 1
     peak = replays.engine({}, num_blocks=ample).record.peak_blocks * config.block_size
     stall = None
     if measure_stalls:  # as many prompts arriving as the replay's steps carried
-        record = replays.engine({}).record
-        share = 1 - record.decode_only_steps / max(1, record.steps)
+        share = 1 - replayed.decode_only_steps / max(1, replayed.steps)
         stall = measure_stall(engine, prompts, batch, share, int(statistics.median(prompts)))
     storage = config.quantization if config.quantization in ("int8", "int4") else str(worker.dtype).split(".")[-1]
     storage = storage if storage in ("float32", "bfloat16", "int8", "int4") else "bfloat16"

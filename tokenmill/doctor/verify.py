@@ -35,7 +35,7 @@ memory fit is not a speed claim) and stay as recommended.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +82,7 @@ class Verified:
             errors = ", ".join(f"{m.replace('_', ' ')} {self.sim_error(m):+.0%}" for m in METRICS)
             verdict = "confirmed" if self.kept else "not confirmed: the cost model needs a new probe"
             return (
-                f"{CURRENT} run {len(self.gains.get(METRICS[0], [])) or 'several'} times: output "
+                f"{CURRENT} run {len(self.gains[METRICS[0]])} times: output "
                 f"{self.measured['output_throughput']:.1f} tokens/s, TTFT p50 {self.measured['ttft_p50_ms']:.0f} ms "
                 f"(spread {self._spread()}); the simulator's error on them {errors}: nothing to change {verdict}"
             )
@@ -246,7 +246,7 @@ def verify(
     return out
 
 
-def merged(settings: Any) -> dict[str, Any]:
+def merged(settings: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Several findings' settings as one configuration (a later one's value for a field wins)."""
     out: dict[str, Any] = {}
     for s in settings:
