@@ -161,6 +161,53 @@ def test_tuning_fills_the_plan_and_a_seeded_cache_pins_it(tiny_model_dir, tmp_pa
     assert not any(any(t) for t in pinned.native.values())
 
 
+def test_decode_classes_are_timed_inside_a_step(tiny_model_dir, monkeypatch):
+    """A decode class times each shape on both kernels within a pass over every weight of the step, in
+    layer order, the other shapes on the kernels chosen so far; prompt chunks are timed shape by shape."""
+    method = get_dense_linear_method("cpu")
+    model = tiny(tiny_model_dir, method)
+    shapes = dense_weight_shapes(model, None)
+    order = list(shapes)
+    first = order[0]
+    depth = max(len(ws) for ws in shapes.values())
+    step_order = [(s, i) for i in range(depth) for s in order if i < len(shapes[s])]
+    where = {w.data_ptr(): (shape, i) for shape, ws in shapes.items() for i, w in enumerate(ws)}
+    calls: list[tuple[str, tuple[int, int], int, int]] = []  # (kernel, shape, layer, rows)
+
+    def record(kernel, fn):
+        def run(x, w, bias=None):
+            calls.append((kernel, *where[w.data_ptr()], x.shape[0]))
+            return fn(x, w, bias)
+
+        return run
+
+    monkeypatch.setattr(method, "native_product", record("cpu", method.native_product))
+    monkeypatch.setattr(F, "linear", record("torch", F.linear))
+    asked: list[tuple[str, str]] = []
+
+    class Tuner:  # picks torch for the first shape at one row, the native kernel otherwise
+        def choose(self, op, what, candidates, repeats=5):
+            asked.append((op, what))
+            shape = tuple(int(n) for n in what.split(" ")[0].split("x"))
+            one_row = " rows 1-1 " in what
+            if op == "linear_step":
+                calls.clear()
+                candidates["torch"]()
+                rows = calls[0][3]
+                assert [(s, i) for _, s, i, m in calls if m == rows] == step_order
+                chosen = {
+                    s: "torch" if s == shape or (one_row and s == first and shape != first) else "cpu" for s in order
+                }
+                assert {s: k for k, s, _, _ in calls} == chosen
+            return types.SimpleNamespace(name="torch" if one_row and shape == first else "cpu")
+
+    tune_linear(method, shapes, {shape: 80 for shape in shapes}, Tuner())
+    assert [op for op, _ in asked] == ["linear_step"] * 4 * len(shapes) + ["linear"] * len(shapes)
+    assert all(" rows 65-512 " in what for op, what in asked if op == "linear")
+    assert not method.native[first][1] and all(method.native[s][1] for s in order[1:])
+    assert all(all(method.native[s][2:65]) for s in order)
+
+
 def _cached(tuner, op, shape, candidates):
     choice = Autotuner.choose(tuner, op, shape, candidates)
     assert choice.cached, f"{op} {shape} was measured again"

@@ -44,7 +44,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_HEADS, QUANTIZATIONS
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import CpuKernels
-from tokenmill.layers.cpu_linear import tune_row_classes
+from tokenmill.layers.cpu_linear import each_shape, tune_row_classes
 from tokenmill.layers.linear import (
     LinearBase,
     LinearMethod,
@@ -405,6 +405,6 @@ def tune_quantized(
         candidates = {name: _over(k, inputs, timed) for name, k in (allowed or kernels).items()}
         return tuner.choose("quant_linear", what, candidates).name
 
-    plans, summary = tune_row_classes(shapes, max_rows, choose)
+    plans, summary = tune_row_classes(shapes, max_rows, each_shape(choose))
     method.plan.update(plans)
     return summary
