@@ -295,7 +295,10 @@ void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, in
 // prefetcher on short rows: on a 2-core AVX-512 machine the peer model's bfloat16 weights at 1 / 4 / 8
 // rows read 17 / 15 / 17 GB/s that way, 25 / 17 / 22 this way, float32 at 4 and 8 rows alike; on a
 // 2-core AVX2 machine (Zen 3) float32 at 2 / 4 / 8 rows 18 / 16 / 13 GB/s that way, 20 / 16 / 15 this
-// way (benchmarks/linear_variants.py, results/linear_variants*.json).
+// way (benchmarks/linear_variants.py, results/linear_variants*.json). Up to 4 x rows, two weight rows go
+// together (two streams: twice the independent sums and half the x loads a weight vector): on the AMX
+// machine float32 decode steps at 1 / 4 sequences took 4.65-4.94 / 7.06-7.36 ms against 5.0-5.44 /
+// 7.39-7.65 one row at a time (two processes each way, alternated); bfloat16 alike; 8 rows lose.
 #ifndef TM_SEQ_ROWS
 #define TM_SEQ_ROWS 8  // another value only for side-by-side builds (benchmarks/linear_variants.py)
 #endif
@@ -305,7 +308,15 @@ template <int MM, typename T, typename X>
 inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows, int64_t K, const X* x,
                             int64_t x_row, T* y, int64_t y_row) {
   float sums[R * MB > MM ? R * MB : MM];
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+  for (; MM <= 4 && r + 2 <= rows; r += 2) {
+    dot_tile<2, MM>(w + r * K, K, K, x, x_row, sums);
+    for (int rr = 0; rr < 2; ++rr) {
+      const float b = bias ? static_cast<float>(bias[n0 + r + rr]) : 0.f;
+      for (int m = 0; m < MM; ++m) y[m * y_row + n0 + r + rr] = from_float<T>(sums[rr * MB + m] + b);
+    }
+  }
+  for (; r < rows; ++r) {
     dot_tile<1, MM>(w + r * K, K, K, x, x_row, sums);
     const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
     for (int m = 0; m < MM; ++m) y[m * y_row + n0 + r] = from_float<T>(sums[m] + b);
