@@ -39,13 +39,16 @@ constexpr int R = 4;   // weight rows per group
 #endif
 #endif
 constexpr int MB = TM_MB;
-// weights are prefetched this many row groups ahead (0, 1, 2, 4 and 8 measured alike within noise),
-// with this hint. Both macros exist only for side-by-side builds (benchmarks/linear_variants.py).
+// weights are prefetched this many row groups ahead, with this hint: into L2 (T1), two groups ahead.
+// On the AMX machine, the peer model's float32 weights on 2 MB pages, every product of a step
+// interleaved: 4 / 8 rows 4.32-4.65 / 5.37-5.67 ms against 4.72-5.06 / 5.96-6.24 into L1 (T0) one
+// group ahead; 1 and 16 rows and bfloat16 alike (earlier, on 4 KB pages, 0-8 groups into L1 alike).
+// Both macros exist only for side-by-side builds (benchmarks/linear_variants.py).
 #ifndef TM_PREFETCH_GROUPS
-#define TM_PREFETCH_GROUPS 1
+#define TM_PREFETCH_GROUPS 2
 #endif
 #ifndef TM_PREFETCH_HINT
-#define TM_PREFETCH_HINT _MM_HINT_T0
+#define TM_PREFETCH_HINT _MM_HINT_T1
 #endif
 constexpr int PREFETCH_GROUPS = TM_PREFETCH_GROUPS;
 
