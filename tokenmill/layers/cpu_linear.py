@@ -158,7 +158,8 @@ def tune_linear(
     far (native to begin with). Timed apart, a shape's 8 weights back to back on one kernel misjudge
     the step: on the AMX machine they put float32's three smaller projections on torch's GEMM at one
     and 16 rows, whose decode steps then took 5.66 and 15.0 ms against 5.1 and 12.9 ms on the native
-    kernel. Prompt chunks (arithmetic, not weight reads) are timed shape by shape."""
+    kernel (informal timers in `LLM.generate`). Prompt chunks (arithmetic, not weight reads) are
+    timed shape by shape."""
     kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
         "cpu": method.native_product,
         "torch": F.linear,

@@ -1,8 +1,8 @@
 // Linear layers on the CPU: y [M, N] = x [M, K] @ w[N, K]^T (+ bias), decode batches and prompt chunks,
 // the weight read in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM
 // where the tuned plan prefers it). Each thread takes a contiguous range of output rows. Up to 8 x
-// rows walk them one weight row at a time (`rows_one_by_one`: one sequential weight stream a
-// thread); more rows run R x MB dot-product tiles, cache-blocked (`rows_blocked`), except from 16
+// rows walk them one weight row at a time, two up to 4 x rows (`rows_one_by_one`: one sequential
+// weight stream a thread); more rows run R x MB dot-product tiles, cache-blocked (`rows_blocked`), except from 16
 // rows on, on AVX2 and for float32 weights on AVX-512, where the outer-product tiles of
 // linear_broadcast.h run instead.
 // float32 weights: FMA over 16 (AVX-512) or 8 (AVX2) lanes. bfloat16 weights: vdpbf16ps (AVX-512
