@@ -10,6 +10,7 @@ import httpx
 import uvicorn
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.config import ParallelConfig
 from tokenmill.outputs import EngineStats
 from tokenmill.server.app import create_app
 from tokenmill.server.launch import bind, build_server
@@ -45,10 +46,17 @@ class RunningServer:
 
 
 def start_server(
-    model_dir: str, api_key: str | None = None, max_waiting: int = 8, blocks: int = 64, **engine: object
+    model_dir: str,
+    api_key: str | None = None,
+    max_waiting: int = 8,
+    blocks: int = 64,
+    parallel: ParallelConfig | None = None,
+    **engine: object,
 ) -> RunningServer:
     config = EngineConfig(model=model_dir, max_model_len=256, kv_cache_memory=blocks * KV_BLOCK_BYTES, **engine)  # type: ignore[arg-type]
-    server = build_server(config, "tiny", max_waiting=max_waiting, limits=Limits(max_n=4), log_interval=60)
+    server = build_server(
+        config, "tiny", max_waiting=max_waiting, limits=Limits(max_n=4), log_interval=60, parallel=parallel
+    )
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     app = create_app(server, api_key=api_key)

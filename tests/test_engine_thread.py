@@ -58,16 +58,16 @@ def test_the_server_steps_its_core_on_the_thread_that_built_it(tiny_model_dir, m
 
 
 def test_final_only_requests_are_handed_over_when_done_streamed_ones_every_step(tiny_model_dir, monkeypatch):
-    from tokenmill.engine import async_engine
+    from tokenmill.engine import core_loop
     from tokenmill.outputs import OutputKind
 
-    monkeypatch.setattr(async_engine, "OUTPUT_INTERVAL_S", 60.0)  # only urgency hands steps over
+    monkeypatch.setattr(core_loop, "OUTPUT_INTERVAL_S", 60.0)  # only urgency hands steps over
     config = EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=64, kv_cache_memory=16 * 24576)
     server = build_server(config)
     engine = server.engine
     handed: list[int] = []
     real = engine._on_steps
-    monkeypatch.setattr(engine, "_on_steps", lambda steps: (handed.append(len(steps)), real(steps)))
+    monkeypatch.setattr(engine, "_on_steps", lambda i, c, steps: (handed.append(len(steps)), real(i, c, steps)))
 
     async def run(kind, stop=()) -> list:
         p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop=stop)
@@ -91,6 +91,6 @@ def test_final_only_requests_are_handed_over_when_done_streamed_ones_every_step(
     assert final_calls == [6]  # six steps (one prompt, five decodes), handed over once, at the end
     assert streamed_calls == [1] * 6 and stop_calls == [1] * 6
     assert len(final) == 1 and final[0].outputs[0].token_ids == [t for o in streamed for t in o.outputs[0].token_ids]
-    assert not engine._eager  # nothing left behind
+    assert not engine.clients[0].loop.eager  # nothing left behind
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokenmill.bench.cli import add_bench_parser
 from tokenmill.config import EngineConfig, check_settings, setting
+from tokenmill.distributed.router import ROUTING
 from tokenmill.doctor.cli import add_doctor_parser
 from tokenmill.engine_args import (
     DEFAULT_MODEL,
@@ -57,6 +58,18 @@ class ServeSettings:
         False, "refuse (400) request fields the server does not know, instead of ignoring them as vLLM does"
     )
     drain_timeout: float = setting(30.0, "seconds in-flight requests get on SIGTERM")
+    data_parallel_size: int = setting(
+        1, "engine replicas, each a Ray actor with its own model copy, KV cache and share of the CPU threads", minimum=1
+    )
+    routing: str = setting(
+        "least_loaded",
+        "where a request goes among the replicas: the least loaded, or (prefix) the one holding the longest "
+        "cached prefix of its prompt, by load when that prefix is short",
+        choices=ROUTING,
+    )
+    ray_address: str | None = setting(
+        None, "run the replicas on this existing Ray cluster (auto, host:port, ray://host:10001); default: a local one"
+    )
     log_interval: float = setting(10.0, "seconds between throughput log lines")
 
     def __post_init__(self) -> None:
@@ -131,6 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config(args, file_values)
     settings = settings_from(ServeSettings, args, file_values)
 
+    from tokenmill.distributed.config import ParallelConfig
     from tokenmill.server.launch import build_server, serve
     from tokenmill.server.protocol import Limits
 
@@ -140,7 +154,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=settings.max_prompt_tokens,
         strict_fields=settings.strict_fields,
     )
-    server = build_server(config, settings.served_model_name, settings.max_waiting, limits, settings.log_interval)
+    parallel = ParallelConfig(settings.data_parallel_size, settings.routing, settings.ray_address)
+    server = build_server(
+        config, settings.served_model_name, settings.max_waiting, limits, settings.log_interval, parallel
+    )
     api_key = settings.api_key or os.environ.get("TOKENMILL_API_KEY")
     serve(server, settings.host, settings.port, api_key, settings.drain_timeout)
     return 0

@@ -3,13 +3,16 @@
 Owns one `CollectorRegistry` per server (no process-global registry), the per-request latency
 histograms (TTFT, inter-token latency, TPOT, end-to-end, queue, prefill, decode), the engine gauges
 and counters (running, waiting, KV usage, preemptions, prompt and generation tokens, successes by
-finish reason), and a vLLM-like summary line of throughput and load.
+finish reason), and a vLLM-like summary line of throughput and load. With data-parallel replicas,
+the series above are the totals over the replicas, and `replica_*` series (labelled `replica`) hold
+each one's load, cache use, prefix hits, routing and whether it is up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -43,8 +46,9 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times the log line's rates (seconds; injectable so a test controls the interval)."""
+    def __init__(self, model_name: str, clock: Callable[[], float] = time.monotonic, num_replicas: int = 1) -> None:
+        """`clock` times the log line's rates (seconds; injectable so a test controls the interval);
+        `num_replicas`: data-parallel engine cores whose steps `observe_step` gets."""
         self._clock = clock
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -92,7 +96,12 @@ class EngineMetrics:
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
         self.model_name = model_name
-        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # the totals
+        self._zero = self._last
+        self._by_replica: dict[int, EngineStats] = {}  # each live replica's latest stats
+        self._retired = self._zero  # the running totals of replicas lost since the start
+        self.num_replicas = num_replicas
+        self._replica_series = _ReplicaSeries(r, model_name) if num_replicas > 1 else None
         self._log_mark = (self._clock(), self._last)
         # The per-step series, labelled once: a `labels()` lookup per series per step cost more than
         # the rest of a step's bookkeeping on the event loop.
@@ -111,7 +120,16 @@ class EngineMetrics:
         ]
         self._itl = self.itl.labels(m)
 
-    def observe_step(self, g: EngineStats) -> None:
+    def observe_step(self, stats: EngineStats, replica: int = 0) -> None:
+        """A replica's stats after one of its steps: the totals' series and the replica's own."""
+        before = self._by_replica.get(replica, self._zero)
+        self._by_replica[replica] = stats
+        if self._replica_series is not None:
+            self._replica_series.observe(replica, stats, before)
+        if len(self._by_replica) == 1 and self._retired is self._zero:
+            g = stats
+        else:  # the totals over the replicas (their running totals counting those lost)
+            g = sum_stats([self._retired, *self._by_replica.values()])
         last = self._last
         for gauge, name in self._gauges:
             value = getattr(g, name)
@@ -121,12 +139,30 @@ class EngineMetrics:
             delta = getattr(g, name) - getattr(last, name)
             if delta:
                 counter.inc(delta)
-        before = last.spec_decode_num_accepted_tokens_per_pos
+        done = last.spec_decode_num_accepted_tokens_per_pos
         for pos, count in enumerate(g.spec_decode_num_accepted_tokens_per_pos):
-            delta = count - (before[pos] if pos < len(before) else 0)
+            delta = count - (done[pos] if pos < len(done) else 0)
             if delta:
                 self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(delta)
         self._last = g
+
+    def replica_lost(self, replica: int) -> None:
+        """A replica is gone: its running totals stay counted, its load no longer is; one that
+        rejoins in its place starts from zero."""
+        last = self._by_replica.pop(replica, None)
+        if last is not None:
+            gauges = {"running": 0, "waiting": 0, "kv_blocks_total": 0, "kv_blocks_free": 0, "weight_bytes": 0}
+            self._retired = sum_stats([self._retired, dataclasses.replace(last, kv_tokens=0, **gauges)])
+        if self._replica_series is not None:
+            self._replica_series.up.labels(self.model_name, str(replica)).set(0)
+
+    def replica_up(self, replica: int) -> None:
+        if self._replica_series is not None:
+            self._replica_series.up.labels(self.model_name, str(replica)).set(1)
+
+    def observe_routed(self, replica: int, by_prefix: bool) -> None:
+        if self._replica_series is not None:
+            self._replica_series.routed.labels(self.model_name, str(replica), "prefix" if by_prefix else "load").inc()
 
     def observe_inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)
@@ -174,3 +210,46 @@ class EngineMetrics:
                 else ""
             )
         )
+
+
+class _ReplicaSeries:
+    """The per-replica series of a data-parallel server."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name", "replica"]
+        self.model_name = model_name
+        self.up = Gauge(PREFIX + "replica_up", "1 while the engine replica runs, 0 once lost.", labels, registry=r)
+        self.running = Gauge(PREFIX + "replica_num_requests_running", "Requests running.", labels, registry=r)
+        self.waiting = Gauge(PREFIX + "replica_num_requests_waiting", "Requests waiting.", labels, registry=r)
+        self.kv_usage = Gauge(PREFIX + "replica_kv_cache_usage_perc", "KV blocks in use (0-1).", labels, registry=r)
+        self.queries = Counter(
+            PREFIX + "replica_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+        )
+        self.hits = Counter(PREFIX + "replica_prefix_cache_hits", "Prompt tokens found.", labels, registry=r)
+        self.routed = Counter(
+            PREFIX + "replica_requests_routed", "Requests sent to the replica, by why (prefix or load).",
+            [*labels, "by"], registry=r,
+        )  # fmt: skip
+
+    def observe(self, replica: int, g: EngineStats, before: EngineStats) -> None:
+        m, i = self.model_name, str(replica)
+        self.running.labels(m, i).set(g.running)
+        self.waiting.labels(m, i).set(g.waiting)
+        self.kv_usage.labels(m, i).set(g.kv_cache_usage)
+        for counter, name in ((self.queries, "prefix_cache_queries"), (self.hits, "prefix_cache_hits")):
+            delta = getattr(g, name) - getattr(before, name)
+            if delta > 0:
+                counter.labels(m, i).inc(delta)
+
+
+def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """Field by field sums (every field of EngineStats adds up across replicas)."""
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        if isinstance(values[0], tuple):
+            width = max(len(v) for v in values)
+            out[f.name] = tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+        else:
+            out[f.name] = sum(values)
+    return EngineStats(**out)  # type: ignore[arg-type]

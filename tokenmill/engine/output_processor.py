@@ -201,6 +201,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def parent_of(self, core_id: str) -> str | None:
+        """The request id of an open core request (None once its request is finished or aborted)."""
+        found = self._children.get(core_id)
+        return found[0].request_id if found is not None else None
+
     @property
     def num_open(self) -> int:
         return len(self._parents)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
+from tokenmill.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.openapi import constrain
 from tokenmill.server.protocol import (
@@ -220,14 +220,14 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             {"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
 
-    @app.exception_handler(EngineStopped)
-    async def stopped(_: Request, e: EngineStopped) -> JSONResponse:
+    @app.exception_handler(EngineUnavailable)
+    async def unavailable(_: Request, e: EngineUnavailable) -> JSONResponse:
         return error_response(
             503,
             f"Unavailable: {e}.",
             "service_unavailable",
             None,
-            "shutting_down",
+            e.code,
             {"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
 

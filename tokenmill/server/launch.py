@@ -20,9 +20,10 @@ from types import FrameType
 import uvicorn
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.config import ParallelConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.engine import engine_limits
+from tokenmill.engine.core_client import LocalCoreClient
 from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
@@ -48,18 +49,28 @@ def build_server(
     max_waiting: int = 64,
     limits: Limits | None = None,
     log_interval: float = 10.0,
+    parallel: ParallelConfig | None = None,
 ) -> Server:
-    thread = EngineThread()  # the core is built on the thread that will step it (see engine_thread)
-    core = thread.run(lambda: EngineCore(config))
+    """The server's engine: one core on a thread of this process, or with `parallel` (more than one
+    replica, or a Ray address) data-parallel replicas on Ray."""
+    restart = None
+    if parallel is not None and parallel.uses_ray:
+        from tokenmill.distributed.replica import start_replicas
+
+        clients, restart = start_replicas(config, parallel)
+    else:
+        thread = EngineThread()  # the core is built on the thread that will step it (see engine_thread)
+        core = thread.run(lambda: EngineCore(config))
+        clients = [LocalCoreClient(core, thread)]
+    limits_of_core = clients[0].limits
     tokenizer = Tokenizer(config.model)
-    processor = OutputProcessor(tokenizer, engine_limits(core), seed=config.seed)
+    processor = OutputProcessor(tokenizer, limits_of_core, seed=config.seed)
     model = Path(config.model)
     name = served_model_name or (model.stem if is_gguf(model) else model.name)
-    metrics = EngineMetrics(name)
-    async_engine = AsyncEngine(
-        core, processor, metrics, max_waiting=max_waiting, log_interval=log_interval, thread=thread
-    )
-    return Server(async_engine, tokenizer, name, core.max_model_len, limits or Limits())
+    metrics = EngineMetrics(name, num_replicas=len(clients))
+    routing = parallel.routing if parallel is not None else "least_loaded"
+    async_engine = AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing=routing, restart=restart)
+    return Server(async_engine, tokenizer, name, limits_of_core.max_model_len, limits or Limits())
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineStopped
+from tokenmill.engine.async_engine import AsyncEngine, EngineUnavailable
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -343,8 +343,8 @@ class Server:
 
 def stream_error(e: BaseException) -> dict[str, Any]:
     """The body of an error event in a stream already under way (OpenAI's error shape)."""
-    if isinstance(e, EngineStopped):
-        kind, code = "service_unavailable", "shutting_down"
+    if isinstance(e, EngineUnavailable):
+        kind, code = "service_unavailable", e.code
     else:
         kind, code = "internal_error", None
     return {"error": {"message": f"The request did not finish: {e}.", "type": kind, "param": None, "code": code}}
