@@ -22,6 +22,7 @@ import json
 import re
 import signal
 import statistics
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -55,7 +56,7 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
-def one_run(model: Path, label: str, dtype: str, kv_bytes: int, repeat: int) -> dict[str, float]:
+def one_run(model: Path, label: str, dtype: str, kv_bytes: int, repeat: int, runs_dir: Path) -> dict[str, float]:
     replicas, routing = VARIANTS[label]
     port = free_port()
     server = start_server(
@@ -63,8 +64,7 @@ def one_run(model: Path, label: str, dtype: str, kv_bytes: int, repeat: int) -> 
         "--kv-cache-memory", str(kv_bytes // int(replicas)), "--cpu-threads", "2",
         "--data-parallel-size", replicas, "--routing", routing, "--log-interval", "600",
     )  # fmt: skip
-    out = RESULTS / "data_parallel_runs" / f"{label.replace(' ', '_').replace(',', '')}_{repeat}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = runs_dir / f"{label.replace(' ', '_').replace(',', '')}_{repeat}.json"  # the client's records
     try:
         result = run_bench(
             "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", model.name, "--tokenizer", str(model),
@@ -92,10 +92,11 @@ def main() -> None:
     model = ensure_model()
     kv_bytes = int(1.5 * GROUPS * PREFIX * kv_token_bytes(model, args.dtype))
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in VARIANTS}
-    for repeat in range(args.repeats):
-        for label in VARIANTS:
-            runs[label].append(one_run(model, label, args.dtype, kv_bytes, repeat))
-            print(f"[{repeat}] {label}: {runs[label][-1]}", flush=True)
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for repeat in range(args.repeats):
+            for label in VARIANTS:
+                runs[label].append(one_run(model, label, args.dtype, kv_bytes, repeat, Path(runs_dir)))
+                print(f"[{repeat}] {label}: {runs[label][-1]}", flush=True)
     aggregate = {
         label: {
             key: {"median": statistics.median(v), "min": min(v), "max": max(v), "samples": v}

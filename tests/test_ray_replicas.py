@@ -130,3 +130,43 @@ def routed_to(engine, replica: int) -> float:
     key = f'tokenmill:replica_requests_routed_total{{by="load",model_name="tiny",replica="{replica}"}} '
     line = next(x for x in engine.metrics.render().decode().splitlines() if x.startswith(key))
     return float(line.removeprefix(key))
+
+
+@pytest.mark.slow
+def test_serve_with_replicas_as_a_process_routes_by_prefix_and_exits_cleanly(tiny_model_dir):
+    """`tokenmill serve --data-parallel-size 2 --routing prefix`: the CLI's path, its own local cluster."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir("llama")), "--port", "0"]
+    cmd += ["--max-model-len", "256", "--data-parallel-size", "2", "--routing", "prefix", "--cpu-threads", "2"]
+    cmd += ["--served-model-name", "tiny", "--kv-cache-memory", str(64 * KV_BLOCK_BYTES)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        base, deadline = None, time.monotonic() + 120
+        while base is None and time.monotonic() < deadline:
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stderr.readline())
+            base = found.group(1) if found else None
+        assert base is not None, "no address logged"
+        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # drain the log
+        shared = list(range(5, 5 + 48))  # three 16-token blocks
+        with client() as c:
+            for i in range(4):
+                r = c.post(f"{base}/v1/completions", json=body([*shared, 60 + i], 4, n=2))
+                assert r.status_code == 200 and len(r.json()["choices"]) == 2
+            metrics = c.get(f"{base}/metrics").text
+        by_prefix = sum(
+            float(m.group(1))
+            for m in re.finditer(r'replica_requests_routed_total\{by="prefix"[^}]*\} ([0-9.]+)', metrics)
+        )
+        assert by_prefix == 3  # the first by load, the three after it to where their prefix is
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

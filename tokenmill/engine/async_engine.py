@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from tokenmill.distributed.router import Router, RouterConfig
+from tokenmill.distributed.router import ROUTING, Router, RouterConfig
 from tokenmill.engine.core_client import CoreClient
 from tokenmill.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, StopRequests
 from tokenmill.engine.metrics import EngineMetrics, sum_stats
@@ -96,11 +96,11 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.log_interval = log_interval
         limits = processor.limits
-        prefix = routing == "prefix" and limits.prefix_caching
-        config = RouterConfig("prefix" if prefix else "least_loaded", limits.block_size, limits.num_blocks)
-        if routing not in ("prefix", "least_loaded"):
-            RouterConfig(routing, limits.block_size, limits.num_blocks)  # raises, naming the setting
-        self.router = Router(len(self.clients), config)
+        if routing not in ROUTING:
+            raise ValueError(f"routing: expected one of {', '.join(ROUTING)}, got {routing!r}")
+        if routing == "prefix" and not limits.prefix_caching:
+            routing = "least_loaded"  # nothing is cached to route by
+        self.router = Router(len(self.clients), RouterConfig(routing, limits.block_size, limits.num_blocks))
         self._restart = restart
         self._open: dict[str, _Open] = {}  # request id -> its state, on the event loop
         self._up = [False] * len(self.clients)  # the core's loop runs (started, not ended)
