@@ -402,7 +402,7 @@ def test_a_draining_server_refuses_with_503_and_its_health_says_so(tiny_model_di
 def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
     running = start_server(str(tiny_model_dir("llama")))
     try:
-        core = running.server.engine.core
+        core = running.server.engine.clients[0].core
         long = {"model": "tiny", "prompt": "while True:", "max_tokens": 240, "ignore_eos": True}
         whole: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: whole.append(post(running, "/v1/completions", long, key=None)))
@@ -542,7 +542,7 @@ def test_no_orphans_when_a_non_streaming_client_leaves(srv):
 def test_no_orphans_when_a_queued_client_leaves(tiny_model_dir):
     running = start_server(str(tiny_model_dir("llama")), max_num_seqs=1)
     try:
-        worker = running.server.engine.core.worker
+        worker = running.server.engine.clients[0].core.worker
         execute = worker.execute
 
         def slow(scheduled):  # 5 ms a step: the stream below runs >= 1.2 s, whatever the machine
@@ -582,7 +582,7 @@ def test_a_penalty_beyond_float32_is_a_400_not_an_engine_crash(srv):
 def test_no_orphans_when_a_client_leaves_during_prefill(tiny_model_dir):
     running = start_server(str(tiny_model_dir("llama")), max_num_batched_tokens=8)
     try:
-        worker = running.server.engine.core.worker
+        worker = running.server.engine.clients[0].core.worker
         execute = worker.execute
 
         def slow(scheduled):  # 5 ms a step: a 200-token prompt in chunks of 8 takes >= 125 ms

@@ -67,6 +67,11 @@ class ServeSettings:
         "cached prefix of its prompt, by load when that prefix is short",
         choices=ROUTING,
     )
+    disaggregate: str | None = setting(
+        None,
+        "prefill=P,decode=D: P engine replicas compute prompts, D others decode, the KV cache moved between "
+        "them on Ray (instead of --data-parallel-size)",
+    )
     ray_address: str | None = setting(
         None, "run the replicas on this existing Ray cluster (auto, host:port, ray://host:10001); default: a local one"
     )
@@ -154,7 +159,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=settings.max_prompt_tokens,
         strict_fields=settings.strict_fields,
     )
-    parallel = ParallelConfig(settings.data_parallel_size, settings.routing, settings.ray_address)
+    if settings.disaggregate is not None:
+        if settings.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: not with disaggregate (give the replicas as prefill=P,decode=D)")
+        parallel = ParallelConfig.disaggregate(settings.disaggregate, settings.ray_address)
+    else:
+        parallel = ParallelConfig(settings.data_parallel_size, settings.routing, settings.ray_address)
     server = build_server(
         config, settings.served_model_name, settings.max_waiting, limits, settings.log_interval, parallel
     )

@@ -21,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int
     eos_token_ids: tuple[int, ...] = ()  # what min_tokens masks (with the stop token ids)
+    output_token_ids: list[int] = field(default_factory=list)  # generated before (by a prefill engine)
 
 
 @dataclass
@@ -92,6 +93,13 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # prefill/decode disaggregation: KV copied out (a prefill engine) and in (a decode engine)
+    kv_transfer_sent_bytes: int = 0
+    kv_transfer_received_bytes: int = 0
+    kv_transfer_sent: int = 0
+    kv_transfer_received: int = 0
+    kv_transfer_recomputed: int = 0  # handed over without their KV: the prompt was computed again
+    kv_transfer_seconds: float = 0.0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

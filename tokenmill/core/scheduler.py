@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.core.block_hash import chain_hashes
+from tokenmill.core.kv_connector import KVConnector
 from tokenmill.core.kv_manager import KVManager
 from tokenmill.outputs import EngineStats, NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.request import Request, RequestStatus
@@ -64,9 +65,10 @@ def count_positions(reached: list[int], kept: list[int], drafted: int, accepted:
 class Scheduler:
     speculative = True  # takes the drafts the engine sets on running requests
 
-    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector  # KV computed elsewhere comes in, and a prefill's goes out, through it
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -126,6 +128,8 @@ class Scheduler:
         request.stop_reason = stop_reason
         if status is RequestStatus.FINISHED_ABORTED:
             self.num_aborted += 1
+        if self.connector is not None:
+            self.connector.finished(request, self.kv.block_table(request_id))
         self.kv.free(request_id)
         self._finished_ids.append(request_id)
         del self.requests[request_id]
@@ -188,12 +192,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = self._prefix_hit(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, num_new):
+            external = self._external(request, hit)
+            num_new = min(request.num_tokens - request.num_computed_tokens - external, budget)
+            if not self._reserve(request, external + num_new):
                 if hit:  # give the shared blocks back; the request retries from scratch next step
                     self.kv.free(request.request_id)
                     request.num_computed_tokens = 0
                 break
+            if external and self.connector is not None:  # admitted as a hit: its received KV is computed
+                self.connector.allocated(request, self.kv.block_table(request.request_id), hit, external)
+                request.num_computed_tokens += external
             self._count_prefix(request, hit)
             self._start(request, new, now)
             chunks.append(self._chunk(request, num_new))
@@ -216,6 +224,7 @@ class Scheduler:
                     request.sampling_params,
                     request.seed,
                     request.eos_token_ids,
+                    list(request.output_token_ids),  # (those another engine generated, for a received request)
                 )
             )
 
@@ -236,6 +245,12 @@ class Scheduler:
             self.kv.adopt_prefix(request.request_id, blocks, hashes[: len(blocks)])
             request.num_computed_tokens = len(blocks) * self.kv.block_size
         return request.num_computed_tokens
+
+    def _external(self, request: Request, hit: int) -> int:
+        """Tokens past the hit whose KV arrived from another engine (at a first admission only)."""
+        if self.connector is None or request.num_computed_tokens != hit:
+            return 0
+        return self.connector.external_tokens(request, hit)
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first `num_blocks` full blocks; each block is hashed once
@@ -258,8 +273,8 @@ class Scheduler:
         self.prefix_hits += hit
 
     def _reserve(self, request: Request, num_new: int) -> bool:
-        """KV for an admission: the first chunk, keeping a few blocks spare for running decodes (unless
-        nothing runs: a request that fits the cache alone must always get in)."""
+        """KV for an admission: the first chunk (and received KV), keeping a few blocks spare for
+        running decodes (unless nothing runs: a request that fits the cache alone must always get in)."""
         total = request.num_computed_tokens + num_new
         return self.kv.allocate(request.request_id, total, keep_watermark=bool(self.running))
 

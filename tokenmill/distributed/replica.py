@@ -40,12 +40,14 @@ from tokenmill.engine.messages import (
 from tokenmill.engine.output_processor import EngineLimits
 from tokenmill.outputs import EngineStats
 from tokenmill.runner.cpu_threads import physical_cores
+from tokenmill.runner.kv_blocks import KVBlocks
 
 logger = logging.getLogger("tokenmill")
 
 POLL_S = 1.0  # a poll returns after this long without outputs (the client then polls again)
 POLL_GRACE_S = 60.0  # a poll not answered this long after its wait: the actor is taken for lost
 LOAD_TIMEOUT_S = 600.0  # a replica loading its model (and tuning its kernels on a new machine)
+FETCH_TIMEOUT_S = 60.0  # a handoff's KV from the prefill replica
 
 
 @dataclass
@@ -65,15 +67,18 @@ class PollResult:
 class ReplicaActor:
     """One engine core in a Ray actor process (made remote by `start_replicas`)."""
 
-    def __init__(self, config_json: str) -> None:
+    def __init__(self, config_json: str, transfer: bool = False) -> None:
+        """`transfer`: a disaggregated server's replica (its KV goes out of prefills, into handoffs)."""
+        from tokenmill.distributed.kv_transfer import TransferConnector
         from tokenmill.engine.core import EngineCore
         from tokenmill.engine.core_loop import CoreLoop
         from tokenmill.engine.engine_thread import EngineThread
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = EngineConfig(**json.loads(config_json))
+        connector = TransferConnector(config.block_size) if transfer else None
         self._thread = EngineThread()
-        self._core = self._thread.run(lambda: EngineCore(config))
+        self._core = self._thread.run(lambda: EngineCore(config, connector))
         self._cond = threading.Condition()
         self._outbox: list[EngineCoreOutputs] = []
         self._ended = False
@@ -81,7 +86,7 @@ class ReplicaActor:
         self._loop = CoreLoop(self._core, self._put)
         self._order = threading.Lock()
         self._next = 0  # the number of the next command to apply
-        self._early: dict[int, tuple[str, bytes]] = {}  # commands that came before their turn
+        self._early: dict[int, tuple[str, bytes, list[Any]]] = {}  # commands that came before their turn
         self._thread.submit(self._run)
 
     def _run(self) -> None:
@@ -101,16 +106,23 @@ class ReplicaActor:
 
         return encode(engine_limits(self._core))
 
-    def submit(self, seq: int, kind: str, payload: bytes) -> None:
-        """Command number `seq` (from 0): applied once every earlier one has been."""
+    def submit(self, seq: int, kind: str, payload: bytes, refs: list[Any] | None = None) -> None:
+        """Command number `seq` (from 0): applied once every earlier one has been. `refs`: a handoff's
+        KV, as a Ray object reference (in a list, so that Ray leaves fetching it to `_apply`)."""
         with self._order:
-            self._early[seq] = (kind, payload)
+            self._early[seq] = (kind, payload, refs or [])
             while self._next in self._early:
                 self._apply(*self._early.pop(self._next))
                 self._next += 1
 
-    def _apply(self, kind: str, payload: bytes) -> None:
-        if kind == "requests":
+    def _apply(self, kind: str, payload: bytes, refs: list[Any]) -> None:
+        if kind == "handoff":
+            batch = decode(payload, RequestBatch)
+            (request,) = batch.requests
+            assert self._core.transfer is not None, "a handoff goes to a disaggregated server's replica"
+            self._core.transfer.put(request.request_id, _fetch(refs[0]))
+            self._loop.send_requests(batch.requests, batch.eager)
+        elif kind == "requests":
             batch = decode(payload, RequestBatch)
             self._loop.send_requests(batch.requests, batch.eager)  # refused once ended: poll says so
         elif kind == "abort":
@@ -131,6 +143,14 @@ class ReplicaActor:
 
     def stats(self) -> bytes:
         return encode(self._core.stats())
+
+    def take_kv(self, request_id: str) -> KVBlocks | None:
+        """A finished prefill's KV (once), for the decode replica its request goes to."""
+        return self._core.transfer.take(request_id) if self._core.transfer is not None else None
+
+    def drop_kv(self, request_ids: list[str]) -> None:
+        if self._core.transfer is not None:
+            self._core.transfer.drop(request_ids)
 
     def pid(self) -> int:
         import os
@@ -185,10 +205,10 @@ class RayCoreClient:
             stopped(RuntimeError(why))
             self._kill()
 
-    def _submit(self, kind: str, payload: bytes) -> None:
+    def _submit(self, kind: str, payload: bytes, refs: list[Any] | None = None) -> None:
         with self._lock:  # numbered in the order sent
             seq, self._seq = self._seq, self._seq + 1
-            self.actor.submit.remote(seq, kind, payload)
+            self.actor.submit.remote(seq, kind, payload, refs)
 
     def send_requests(self, requests: list[EngineCoreRequest], eager: bool) -> bool:
         if self._ended:
@@ -200,6 +220,19 @@ class RayCoreClient:
     def send(self, command: AbortRequests | StopRequests) -> None:
         if not self._ended:
             self._submit("abort" if isinstance(command, AbortRequests) else "stop", encode(command))
+
+    def handoff(self, request: EngineCoreRequest, eager: bool, source: CoreClient) -> bool:
+        assert isinstance(source, RayCoreClient), "a prefill replica on Ray"
+        if self._ended:
+            return False
+        self._sent += 1
+        kv = source.actor.take_kv.remote(request.request_id)  # fetched by this actor, from that one
+        self._submit("handoff", encode(RequestBatch([request], eager)), [kv])
+        return True
+
+    def drop_kv(self, request_ids: list[str]) -> None:
+        if not self._ended:
+            self.actor.drop_kv.remote(request_ids)
 
     def stats(self) -> EngineStats:
         return decode(ray_module().get(self.actor.stats.remote(), timeout=30), EngineStats)
@@ -219,9 +252,10 @@ class RayCoreClient:
 
 
 def start_replicas(config: EngineConfig, parallel: ParallelConfig) -> tuple[list[CoreClient], Any]:
-    """Start `parallel.data_parallel_size` replica actors (each with its share of the CPU threads) and
-    wait for them to load; their clients, and the restart function for a lost one."""
-    n = parallel.data_parallel_size
+    """Start the replica actors (`parallel.num_replicas`: data-parallel ones, or a disaggregated
+    server's prefill replicas then its decode ones; each with its share of the CPU threads) and wait
+    for them to load; their clients, and the restart function for a lost one."""
+    n = parallel.num_replicas
     threads = max(1, (config.cpu_threads or physical_cores()) // n)
     connect(parallel.ray_address, num_cpus=threads * n)
     ray = ray_module()
@@ -231,7 +265,8 @@ def start_replicas(config: EngineConfig, parallel: ParallelConfig) -> tuple[list
     launches = itertools.count()
 
     def launch(i: int) -> Any:  # named for `ray list actors`; a restarted replica gets a new name
-        return actor_class.options(name=f"tokenmill-{tag}-replica-{i}.{next(launches)}").remote(replica_config)
+        name = f"tokenmill-{tag}-replica-{i}.{next(launches)}"
+        return actor_class.options(name=name).remote(replica_config, parallel.disaggregated)
 
     def ready(i: int, actor: Any) -> RayCoreClient:
         try:
@@ -257,6 +292,17 @@ def start_replicas(config: EngineConfig, parallel: ParallelConfig) -> tuple[list
         return ready(i, launch(i))
 
     return clients, restart
+
+
+def _fetch(ref: Any) -> KVBlocks | None:
+    """A handoff's KV from the prefill replica (None if it cannot come: that replica is gone, or its
+    copy was dropped; the request then recomputes its prompt)."""
+    try:
+        blocks = ray_module().get(ref, timeout=FETCH_TIMEOUT_S)
+    except Exception as e:
+        logger.warning("a handoff's KV did not arrive: %s", _cause(e))
+        return None
+    return blocks if isinstance(blocks, KVBlocks) else None
 
 
 def _cause(e: BaseException) -> str:

@@ -59,7 +59,7 @@ class ReplicaLost(EngineUnavailable):
 
 
 @dataclass
-class _Open:
+class OpenRequest:
     """An accepted request: where it runs, and what it takes to start it again elsewhere."""
 
     requests: list[EngineCoreRequest]
@@ -102,7 +102,7 @@ class AsyncEngine:
             routing = "least_loaded"  # nothing is cached to route by
         self.router = Router(len(self.clients), RouterConfig(routing, limits.block_size, limits.num_blocks))
         self._restart = restart
-        self._open: dict[str, _Open] = {}  # request id -> its state, on the event loop
+        self._open: dict[str, OpenRequest] = {}  # request id -> its state, on the event loop
         self._up = [False] * len(self.clients)  # the core's loop runs (started, not ended)
         self._waiting = [0] * len(self.clients)  # each core's waiting count after its last step
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -194,7 +194,7 @@ class AsyncEngine:
             return self.processor.add_request(request_id, prompt, params, arrival, cache_salt, output_kind)
 
         eager = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)
-        entry = _Open(add(), eager, asyncio.Queue(), add, last_token=arrival)
+        entry = OpenRequest(add(), eager, asyncio.Queue(), add, last_token=arrival)
         try:
             self._dispatch(entry, exclude=())
         except EngineUnavailable:
@@ -221,22 +221,31 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
 
-    def _dispatch(self, entry: _Open, exclude: Sequence[int]) -> None:
+    def _dispatch(self, entry: OpenRequest, exclude: Sequence[int]) -> None:
         """Send a request's core requests to a replica the router picks; EngineStopped if none takes them."""
         first = entry.requests[0]
+        exclude = [*exclude, *self._not_for_new_requests()]
         while True:
             try:
                 route = self.router.pick(first.prompt_token_ids, first.cache_salt, exclude)
             except LookupError:
                 raise EngineStopped("no engine replica is running") from None
-            if self.clients[route.replica].send_requests(entry.requests, entry.eager):
+            if self._send(route.replica, entry):
                 entry.replica = route.replica
                 self.router.load[route.replica] += 1
                 self.metrics.observe_routed(route.replica, route.by_prefix)
                 return
             exclude = [*exclude, route.replica]
 
-    def _close(self, request_id: str) -> _Open | None:
+    def _not_for_new_requests(self) -> list[int]:
+        """Replicas a new request never starts on (a disaggregated server's decode replicas)."""
+        return []
+
+    def _send(self, replica: int, entry: OpenRequest) -> bool:
+        """Hand a request's core requests to a replica; False if it has ended."""
+        return self.clients[replica].send_requests(entry.requests, entry.eager)
+
+    def _close(self, request_id: str) -> OpenRequest | None:
         entry = self._open.pop(request_id, None)
         if entry is not None and entry.replica >= 0:
             self.router.load[entry.replica] = max(0, self.router.load[entry.replica] - 1)
@@ -282,7 +291,7 @@ class AsyncEngine:
             self._last_log = now
             logger.info(self.metrics.log_line())
 
-    def _observe(self, entry: _Open, out: RequestOutput, now: float) -> None:
+    def _observe(self, entry: OpenRequest, out: RequestOutput, now: float) -> None:
         tokens = entry.tokens + sum(len(c.token_ids) for c in out.outputs)  # delta outputs: new tokens only
         if tokens > entry.tokens:
             if entry.tokens > 0:

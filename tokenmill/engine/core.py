@@ -10,12 +10,14 @@ It never tokenizes, detokenizes or fans out `n`: the front end (`OutputProcessor
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_manager import KVManager
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.static import StaticScheduler
+from tokenmill.distributed.kv_transfer import TransferConnector
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.outputs import EngineStats, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
@@ -25,8 +27,13 @@ from tokenmill.spec_decode.speculation import Speculation
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, transfer: TransferConnector | None = None) -> None:
+        """`transfer`: this core's part in prefill/decode disaggregation (KV out of finished
+        prefills, into received requests); None for a core that serves requests whole."""
         self.config = config
+        self.transfer = transfer
+        if transfer is not None and config.speculative_config:
+            raise ValueError("speculative_config: not with prefill/decode disaggregation (the draft's KV stays behind)")
         self.worker = Worker(config)
         self.model_config = self.worker.model_config
         self.max_model_len = self.worker.max_model_len
@@ -40,7 +47,9 @@ class EngineCore:
         )
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         scheduler_cls = StaticScheduler if config.scheduling == "static" else Scheduler
-        self.scheduler: Scheduler = scheduler_cls(sched_config, kv)
+        self.scheduler: Scheduler = scheduler_cls(sched_config, kv, transfer)
+        if transfer is not None:
+            transfer.bind(self.worker.runner.kv_caches)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
         spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
         counts = self.scheduler.spec
@@ -53,7 +62,9 @@ class EngineCore:
     # -- requests in -----------------------------------------------------------------------------
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request; a ValueError (naming the field) if it can never run here."""
+        """Queue a request; a ValueError (naming the field) if it can never run here. A request with
+        `kv_transfer.output_token_ids` continues after them (its KV `put` into `transfer` before)."""
+        moved = req.kv_transfer
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -63,9 +74,12 @@ class EngineCore:
             eos_token_ids=tuple(req.eos_token_ids),
             times=RequestTimes(arrival=req.arrival_time),
             cache_salt=req.cache_salt,
+            output_token_ids=list(moved.output_token_ids) if moved is not None else [],
         )
         wait_for = req.wait_for if self.config.enable_prefix_caching else None
         self.scheduler.add_request(request, wait_for)
+        if moved is not None and moved.send and self.transfer is not None:
+            self.transfer.sending.add(req.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -92,10 +106,14 @@ class EngineCore:
             scheduled.draft_next = spec.worth_proposing
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
+        if self.transfer is not None:
+            self.transfer.run_loads()  # received KV into the blocks just allocated, before the forward
         result = self.worker.execute(scheduled)
         if spec is not None:
             spec.after_step(result.drafts, result.draft_seconds)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
+        if self.transfer is not None:
+            self.transfer.run_saves()  # finished prefills' KV out, before anything reuses their blocks
         if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
             # (the target's share: a draft model's passes are the proposer's cost, counted apart)
             spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted - result.draft_seconds)
@@ -134,7 +152,19 @@ class EngineCore:
         )
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(self.worker.weight_bytes)
+        stats = self.scheduler.stats(self.worker.weight_bytes)
+        if self.transfer is None:
+            return stats
+        c = self.transfer.counters
+        return dataclasses.replace(
+            stats,
+            kv_transfer_sent_bytes=c.sent_bytes,
+            kv_transfer_received_bytes=c.received_bytes,
+            kv_transfer_sent=c.sent,
+            kv_transfer_received=c.received,
+            kv_transfer_recomputed=c.recomputed,
+            kv_transfer_seconds=c.seconds,
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""

@@ -44,6 +44,15 @@ class CoreClient(Protocol):
 
     def send(self, command: AbortRequests | StopRequests) -> None: ...
 
+    def handoff(self, request: EngineCoreRequest, eager: bool, source: CoreClient) -> bool:
+        """Queue a request whose prompt `source` (a prefill engine) has computed, with that prompt's KV
+        taken from there (prefill/decode disaggregation); False if this core has ended."""
+        ...
+
+    def drop_kv(self, request_ids: list[str]) -> None:
+        """Forget the saved KV of these finished prefills (nobody will take it)."""
+        ...
+
     def stats(self) -> EngineStats:
         """The core's stats now (may block briefly: not for the event loop's hot path)."""
         ...
@@ -97,6 +106,16 @@ class LocalCoreClient:
 
     def send(self, command: AbortRequests | StopRequests) -> None:
         self.loop.send(command)
+
+    def handoff(self, request: EngineCoreRequest, eager: bool, source: CoreClient) -> bool:
+        assert isinstance(source, LocalCoreClient) and source.core.transfer is not None, "a local prefill core"
+        assert self.core.transfer is not None, "a core built with a TransferConnector"
+        self.core.transfer.put(request.request_id, source.core.transfer.take(request.request_id))
+        return self.send_requests([request], eager)
+
+    def drop_kv(self, request_ids: list[str]) -> None:
+        if self.core.transfer is not None:
+            self.core.transfer.drop(request_ids)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

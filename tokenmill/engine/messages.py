@@ -27,6 +27,14 @@ T = TypeVar("T")
 
 
 @dataclass
+class KVTransferParams:
+    """A request's part in prefill/decode disaggregation."""
+
+    send: bool = False  # a prefill: keep its prompt's KV for a decode engine when it finishes by length
+    output_token_ids: list[int] = field(default_factory=list)  # a decode: the tokens the prefill generated
+
+
+@dataclass
 class EngineCoreRequest:
     request_id: str  # the core's id (one per child of an n > 1 request)
     prompt_token_ids: list[int]
@@ -39,6 +47,7 @@ class EngineCoreRequest:
     # Start only once this request has computed (and so cached) its prompt: the other children of
     # an n > 1 request then share child 0's blocks instead of computing the prompt n times.
     wait_for: str | None = None
+    kv_transfer: KVTransferParams | None = None  # disaggregated serving only
 
 
 @dataclass

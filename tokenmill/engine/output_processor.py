@@ -201,6 +201,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def running(self, core_id: str) -> bool:
+        """Whether an open core request's child is still running here (not ended by a stop string)."""
+        found = self._children.get(core_id)
+        return found is not None and found[0].children[found[1]].finish_reason is None
+
     def parent_of(self, core_id: str) -> str | None:
         """The request id of an open core request (None once its request is finished or aborted)."""
         found = self._children.get(core_id)
@@ -248,8 +253,9 @@ class OutputProcessor:
             parent.prompt_logprobs.extend(out.new_prompt_logprobs)
         if child is parent.children[0]:
             parent.num_cached_tokens = out.num_cached_tokens
-        child.first_scheduled = out.first_scheduled_time
-        child.first_token = out.first_token_time
+        # the first engine's times (a request that moved from a prefill engine keeps that one's)
+        child.first_scheduled = child.first_scheduled or out.first_scheduled_time
+        child.first_token = child.first_token or out.first_token_time
         if not out.new_token_ids and out.finish_reason is None:
             return False
         # A token at a time (a speculative step brings several): the tokens after the one that completes

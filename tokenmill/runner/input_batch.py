@@ -86,6 +86,8 @@ class InputBatch:
         self.min_p[row] = p.min_p
         for processor in self.processors:
             processor.add_row(row, p, new.prompt_token_ids, new.eos_token_ids)
+        if new.output_token_ids:  # tokens another engine generated: penalties and positions count them
+            self.append_tokens([new.request_id] * len(new.output_token_ids), new.output_token_ids)
         return row
 
     def remove(self, request_id: str) -> None:

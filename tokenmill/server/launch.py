@@ -52,7 +52,7 @@ def build_server(
     parallel: ParallelConfig | None = None,
 ) -> Server:
     """The server's engine: one core on a thread of this process, or with `parallel` (more than one
-    replica, or a Ray address) data-parallel replicas on Ray."""
+    replica, or a Ray address) data-parallel replicas on Ray, or prefill and decode replicas."""
     restart = None
     if parallel is not None and parallel.uses_ray:
         from tokenmill.distributed.replica import start_replicas
@@ -68,8 +68,15 @@ def build_server(
     model = Path(config.model)
     name = served_model_name or (model.stem if is_gguf(model) else model.name)
     metrics = EngineMetrics(name, num_replicas=len(clients))
-    routing = parallel.routing if parallel is not None else "least_loaded"
-    async_engine = AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing=routing, restart=restart)
+    async_engine: AsyncEngine
+    if parallel is not None and parallel.disaggregated:
+        from tokenmill.distributed.disaggregated import DisaggregatedEngine
+
+        prefill, decode = clients[: parallel.prefill_size], clients[parallel.prefill_size :]
+        async_engine = DisaggregatedEngine(prefill, decode, processor, metrics, max_waiting, log_interval, restart)
+    else:
+        routing = parallel.routing if parallel is not None else "least_loaded"
+        async_engine = AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing, restart)
     return Server(async_engine, tokenizer, name, limits_of_core.max_model_len, limits or Limits())
 
 

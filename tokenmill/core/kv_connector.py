@@ -1,0 +1,69 @@
+"""The scheduler's side of moving a request's KV cache between engines (prefill/decode disaggregation).
+
+Pure Python, as the rest of `core`. A `KVConnector` is the one edge through which KV that was
+computed elsewhere enters the scheduler, and through which a finished prefill's KV leaves it:
+
+- `external_tokens(request, num_hit)`: at admission, after the local prefix-cache hit of `num_hit`
+  tokens, how many more of the request's tokens an external source holds (its prompt's KV, sent by
+  a prefill engine). The request is then admitted the way a prefix-cache hit is: those tokens count
+  as computed, and only what follows them runs.
+- `allocated(request, block_ids, num_hit, num_external)`: the blocks now allocated for it: where the
+  external tokens [num_hit, num_hit + num_external) go. The connector turns this into a `KVLoad`
+  for the worker, which writes them before the step's forward.
+- `finished(request, block_ids)`: a request finishes, its blocks about to be freed. A prefill whose
+  KV is to be sent records a `KVSave`; the worker copies the blocks out in the same step, before
+  anything can write into the freed blocks again (nothing does between a step's update and the next
+  step's forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenmill.request import Request
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Write the received blocks [first_block, first_block + len(block_ids)) of a request's KV into
+    these blocks of the cache."""
+
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+
+
+@dataclass(frozen=True)
+class KVSave:
+    """Copy out the KV of a finished prefill: its `num_tokens` tokens in these blocks (in order)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVConnector(Protocol):
+    def external_tokens(self, request: Request, num_hit: int) -> int:
+        """Tokens past the first `num_hit` whose KV an external source holds for this request."""
+        ...
+
+    def allocated(self, request: Request, block_ids: list[int], num_hit: int, num_external: int) -> None:
+        """The request's blocks after its admission (the external tokens' among them)."""
+        ...
+
+    def finished(self, request: Request, block_ids: list[int]) -> None:
+        """The request has finished; these were its blocks (freed right after this call)."""
+        ...
+
+
+class KVWorkerConnector(Protocol):
+    """The worker's side, bound to the engine's KV cache: what the scheduler side queued."""
+
+    def run_loads(self) -> None:
+        """Write the received KV of the requests admitted this step (before the forward)."""
+        ...
+
+    def run_saves(self) -> None:
+        """Copy out the KV of the prefills that finished this step (before the next step)."""
+        ...
