@@ -46,3 +46,14 @@ def hf_logits() -> Callable[[Path, torch.Tensor], torch.Tensor]:
             return models[folder](ids[None]).logits[0].float()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the test run (loopback, no dashboard): the Ray tests' servers join it."""
+    ray = pytest.importorskip("ray")
+    from tokenmill.distributed.cluster import connect
+
+    connect(None, num_cpus=2)
+    yield ray
+    ray.shutdown()

@@ -1,7 +1,7 @@
 """Data-parallel replicas as Ray actors behind the server: the same greedy outputs as one engine, and
 a replica killed mid-request — its streamed request gets a 503-class error event, its not yet
 answered one starts over on the survivor, the survivor leaks nothing, the replica restarts and
-rejoins. One local Ray cluster for the module (on the loopback address, no dashboard)."""
+rejoins. On the test run's local Ray cluster (conftest's `ray_cluster`)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,12 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
+def served(tiny_model_dir, ray_cluster):
     server = start_server(
         str(tiny_model_dir("llama")), blocks=32, parallel=ParallelConfig(2, "least_loaded"), cpu_threads=2
     )
     yield server
     server.stop()
-    ray.shutdown()
 
 
 def client() -> httpx.Client:

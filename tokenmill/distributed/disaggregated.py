@@ -11,7 +11,8 @@ A request that ends at its first token (EOS, a stop token, `max_tokens` 1) never
 
 Faults, on top of the AsyncEngine's: a decode replica that cannot fetch the KV (the prefill replica
 died between) recomputes the prompt itself; a lost replica of either kind fails or restarts its
-requests as any lost replica does (restarted on a prefill replica).
+requests as any lost replica does (restarted on a prefill replica); with no decode replica running
+(one lost, its replacement loading) a prefill replica decodes its own requests.
 """
 
 from __future__ import annotations
@@ -47,28 +48,38 @@ class DisaggregatedEngine(AsyncEngine):
         self._prefill_ids = list(range(self.num_prefill))
         self._decode_ids = list(range(self.num_prefill, len(self.clients)))
         self.handoffs = 0  # requests moved from a prefill replica to a decode one
+        self._prefilling: set[str] = set()  # core requests sent as prefills, not finished yet
 
     def _not_for_new_requests(self) -> list[int]:
         return self._decode_ids
 
     def _send(self, replica: int, entry: OpenRequest) -> bool:
         """Prefill only: one token, and the prompt's KV kept for a decode replica."""
-        return self.clients[replica].send_requests([_prefill_only(r) for r in entry.requests], entry.eager)
+        prefills = [_prefill_only(r) for r in entry.requests]
+        if not self.clients[replica].send_requests(prefills, entry.eager):
+            return False
+        self._prefilling.update(r.request_id for r in prefills if r.kv_transfer is not None)
+        return True
 
     def _on_outputs(self, replica: int, outputs: EngineCoreOutputs) -> None:
-        if replica >= self.num_prefill:
-            super()._on_outputs(replica, outputs)
-            return
         moving: list[tuple[str, list[int]]] = []
-        for out in outputs.outputs:
-            original = self._original(out.request_id)
-            if original is None or out.finish_reason != "length" or original.max_tokens <= 1:
-                continue  # done where it is: finished by a stop, or asked for one token, or aborted
-            out.finish_reason, out.finished_time = None, None  # not finished: it moves on
-            moving.append((out.request_id, list(out.new_token_ids)))
+        if self._prefilling:
+            for out in outputs.outputs:
+                if out.request_id not in self._prefilling or (out.finish_reason is None and out.error is None):
+                    continue
+                self._prefilling.discard(out.request_id)
+                if out.finish_reason == "length":  # its one token: not finished, it moves on
+                    out.finish_reason, out.finished_time = None, None
+                    moving.append((out.request_id, list(out.new_token_ids)))
         super()._on_outputs(replica, outputs)
         for core_id, tokens in moving:
             self._hand_off(replica, core_id, tokens)
+
+    def _close(self, request_id: str) -> OpenRequest | None:
+        entry = super()._close(request_id)
+        if entry is not None and self._prefilling:
+            self._prefilling.difference_update(r.request_id for r in entry.requests)
+        return entry
 
     def _original(self, core_id: str) -> EngineCoreRequest | None:
         parent = self.processor.parent_of(core_id)
@@ -87,24 +98,33 @@ class DisaggregatedEngine(AsyncEngine):
             return
         moved = dataclasses.replace(original, wait_for=None, kv_transfer=KVTransferParams(output_token_ids=tokens))
         target = entry.replica if entry.replica in self._decode_ids else None
-        exclude = list(self._prefill_ids)
+        tried: list[int] = []
         while True:
             if target is None:
-                try:
-                    target = self.router.pick(original.prompt_token_ids, original.cache_salt, exclude).replica
-                except LookupError:
-                    self._fail(parent, EngineStopped("no decode replica is running"))
-                    self.clients[source].drop_kv([core_id])
-                    return
+                target = self._decode_target(original, tried)
+            if target is None:
+                self._fail(parent, EngineStopped("no engine replica is running"))
+                self.clients[source].drop_kv([core_id])
+                return
             if self.clients[target].handoff(moved, entry.eager, self.clients[source]):
                 break
-            exclude.append(target)
+            tried.append(target)
             target = None
         if entry.replica != target:  # the request's first child to move: it is the decode replica's now
             self.router.load[entry.replica] = max(0, self.router.load[entry.replica] - 1)
             self.router.load[target] += 1
             entry.replica = target
         self.handoffs += 1
+
+    def _decode_target(self, request: EngineCoreRequest, tried: list[int]) -> int | None:
+        """The least loaded decode replica; with none running, a prefill one (it decodes too, more
+        slowly than a dedicated one, rather than fail the request)."""
+        for others in (self._prefill_ids, self._decode_ids):
+            try:
+                return self.router.pick(request.prompt_token_ids, request.cache_salt, [*others, *tried]).replica
+            except LookupError:
+                continue
+        return None
 
     def _fail(self, request_id: str | None, error: BaseException) -> None:
         entry = self._close(request_id) if request_id is not None else None

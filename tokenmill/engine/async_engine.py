@@ -326,7 +326,7 @@ class AsyncEngine:
                     continue
                 except EngineUnavailable:
                     pass
-            self._open.pop(request_id)
+            self._close(request_id)
             self.processor.abort_request(request_id)
             entry.sink.put_nowait(self._why_ended(replica, failure))
         if unasked and self._restart is not None:

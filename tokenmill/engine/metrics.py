@@ -92,6 +92,15 @@ class EngineMetrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
             [*labels, "position"], registry=r,
         )  # fmt: skip
+        transfer = [
+            ("kv_transfer_sent_bytes", "KV bytes copied out of finished prefills (disaggregated serving)."),
+            ("kv_transfer_received_bytes", "KV bytes received and written into the cache (disaggregated serving)."),
+            ("kv_transfer_sent", "Prefills whose KV was copied out for a decode engine."),
+            ("kv_transfer_received", "Requests admitted with KV received from a prefill engine."),
+            ("kv_transfer_recomputed", "Handed-over requests whose KV did not arrive: their prompt was recomputed."),
+            ("kv_transfer_seconds", "Time spent copying KV out of and into the cache."),
+        ]
+        self.transfer = {name: Counter(PREFIX + name, doc, labels, registry=r) for name, doc in transfer}
         self.success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -118,6 +127,7 @@ class EngineMetrics:
             (self.spec_draft_tokens.labels(m), "spec_decode_num_draft_tokens"),
             (self.spec_accepted.labels(m), "spec_decode_num_accepted_tokens"),
         ]
+        self._counters += [(counter.labels(m), name) for name, counter in self.transfer.items()]
         self._itl = self.itl.labels(m)
 
     def observe_step(self, stats: EngineStats, replica: int = 0) -> None:
