@@ -39,3 +39,13 @@ def plot(result_file: Path, out_dir: Path) -> None:
 def cell(stats: dict[str, float], fmt: str = "{:.2f}") -> str:
     """'median [min–max]' as the README quotes it."""
     return f"{fmt.format(stats['median'])} [{fmt.format(stats['min'])}–{fmt.format(stats['max'])}]"
+
+
+def kv_token_bytes(model: Path, dtype: str) -> int:
+    """KV cache bytes a token takes in `model` (K and V of every layer) in `dtype`."""
+    import json
+
+    config = json.loads((model / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from common import RESULTS, ensure_model
+from common import RESULTS, ensure_model, kv_token_bytes
 from common import bench as run_bench
 from serve import free_port, start_server
 
@@ -38,13 +38,6 @@ VARIANTS = {
     "2 replicas, prefix routing": ("2", "prefix"),
     "2 replicas, least-loaded": ("2", "least_loaded"),
 }
-
-
-def kv_token_bytes(model: Path, dtype: str) -> int:
-    config = json.loads((model / "config.json").read_text())
-    heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    return 2 * config["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -37,7 +37,7 @@ class TransferCounters:
     sent: int = 0  # prefills whose KV was copied out
     received: int = 0  # requests admitted with received KV
     recomputed: int = 0  # handed-over requests whose KV did not arrive: their prompt was recomputed here
-    seconds: float = 0.0  # copying KV out of and into the cache
+    seconds: float = 0.0  # copying KV out of and into the cache, and fetching it from the other engine
 
 
 class TransferConnector:
@@ -54,6 +54,11 @@ class TransferConnector:
 
     def bind(self, caches: list[KVCache]) -> None:
         self.caches = caches
+
+    def add_seconds(self, seconds: float) -> None:
+        """Time a transfer took outside this connector (fetching a handoff's KV)."""
+        with self._lock:
+            self.counters.seconds += seconds
 
     # -- the scheduler's half --------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -119,8 +120,12 @@ class ReplicaActor:
         if kind == "handoff":
             batch = decode(payload, RequestBatch)
             (request,) = batch.requests
-            assert self._core.transfer is not None, "a handoff goes to a disaggregated server's replica"
-            self._core.transfer.put(request.request_id, _fetch(refs[0]))
+            transfer = self._core.transfer
+            assert transfer is not None, "a handoff goes to a disaggregated server's replica"
+            start = time.perf_counter()
+            blocks = _fetch(refs[0])  # from the prefill replica, through Ray's object store
+            transfer.add_seconds(time.perf_counter() - start)
+            transfer.put(request.request_id, blocks)
             self._loop.send_requests(batch.requests, batch.eager)
         elif kind == "requests":
             batch = decode(payload, RequestBatch)
