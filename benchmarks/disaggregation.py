@@ -130,8 +130,8 @@ def one_run(model: Path, label: str, kv_bytes: int) -> dict[str, float]:
     return result
 
 
-def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, object]]:
-    out: dict[str, dict[str, object]] = {}
+def summarize(runs: list[dict[str, float]]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
     for key in runs[0]:
         values = [r[key] for r in runs]
         out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
@@ -153,11 +153,11 @@ def main() -> None:
             print(f"[{repeat}] {label}: {runs[label][-1]}", flush=True)
     aggregate = {label: summarize(rs) for label, rs in runs.items()}
     split, together = aggregate["disaggregated"], aggregate["colocated"]
-    long_mb = float(split["kv_bytes_per_prompt_token"]["median"]) * LONG_PROMPT / 1e6  # type: ignore[arg-type]
-    move_ms = float(split["move_ms_per_mb"]["median"]) * long_mb  # type: ignore[arg-type]
+    long_mb = split["kv_bytes_per_prompt_token"]["median"] * LONG_PROMPT / 1e6
+    move_ms = split["move_ms_per_mb"]["median"] * long_mb
     # what each of a long prompt's chunks takes from colocated decodes: the shorts' inter-token p99 (the
     # steps that carried a chunk) over their TPOT p50
-    stall_ms = float(together["short_itl_p99_ms"]["median"]) - float(together["short_tpot_p50_ms"]["median"])  # type: ignore[arg-type]
+    stall_ms = together["short_itl_p99_ms"]["median"] - together["short_tpot_p50_ms"]["median"]
     chunks = -(-LONG_PROMPT // STEP_BUDGET)
     result = {
         "model": "make-model --arch llama --size small --seed 0",
@@ -182,8 +182,8 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {path}\n| server | short TPOT p50 / p99, ms | short ITL p99, ms | long TTFT p50, ms | tokens/s |")
     for label, a in aggregate.items():
-        cells = [cell(a[k], "{:.1f}") for k in ("short_tpot_p50_ms", "short_tpot_p99_ms", "short_itl_p99_ms")]  # type: ignore[arg-type]
-        cells += [cell(a[k], "{:.0f}") for k in ("long_ttft_p50_ms", "output_tokens_per_s")]  # type: ignore[arg-type]
+        cells = [cell(a[k], "{:.1f}") for k in ("short_tpot_p50_ms", "short_tpot_p99_ms", "short_itl_p99_ms")]
+        cells += [cell(a[k], "{:.0f}") for k in ("long_ttft_p50_ms", "output_tokens_per_s")]
         print(f"| {label} | {cells[0]} / {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} |")
     print(
         f"a long prompt's KV: {long_mb:.1f} MB, moved in {move_ms:.1f} ms ({long_mb / move_ms:.2f} GB/s); colocated, "

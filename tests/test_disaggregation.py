@@ -134,3 +134,30 @@ def test_kv_that_does_not_arrive_is_recomputed_and_prefixes_are_cached_on_both_s
     assert len(outbox) == 1
     prefill.core.transfer._expire(max(t for t, _ in outbox.values()) + kv_transfer.OUTBOX_TTL_S + 1)
     assert not outbox
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("prefill=1", "both"),
+        ("prefill=1,decode=0", "positive integers"),
+        ("prefill=2,decode=x", "positive integers"),
+        ("prefill=1,prefill=2", "positive integers"),
+        ("decode=1,encode=1", "positive integers"),
+    ],
+)
+def test_a_bad_disaggregate_value_names_the_setting(text, why):
+    from tokenmill.distributed.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=f"disaggregate: expected prefill=P,decode=D.*{why}"):
+        ParallelConfig.disaggregate(text)
+    good = ParallelConfig.disaggregate("prefill=1,decode=2")
+    assert good.disaggregated and good.uses_ray and good.num_replicas == 3
+
+
+def test_speculative_decoding_is_refused_on_a_disaggregated_core(config):
+    import dataclasses
+
+    spec = dataclasses.replace(config, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="speculative_config: not with prefill/decode disaggregation"):
+        EngineCore(spec, TransferConnector(config.block_size))
