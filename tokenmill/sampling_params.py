@@ -35,6 +35,53 @@ def generator_seed(seed: int, output_position: int) -> int:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, enforced by a grammar engine (vLLM's `StructuredOutputsParams`):
+    exactly one of a JSON schema (`json`, as a dict or its JSON text), any JSON object (`json_object`), a
+    regular expression, a choice among strings, or a grammar (Lark, or llama.cpp's GBNF)."""
+
+    json: str | None = None  # the schema as JSON text (a dict given is serialized)
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            import json as json_module
+
+            object.__setattr__(self, "json", json_module.dumps(self.json))  # (its order: the output follows it)
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name}: expected a non-empty string, got {value!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object: expected a boolean, got {self.json_object!r}")
+        if self.choice is not None and (
+            isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice: expected a non-empty list of non-empty strings, got {self.choice!r}"
+            )
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: expected exactly one of json, json_object, regex, choice, grammar; got "
+                + (", ".join(given) or "none")
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt; child i is seeded from (seed, i)
     temperature: float = 1.0  # 0 = greedy
@@ -59,6 +106,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words never generated (as words: at the start or after a space)
     # bad_words as token-id sequences: filled in by the engine's front end (which has the tokenizer)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None  # output held to a schema, regex, choice or grammar
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +124,8 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        if isinstance(self.structured_outputs, dict):  # LLM(...) users pass vLLM's keys as a dict
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
 
     def _validate(self) -> None:

@@ -357,7 +357,8 @@ class Scheduler:
         params = request.sampling_params
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token
-        if not params.ignore_eos and token in request.eos_token_ids:
+        if token in request.eos_token_ids and (not params.ignore_eos or params.structured_outputs is not None):
+            # (a grammar allows EOS only where its structure is complete: it ends the request)
             return RequestStatus.FINISHED_STOPPED, None
         if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None

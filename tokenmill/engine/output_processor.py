@@ -26,6 +26,7 @@ from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engin
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, generator_seed
+from tokenmill.structured.grammar import GrammarCompiler
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class OutputProcessor:
         self._parents: dict[str, Parent] = {}
         self._children: dict[str, tuple[Parent, int]] = {}  # core id -> (parent, child index)
         self._next_id = 0
+        self._grammar: GrammarCompiler | None = None
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -165,7 +167,17 @@ class OutputProcessor:
                 f"max_tokens: prompt + max_tokens ({total} tokens) needs {blocks} KV blocks; "
                 f"the cache holds {lim.num_blocks}"
             )
+        if params.structured_outputs is not None:
+            self.grammar.check(params.structured_outputs)  # compiled (and cached) here: a bad spec is a 400
         return max_tokens
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """This front end's grammar compiler (validates structured-output specs; built on first use)."""
+        if self._grammar is None:
+            tok = self.tokenizer
+            self._grammar = GrammarCompiler(lambda: tok.hf, self.limits.vocab_size, tok.info.eos_token_ids)
+        return self._grammar
 
     def _with_token_constraints(self, params: SamplingParams) -> SamplingParams:
         """Check the token ids a request names against the vocabulary, and turn its bad words into

@@ -12,6 +12,7 @@ Pure bookkeeping for the runner; never sees a scheduler `Request`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ from tokenmill.layers.token_constraints import (
 )
 from tokenmill.outputs import NewRequestData
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.structured.processor import GrammarProcessor
 
 
 @dataclass
@@ -40,7 +43,14 @@ class RowState:
 
 
 class InputBatch:
-    def __init__(self, capacity: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        capacity: int,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        grammar: Callable[[], GrammarCompiler] | None = None,
+    ) -> None:
+        """`grammar`: gives the GrammarCompiler structured-output requests need (None: refused here)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.rows: list[RowState] = []  # row i's request
@@ -51,8 +61,10 @@ class InputBatch:
         self.top_p = torch.ones(self.capacity, dtype=torch.float32, device=self.device)  # [C]
         self.min_p = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)  # [C]
         self.penalties = PenaltiesProcessor(self.capacity, vocab_size, self.device)
-        # in vLLM's order: which tokens may come at all, then biases, then the penalties
-        self.processors: list[LogitsProcessor] = [
+        # in vLLM's order: the grammar's mask, which tokens may come at all, then biases, then the penalties
+        self.grammar = GrammarProcessor(grammar, vocab_size) if grammar is not None else None
+        self.processors: list[LogitsProcessor] = [*([self.grammar] if self.grammar is not None else [])]
+        self.processors += [
             AllowedTokensProcessor(),
             BadWordsProcessor(),
             MinTokensProcessor(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,11 +25,17 @@ from tokenmill.runner.input_batch import InputBatch
 from tokenmill.spec_decode.draft_model import DraftRow, DraftRunner
 from tokenmill.spec_decode.proposer import speculates
 from tokenmill.spec_decode.rejection import RejectionSampler, Verification
+from tokenmill.structured.grammar import GrammarCompiler
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend, block_size: int
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        backend: AttentionBackend,
+        block_size: int,
+        grammar: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -37,7 +43,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.norm.weight.device
         self.sampler = Sampler(model.ops.argmax)
-        self.batch = InputBatch(64, model.config.vocab_size, self.device)
+        self.batch = InputBatch(64, model.config.vocab_size, self.device, grammar)
         # Greedy-only steps take their tokens from `model.greedy_tokens` (no logits kept) where the
         # worker measured it faster than logits + argmax on this machine and dtype.
         self.greedy_head = False

@@ -11,12 +11,14 @@ nothing else of torch crosses.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
+from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, KVCache, allocate_kv_cache
@@ -50,8 +52,15 @@ from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.draft_model import DraftRunner
+from tokenmill.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("tokenmill")
+
+
+def grammar_compiler(model: str, vocab_size: int) -> GrammarCompiler:
+    """The GrammarCompiler of structured-output requests, over the model's own tokenizer."""
+    tokenizer = Tokenizer(model)
+    return GrammarCompiler(lambda: tokenizer.hf, vocab_size, tokenizer.info.eos_token_ids)
 
 
 def native_or_reference(name: str, field: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -182,7 +191,8 @@ class Worker:
                 dense * self.block_size,
                 self.num_blocks / max(1, dense),
             )
-        self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size)
+        grammar = functools.partial(grammar_compiler, config.model, self.model_config.vocab_size)
+        self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size, grammar)
         if draft is not None and spec is not None:
             k = spec.num_speculative_tokens
             scratch = DraftRunner.scratch_blocks(config.max_num_seqs, k, self.block_size)

@@ -29,6 +29,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.server.structured_fields import ResponseFormat, StructuredOutputsField, structured_spec
 from tokenmill.server.validation import (
     Limits,
     RequestError,
@@ -89,7 +90,6 @@ class _Request(_Strict):
         "functions",
         "function_call",
         "parallel_tool_calls",
-        "response_format",
         "suffix",
         "best_of",
         "audio",
@@ -136,6 +136,13 @@ class _Request(_Strict):
     )
     allowed_token_ids: TokenIds | None = None  # vLLM's: only these may be generated
     bad_words: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None  # vLLM's: words never generated
+    # structured output (server/structured_fields.py): OpenAI's response_format, or vLLM's fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @classmethod
     def _null_means_default(cls) -> list[str]:
@@ -223,7 +230,13 @@ class _Request(_Strict):
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "allowed_token_ids": tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             "bad_words": tuple(self.bad_words or ()),
+            "structured_outputs": structured_spec(self)[0],
         }
+
+    @property
+    def structured_field(self) -> str | None:
+        """The request field that asked for structured output (a bad spec's 400 names it)."""
+        return structured_spec(self)[1]
 
     def _sampling_params(
         self,

@@ -86,7 +86,7 @@ class Server:
 
     def prepare_completion(self, req: CompletionRequest) -> Job:
         model = self._check_model(req.model)
-        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
+        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
         prompts, texts = [], []
         listed = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)  # several prompts' form
         for i, p in enumerate(req.prompts()):
@@ -114,7 +114,7 @@ class Server:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         model = self._check_model(req.model)
-        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
+        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
         try:
             ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt)
         except ValueError as e:
@@ -160,13 +160,20 @@ class Server:
         if not ids:
             raise RequestError(f"Invalid value for '{param}': the prompt is empty.", param, "invalid_value")
 
-    @staticmethod
-    def _params(build: Callable[[], SamplingParams]) -> SamplingParams:
+    def _params(self, build: Callable[[], SamplingParams], structured_field: str | None) -> SamplingParams:
         try:
-            return build()
+            params = build()
         except ValueError as e:
             field_name = str(e).split(":", 1)[0]
             raise RequestError(str(e), field_name, "invalid_value") from None
+        if params.structured_outputs is not None:  # compiled (and cached) now: a bad schema or regex is a 400
+            try:
+                self.engine.processor.grammar.check(params.structured_outputs)
+            except ValueError as e:
+                raise RequestError(
+                    f"Invalid value for '{structured_field}': {e}", structured_field, "invalid_value"
+                ) from None
+        return params
 
     # -- running -------------------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Structured output: grammar-constrained decoding (JSON schema, regex, choice, grammar) via llguidance."""

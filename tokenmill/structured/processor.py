@@ -1,0 +1,99 @@
+"""GrammarProcessor: the logits processor that holds structured-output requests to their grammar.
+
+One llguidance matcher per batch row that asks for structured output (`SamplingParams.structured_outputs`),
+advanced with each token the row samples (and with the tokens a request already had, when it joins
+with some). Before sampling, each such row's bitmask of allowed next tokens is computed into a
+[rows, ceil(V / 32)] int32 buffer and applied to that row's logits only (disallowed: -inf); the other
+rows are untouched. The mask is as wide as the model's logits: ids the tokenizer does not have are
+never allowed. A matcher that has gone into an error state (it cannot happen with its own masks, but
+a token forced past them could) allows only EOS, so the request ends instead of wandering.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.grammar import GrammarCompiler
+
+logger = logging.getLogger("tokenmill")
+
+
+class GrammarProcessor:
+    def __init__(self, compiler: Callable[[], GrammarCompiler], vocab_size: int) -> None:
+        """`compiler`: gives the process's GrammarCompiler (built when a first request needs it)."""
+        self._compiler_factory = compiler
+        self._compiler: GrammarCompiler | None = None
+        self.vocab_size = vocab_size
+        self.matchers: dict[int, Any] = {}  # batch row -> its matcher
+        self._eos: list[int] = []
+        self._words = (vocab_size + 31) // 32
+        self._bitmask = torch.zeros(0, self._words, dtype=torch.int32)  # [R, W], grown as needed
+        self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
+        self.mask_seconds = 0.0
+        self.masks = 0
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = self._compiler_factory()
+        return self._compiler
+
+    @property
+    def active(self) -> bool:
+        return bool(self.matchers)
+
+    def add_row(
+        self, row: int, params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
+        self.matchers.pop(row, None)
+        if params.structured_outputs is None:
+            return
+        self.matchers[row] = self.compiler.matcher(params.structured_outputs)
+        self._eos = list(eos_token_ids) or self._eos
+
+    def remove_row(self, row: int) -> None:
+        self.matchers.pop(row, None)
+
+    def move_row(self, src: int, dst: int) -> None:
+        matcher = self.matchers.pop(src, None)
+        if matcher is not None:
+            self.matchers[dst] = matcher
+
+    def append_token(self, row: int, token: int) -> None:
+        matcher = self.matchers.get(row)
+        if matcher is not None and not matcher.is_stopped() and not matcher.consume_token(token):
+            logger.warning("structured output: token %d broke the grammar (%s)", token, matcher.get_error())
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] of batch rows `rows` [R] -> the same with each grammar row's disallowed tokens at -inf."""
+        import time
+
+        start = time.perf_counter()
+        picked = [(i, self.matchers[r]) for i, r in enumerate(rows.tolist()) if r in self.matchers]
+        if not picked:
+            return logits
+        if self._bitmask.shape[0] < len(picked):
+            self._bitmask = torch.zeros(max(len(picked), 2 * self._bitmask.shape[0]), self._words, dtype=torch.int32)
+        row_bytes = self._words * 4
+        for j, (_, matcher) in enumerate(picked):
+            target = self._bitmask[j]
+            if matcher.is_error():
+                target.zero_()
+                for eos in self._eos:
+                    target[eos // 32] |= 1 << (eos % 32)
+            else:
+                matcher.unsafe_compute_mask_ptr(target.data_ptr(), row_bytes)
+        n, vocab = len(picked), logits.shape[1]
+        bits = (self._bitmask[:n].unsqueeze(-1) >> self._shifts) & 1  # [n, W, 32]
+        allowed = bits.view(n, -1)[:, :vocab].bool()  # [n, V]
+        index = torch.tensor([i for i, _ in picked], dtype=torch.int64)
+        out = logits.clone()
+        out[index] = logits.index_select(0, index).masked_fill(~allowed.to(logits.device), float("-inf"))
+        self.masks += n
+        self.mask_seconds += time.perf_counter() - start
+        return out
