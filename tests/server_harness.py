@@ -53,7 +53,8 @@ def start_server(
     parallel: ParallelConfig | None = None,
     **engine: object,
 ) -> RunningServer:
-    config = EngineConfig(model=model_dir, max_model_len=256, kv_cache_memory=blocks * KV_BLOCK_BYTES, **engine)  # type: ignore[arg-type]
+    settings: dict = {"max_model_len": 256, "kv_cache_memory": blocks * KV_BLOCK_BYTES, **engine}
+    config = EngineConfig(model=model_dir, **settings)
     server = build_server(
         config, "tiny", max_waiting=max_waiting, limits=Limits(max_n=4), log_interval=60, parallel=parallel
     )

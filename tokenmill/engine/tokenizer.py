@@ -126,16 +126,33 @@ class Tokenizer:
         assert isinstance(text, str)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tools_message: str | None = None,
+    ) -> list[int]:
         """The folder's chat template rendered to text, then encoded without adding special tokens
-        (the template writes its own BOS)."""
+        (the template writes its own BOS). `tools` go to a template that has a tools section; one that
+        has none gets `tools_message` as (the start of) the system message instead."""
         if not self.info.has_chat_template:
             raise ValueError(f"messages: {self.folder} has no chat template; send a plain-text prompt instead")
         check_messages(messages)
         from jinja2 import TemplateError
 
+        extra: dict[str, Any] = {}
+        if tools and "tools" in str(self.hf.chat_template):
+            extra["tools"] = tools
+        elif tools and tools_message:
+            if messages[0]["role"] == "system":
+                messages = [{**messages[0], "content": f"{tools_message}\n\n{messages[0]['content']}"}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": tools_message}, *messages]
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+            )
         except TemplateError as e:  # the template's own raise_exception(), or a field it needs and lacks
             raise ValueError(f"messages: the chat template rejected them ({type(e).__name__}: {e})") from None
         if not isinstance(text, str):

@@ -7,6 +7,7 @@ request or a `RequestError` (400 naming the parameter).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -22,6 +23,7 @@ from tokenmill.server.protocol import (
     _Request,
     _Strict,
 )
+from tokenmill.server.tools import NamedToolChoice, ToolCall, ToolChoice, ToolMode, ToolParam, tool_mode
 from tokenmill.server.validation import Limits, check_unsupported, custom_error, show
 
 
@@ -34,17 +36,25 @@ class ChatMessageParam(_Strict):
     """One message of a chat request. Content is a string or a list of text parts (joined by `text`)."""
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "tool_calls",
-        "tool_call_id",
         "function_call",
         "refusal",
         "audio",
         "annotations",
     )
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None  # None only for an assistant's tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessageParam:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise custom_error("'content' is required (null only for an assistant message with tool_calls).")
+        if self.role == "tool" and not self.tool_call_id:
+            raise custom_error("a 'tool' message needs the 'tool_call_id' it answers.")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -54,7 +64,7 @@ class ChatMessageParam(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _check_content(cls, value: Any) -> Any:
-        if isinstance(value, str):
+        if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise custom_error(f"expected a string or an array of text parts, got {show(value)}.", code="invalid_type")
@@ -71,6 +81,8 @@ class ChatMessageParam(_Strict):
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return CONTENT_PART_SEPARATOR.join(part.text for part in self.content)
@@ -85,10 +97,28 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[ToolParam], Field(min_length=1)] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
         self._stream_options_check()
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise custom_error(
+                f"tool_choice {show(named or self.tool_choice)} needs 'tools'.", ("tool_choice",), whole=True
+            )
+        if named is not None and named not in {t.function.name for t in self.tools or ()}:
+            raise custom_error(f"no tool named {show(named)} in 'tools'.", ("tool_choice",), whole=True)
+        mode = self.tool_mode
+        if mode is not None and mode.spec() is not None and self.structured_field is not None:
+            raise custom_error(
+                f"tool_choice {show(named or self.tool_choice)} and '{self.structured_field}' both constrain "
+                "the answer; send one.",
+                ("tool_choice",),
+                whole=True,
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise custom_error("'top_logprobs' is only allowed when 'logprobs' is true.", ("top_logprobs",), whole=True)
         if (
@@ -112,11 +142,18 @@ class ChatCompletionRequest(_Request):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def conversation(self) -> list[dict[str, str]]:
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        return tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
     def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
         fields = self._common_sampling()
+        mode = self.tool_mode
+        if mode is not None and mode.spec() is not None:  # "required" or a named function: under its schema
+            fields["structured_outputs"] = mode.spec()
         fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(
             fields,
@@ -128,17 +165,32 @@ class ChatCompletionRequest(_Request):
         )
 
 
-def conversation(messages: list[ChatMessageParam]) -> list[dict[str, str]]:
-    """The messages as a chat template takes them: role, content as text, and name when given. The
-    "developer" role (OpenAI's newer name for "system") is given as "system", which templates know."""
+def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them: role, content as text, name, an assistant's tool calls
+    (arguments as objects, as templates expect) and a tool answer's call id. The "developer" role
+    (OpenAI's newer name for "system") is given as "system", which templates know."""
     out = []
     for message in messages:
         role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": message.text}
+        entry: dict[str, Any] = {"role": role, "content": message.text}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"type": "function", "id": c.id, "function": {"name": c.function.name, "arguments": _args(c)}}
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _args(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
 
 
 def parse_chat_request(raw: Any, limits: Limits) -> ChatCompletionRequest:

@@ -85,11 +85,8 @@ class _Request(_Strict):
     fields common to both endpoints, and the JSON schema that documents the nulls."""
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
-        "parallel_tool_calls",
         "suffix",
         "best_of",
         "audio",
@@ -294,6 +291,8 @@ def _common_limits(request: _Request, limits: Limits) -> None:
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (*_Request.UNSUPPORTED, "tools", "tool_choice", "parallel_tool_calls")
 
     prompt: Prompt
     max_tokens: PositiveInt | None = 16  # null: the server's default (up to the model's length)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from tokenmill.outputs import RequestOutput, TokenLogprob
+from tokenmill.server.tools import ToolCall
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: logprobs below this are reported as this (as vLLM does)
 
@@ -79,9 +80,14 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):
@@ -99,10 +105,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-
-
-def _absent(value: Any) -> bool:
-    return value is None
 
 
 class DeltaMessage(BaseModel):

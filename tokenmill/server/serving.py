@@ -44,6 +44,7 @@ from tokenmill.server.responses import (
     completion_logprobs,
     usage_info,
 )
+from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
 
 logger = logging.getLogger("tokenmill")
 
@@ -63,6 +64,7 @@ class Job:
     include_usage: bool
     cache_salt: str | None
     continuous_usage: bool = False  # usage (so far) in every chunk: vLLM's continuous_usage_stats
+    tool_mode: ToolMode | None = None  # a chat request with tools (server/tools.py)
 
 
 @dataclass
@@ -115,8 +117,10 @@ class Server:
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         model = self._check_model(req.model)
         params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
+        tools = template_tools(req.tools) if req.tools else None
+        explain = tools_system_message(req.tools) if req.tools else None
         try:
-            ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt, tools, explain)
         except ValueError as e:
             raise RequestError(str(e), "messages", "invalid_value") from None
         check_prompt_length(len(ids), req.requested_max_tokens, self.max_model_len, self.limits, "messages")
@@ -134,6 +138,7 @@ class Server:
             include_usage,
             req.cache_salt,
             continuous,
+            req.tool_mode,
         )
 
     def _check_model(self, model: str | None) -> str:
@@ -193,17 +198,7 @@ class Server:
         usage = usage_info(finals)
         n = job.params.n
         if job.chat:
-            choices = [
-                ChatChoice(
-                    index=i * n + c.index,
-                    message=ChatMessage(content=c.text),
-                    logprobs=chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                for i, out in enumerate(finals)
-                for c in out.outputs
-            ]
+            choices = [self._chat_choice(job, i * n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
             return ChatCompletionResponse(
                 id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
             ).model_dump(mode="json")
@@ -215,6 +210,18 @@ class Server:
         return CompletionResponse(
             id=job.request_id, created=job.created, model=job.model, choices=completions, usage=usage
         ).model_dump(mode="json")
+
+    def _chat_choice(self, job: Job, index: int, c: CompletionOutput) -> ChatChoice:
+        content, calls, finish = c.text, [], c.finish_reason
+        if job.tool_mode is not None:
+            content, calls, finish = job.tool_mode.answer(c.text, c.finish_reason)
+        return ChatChoice(
+            index=index,
+            message=ChatMessage(content=content, tool_calls=calls or None),
+            logprobs=chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=c.stop_reason,
+        )
 
     def _completion_choice(
         self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, text: str, entries: Any, first: bool
@@ -235,7 +242,10 @@ class Server:
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE events for a streaming request, ending with `data: [DONE]`. Nothing is sent before the
-        engine accepts every prompt, so a refused request still gets its error status."""
+        engine accepts every prompt, so a refused request still gets its error status. A chat request
+        with tools is answered whole and then streamed (its calls are known only at the end)."""
+        if job.tool_mode is not None:
+            return self._tool_events(job, await self.complete(job))
         streams = self._streams(job, OutputKind.DELTA)
         try:  # the first item (or the refusal) of each prompt, all submitted at once
             results = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
@@ -318,6 +328,23 @@ class Server:
             # pump is still running raises)
             await asyncio.gather(*tasks, return_exceptions=True)
             await _close_all(streams)
+
+    async def _tool_events(self, job: Job, whole: dict[str, Any]) -> AsyncIterator[str]:
+        """A finished chat answer with tools as OpenAI streams one: the role, the content or each call
+        (id, name and arguments in one delta), the finish reason, the usage if asked, [DONE]."""
+        base = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
+        for choice in whole["choices"]:
+            i, message = choice["index"], choice["message"]
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
+            if message.get("content"):
+                yield _sse({**base, "choices": [{"index": i, "delta": {"content": message["content"]}}]})
+            for k, call in enumerate(message.get("tool_calls") or []):
+                yield _sse({**base, "choices": [{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}}]})
+            end = {"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}
+            yield _sse({**base, "choices": [end]})
+        if job.include_usage:
+            yield _sse({**base, "choices": [], "usage": whole["usage"]})
+        yield "data: [DONE]\n\n"
 
     def _chunk_for(
         self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool
