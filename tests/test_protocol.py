@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.protocol import (
     CompletionRequest,
@@ -135,6 +135,7 @@ FULL = {
     "logit_bias": {"5": -100, "7": 2.5},
     "allowed_token_ids": [5, 7, 9],
     "bad_words": ["foo", "bar baz"],
+    "guided_regex": "[a-z]+",
 }
 FULL_EXPECTED = {
     **FULL,
@@ -143,8 +144,9 @@ FULL_EXPECTED = {
     "logit_bias": {5: -100, 7: 2.5},
     "allowed_token_ids": (5, 7, 9),
     "bad_words": ("foo", "bar baz"),
+    "structured_outputs": StructuredOutputsParams(regex="[a-z]+"),
 }
-del FULL_EXPECTED["user"]
+del FULL_EXPECTED["user"], FULL_EXPECTED["guided_regex"]
 
 
 def test_completion_maps_every_field() -> None:
@@ -295,11 +297,11 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"messages": "hi"}, "messages", "invalid_type"),
     ("chat", {"messages": ["hi"]}, "messages[0]", "invalid_type"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "invalid_value"),  # no tool_call_id
     ("chat", {"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     ("chat", {"messages": [{"content": "x"}]}, "messages[0].role", "missing_required_parameter"),
     ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
-    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_type"),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages[0]", "invalid_value"),
     (
         "chat",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -320,8 +322,13 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content", "invalid_value"),
     ("chat", {"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages[0].foo", "unknown_field"),
     ("chat", {"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name", "invalid_type"),
-    ("chat", {"messages": [{**MESSAGES[0], "tool_calls": [{}]}]}, "messages[0].tool_calls", "unsupported_field"),
-    ("chat", {"messages": [{**MESSAGES[0], "tool_call_id": "c1"}]}, "messages[0].tool_call_id", "unsupported_field"),
+    (
+        "chat",
+        {"messages": [{**MESSAGES[0], "tool_calls": [{}]}]},
+        "messages[0].tool_calls[0].id",
+        "missing_required_parameter",
+    ),
+    ("chat", {"messages": [{**MESSAGES[0], "tool_call_id": "c1"}]}, "messages[0]", "invalid_value"),  # a user's
     ("chat", {"messages": [{**MESSAGES[0], "refusal": "no"}]}, "messages[0].refusal", "unsupported_field"),
     ("chat", {"logprobs": 2}, "logprobs", "invalid_type"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),
@@ -358,12 +365,8 @@ def test_missing_required(endpoint: str) -> None:
 
 UNSUPPORTED: list[tuple[str, Any, list[Any]]] = [
     # (field, a value that needs support, values that mean "not used")
-    ("tools", [{"type": "function", "function": {"name": "f"}}], [None]),
-    ("tool_choice", "auto", [None]),
     ("functions", [{"name": "f"}], [None]),
     ("function_call", "auto", [None]),
-    ("parallel_tool_calls", True, [None]),
-    ("response_format", {"type": "json_object"}, [None, {"type": "text"}]),
     ("suffix", "end", [None, ""]),
     ("best_of", 2, [None, 1]),
     ("audio", {"voice": "alloy", "format": "wav"}, [None]),
@@ -386,6 +389,18 @@ def test_unsupported_fields(endpoint: str, field: str, value: Any, defaults: lis
     for default in defaults:
         request = parse(endpoint, body(endpoint, **{field: default}))
         assert field not in request.model_dump()
+
+
+COMPLETION_ONLY = [  # tools are a chat request's (tests/test_structured_server.py); a completion refuses them
+    ("tools", [{"type": "function", "function": {"name": "f"}}], [None]),
+    ("tool_choice", "auto", [None]),
+    ("parallel_tool_calls", True, [None]),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "defaults"), COMPLETION_ONLY, ids=[u[0] for u in COMPLETION_ONLY])
+def test_tool_fields_are_refused_on_completions(field: str, value: Any, defaults: list[Any]) -> None:
+    test_unsupported_fields("completion", field, value, defaults)
 
 
 @ENDPOINTS
@@ -687,8 +702,8 @@ def test_unknown_fields_are_ignored_and_listed_unless_strict(endpoint: str) -> N
     error = rejected(endpoint, raw, Limits(strict_fields=True))
     assert (error.param, error.code) == ("temprature", "unknown_field")
     # fields that would change the output if ignored stay refused either way
-    error = rejected(endpoint, body(endpoint, tools=[{"type": "function"}]), Limits())
-    assert (error.param, error.code) == ("tools", "unsupported_field")
+    error = rejected(endpoint, body(endpoint, functions=[{"name": "f"}]), Limits())
+    assert (error.param, error.code) == ("functions", "unsupported_field")
 
 
 @ENDPOINTS

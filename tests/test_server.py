@@ -169,7 +169,7 @@ def test_other_errors(srv):
         "/v1/chat/completions",
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
     )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function"  # (a tool needs its function)
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}, key=None)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}, key="wrong")

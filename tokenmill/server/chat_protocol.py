@@ -43,7 +43,7 @@ class ChatMessageParam(_Strict):
     )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None  # None only for an assistant's tool calls
+    content: str | list[TextContentPart] | None  # None (or left out) only for an assistant's tool calls
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
@@ -54,12 +54,19 @@ class ChatMessageParam(_Strict):
             raise custom_error("'content' is required (null only for an assistant message with tool_calls).")
         if self.role == "tool" and not self.tool_call_id:
             raise custom_error("a 'tool' message needs the 'tool_call_id' it answers.")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise custom_error("'tool_call_id' belongs to a 'tool' message.")
+        if self.role != "assistant" and self.tool_calls:
+            raise custom_error("'tool_calls' belong to an 'assistant' message.")
         return self
 
     @model_validator(mode="before")
     @classmethod
     def _prepare(cls, raw: Any) -> Any:
-        return check_unsupported(raw, cls.UNSUPPORTED)
+        raw = check_unsupported(raw, cls.UNSUPPORTED)
+        if isinstance(raw, dict) and raw.get("tool_calls") and "content" not in raw:
+            raw = {**raw, "content": None}  # an assistant's calls need no content
+        return raw
 
     @field_validator("content", mode="before")
     @classmethod
