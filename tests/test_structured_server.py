@@ -6,6 +6,7 @@ required and named, streamed and not; 400s naming the field; the Hermes-style pa
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -83,6 +84,9 @@ def test_json_object_and_the_guided_fields(server, client):
     picked = client.completions.create(model="tiny", prompt="Pick:", max_tokens=10, n=3, temperature=1.0, seed=1,
                                        extra_body={"guided_choice": ["cat", "dog"]})  # fmt: skip
     assert {c.text for c in picked.choices} <= {"cat", "dog"}
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text  # n = 3 children: one compile, two hits
+    hits = re.search(r'^tokenmill:structured_cache_hits_total\{model_name="tiny"\} ([0-9.]+)$', metrics, re.M)
+    assert hits is not None and float(hits.group(1)) >= 2
     body = {"model": "tiny", "prompt": "Code:", "max_tokens": 12, "structured_outputs": {"regex": "[A-Z]{3}[0-9]{2}"}}
     coded = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
     assert len(coded["choices"][0]["text"]) == 5 and coded["choices"][0]["text"][:3].isupper()

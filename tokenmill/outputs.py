@@ -100,6 +100,13 @@ class EngineStats:
     kv_transfer_received: int = 0
     kv_transfer_recomputed: int = 0  # handed over without their KV: the prompt was computed again
     kv_transfer_seconds: float = 0.0
+    # structured output (the engine's side): grammars compiled and their time, compiles saved by the cache,
+    # and the grammar rows' masks computed and applied, and their time
+    structured_compiles: int = 0
+    structured_compile_seconds: float = 0.0
+    structured_cache_hits: int = 0
+    structured_masks: int = 0
+    structured_mask_seconds: float = 0.0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

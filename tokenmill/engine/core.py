@@ -153,6 +153,17 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats(self.worker.weight_bytes)
+        grammar = self.worker.runner.batch.grammar
+        if grammar is not None and grammar.masks:
+            compiler = grammar.compiler
+            stats = dataclasses.replace(
+                stats,
+                structured_compiles=compiler.compiles,
+                structured_compile_seconds=compiler.compile_seconds,
+                structured_cache_hits=compiler.cache_hits,
+                structured_masks=grammar.masks,
+                structured_mask_seconds=grammar.mask_seconds,
+            )
         if self.transfer is None:
             return stats
         c = self.transfer.counters

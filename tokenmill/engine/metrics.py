@@ -99,6 +99,11 @@ class EngineMetrics:
             ("kv_transfer_received", "Requests admitted with KV received from a prefill engine."),
             ("kv_transfer_recomputed", "Handed-over requests whose KV did not arrive: their prompt was recomputed."),
             ("kv_transfer_seconds", "Time spent copying KV out of and into the cache."),
+            ("structured_compiles", "Structured-output grammars compiled by the engine."),
+            ("structured_compile_seconds", "Time compiling structured-output grammars."),
+            ("structured_cache_hits", "Structured-output requests whose grammar was compiled already."),
+            ("structured_masks", "Grammar masks computed and applied (one per constrained row per step)."),
+            ("structured_mask_seconds", "Time computing and applying grammar masks."),
         ]
         self.transfer = {name: Counter(PREFIX + name, doc, labels, registry=r) for name, doc in transfer}
         self.success = Counter(
