@@ -160,3 +160,21 @@ def test_smollm2_answers_in_json_under_a_schema_and_as_any_object():
     obj = SamplingParams(max_tokens=100, temperature=0, structured_outputs={"json_object": True})
     out = llm.generate([short], obj)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+
+
+def test_speculative_drafts_follow_the_grammar(tiny_model_dir, llm):
+    """Prompt lookup proposes from the prompt; the grammar's masks follow each draft prefix, so drafts it
+    refuses are rejected and the outputs equal those without speculation (greedy and seeded)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    fast = LLM(str(tiny_model_dir("llama")), max_model_len=256, kv_cache_memory=64 * 24576, speculative_config=spec)
+    prompts = [{"prompt_token_ids": [40, 41, 40, 41, 42] * 4}, {"prompt_token_ids": PROMPTS[1] * 3}]
+    for params in (
+        SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": SCHEMAS[2]}),
+        SamplingParams(max_tokens=60, temperature=1.0, seed=11, structured_outputs={"json": SCHEMAS[0]}),
+        SamplingParams(max_tokens=30, temperature=0, structured_outputs={"regex": "([a-z]{2} ){1,8}"}),
+    ):
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+        assert got == want
+    stats = fast.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0  # drafts were made and verified

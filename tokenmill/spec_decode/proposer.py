@@ -39,8 +39,8 @@ class Proposer(Protocol):
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified a step ahead: its logits at each position must not
     depend on the tokens sampled before it in the same step, which penalties, min_tokens and the
-    token constraints' and a grammar's per-request state would (those requests decode one token a
-    step)."""
+    token constraints' per-request state would (those requests decode one token a step). A grammar
+    does not stop it: its masks follow the drafts (structured/processor.py)."""
     return (
         params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
@@ -50,7 +50,6 @@ def speculates(params: SamplingParams) -> bool:
         and params.allowed_token_ids is None
         and not params.bad_words
         and not params.bad_words_token_ids
-        and params.structured_outputs is None
     )
 
 

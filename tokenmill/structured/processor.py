@@ -2,7 +2,9 @@
 
 One llguidance matcher per batch row that asks for structured output (`SamplingParams.structured_outputs`),
 advanced with each token the row samples (and with the tokens a request already had, when it joins
-with some). Before sampling, each such row's bitmask of allowed next tokens is computed into a
+with some). A speculative step's verification rows of one request get the grammar's masks after
+each prefix of its drafts (consumed, masked, rolled back), so a draft the grammar refuses is rejected.
+Before sampling, each such row's bitmask of allowed next tokens is computed into a
 [rows, ceil(V / 32)] int32 buffer and applied to that row's logits only (disallowed: -inf); the other
 rows are untouched. The mask is as wide as the model's logits: ids the tokenizer does not have are
 never allowed. A matcher that has gone into an error state (it cannot happen with its own masks, but
@@ -36,6 +38,9 @@ class GrammarProcessor:
         self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
         self.mask_seconds = 0.0
         self.masks = 0
+        # batch row -> the draft tokens its verification rows follow this step (set by the runner): the
+        # mask of the row's j-th position is the grammar's after its first j drafts
+        self.drafts: dict[int, list[int]] = {}
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -74,24 +79,35 @@ class GrammarProcessor:
         import time
 
         start = time.perf_counter()
-        picked = [(i, self.matchers[r]) for i, r in enumerate(rows.tolist()) if r in self.matchers]
+        picked: list[tuple[int, Any, int]] = []  # (logits row, matcher, drafts before this position)
+        seen: dict[int, int] = {}
+        for i, r in enumerate(rows.tolist()):
+            if r in self.matchers:
+                seen[r] = seen.get(r, -1) + 1
+                picked.append((i, self.matchers[r], seen[r]))
+        drafts, self.drafts = self.drafts, {}
         if not picked:
             return logits
         if self._bitmask.shape[0] < len(picked):
             self._bitmask = torch.zeros(max(len(picked), 2 * self._bitmask.shape[0]), self._words, dtype=torch.int32)
         row_bytes = self._words * 4
-        for j, (_, matcher) in enumerate(picked):
+        for j, (i, matcher, ahead) in enumerate(picked):
             target = self._bitmask[j]
+            # a verification row after `ahead` drafts: the grammar as they leave it (up to the first one it
+            # refuses: the rows past that one cannot be reached), then back
+            taken = matcher.try_consume_tokens(drafts.get(int(rows[i]), [])[:ahead]) if ahead else 0
             if matcher.is_error():
                 target.zero_()
                 for eos in self._eos:
                     target[eos // 32] |= 1 << (eos % 32)
             else:
                 matcher.unsafe_compute_mask_ptr(target.data_ptr(), row_bytes)
+            if taken:
+                matcher.rollback(taken)
         n, vocab = len(picked), logits.shape[1]
         bits = (self._bitmask[:n].unsqueeze(-1) >> self._shifts) & 1  # [n, W, 32]
         allowed = bits.view(n, -1)[:, :vocab].bool()  # [n, V]
-        index = torch.tensor([i for i, _ in picked], dtype=torch.int64)
+        index = torch.tensor([i for i, _, _ in picked], dtype=torch.int64)
         out = logits.clone()
         out[index] = logits.index_select(0, index).masked_fill(~allowed.to(logits.device), float("-inf"))
         self.masks += n
