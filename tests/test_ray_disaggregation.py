@@ -8,12 +8,9 @@ import threading
 
 import pytest
 
-from tests.helpers import assert_same_up_to_near_tie, top_logprobs
-from tests.server_harness import KV_BLOCK_BYTES, start_server
-from tests.test_ray_replicas import all_free, body, client, wait_until
+from tests.server_harness import start_server
+from tests.test_ray_replicas import all_free, assert_greedy_like_one_engine, body, client, wait_until
 from tokenmill.distributed.config import ParallelConfig
-from tokenmill.llm import LLM
-from tokenmill.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
 
@@ -28,25 +25,7 @@ def served(tiny_model_dir, ray_cluster):
 
 def test_the_kv_moves_between_actors_and_outputs_equal_one_engines(served, tiny_model_dir):
     prompts = [[5 + i, 17, 23 + 2 * i, 9, 40 + i] * (1 + 3 * i) for i in range(4)]
-    results: dict[int, dict] = {}
-
-    def send(i: int) -> None:
-        with client() as c:
-            results[i] = c.post(f"{served.base_url}/v1/completions", json=body(prompts[i], 8, logprobs=5)).json()
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    ref = LLM(str(tiny_model_dir("llama")), max_model_len=256, kv_cache_memory=32 * KV_BLOCK_BYTES, cpu_threads=1)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
-    text = served.server.token_text
-    for i, ref_out in enumerate(ref.generate([{"prompt_token_ids": p} for p in prompts], params)):
-        got = results[i]["choices"][0]["logprobs"]
-        want = ref_out.outputs[0]
-        want_top = [{text(t): lp for t, lp in row.items()} for row in top_logprobs(want.logprobs)]
-        assert_same_up_to_near_tie(got["tokens"], got["top_logprobs"], [text(t) for t in want.token_ids], want_top)
+    assert_greedy_like_one_engine(served, str(tiny_model_dir("llama")), prompts)
     wait_until(lambda: all_free(served))
     prefill, decode = (c.stats() for c in served.server.engine.clients)
     assert prefill.kv_transfer_sent == decode.kv_transfer_received >= len(prompts)

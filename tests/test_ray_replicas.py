@@ -50,8 +50,8 @@ def all_free(served: RunningServer) -> bool:
     return stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0
 
 
-def test_replicas_give_one_engines_greedy_outputs(served, tiny_model_dir):
-    prompts = [[5 + i, 17, 23 + 2 * i, 9, 40 + i] for i in range(4)]
+def assert_greedy_like_one_engine(served: RunningServer, model_dir: str, prompts: list[list[int]]) -> None:
+    """The prompts, sent at once to the server, get one engine's greedy tokens (up to a near tie)."""
     results: dict[int, dict] = {}
 
     def send(i: int) -> None:
@@ -63,7 +63,7 @@ def test_replicas_give_one_engines_greedy_outputs(served, tiny_model_dir):
         t.start()
     for t in threads:
         t.join(60)
-    ref = LLM(str(tiny_model_dir("llama")), max_model_len=256, kv_cache_memory=32 * KV_BLOCK_BYTES, cpu_threads=1)
+    ref = LLM(model_dir, max_model_len=256, kv_cache_memory=32 * KV_BLOCK_BYTES, cpu_threads=1)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
     text = served.server.token_text  # the server's token strings: the comparison is in those
     for i, ref_out in enumerate(ref.generate([{"prompt_token_ids": p} for p in prompts], params)):
@@ -71,6 +71,11 @@ def test_replicas_give_one_engines_greedy_outputs(served, tiny_model_dir):
         want = ref_out.outputs[0]
         want_top = [{text(t): lp for t, lp in row.items()} for row in top_logprobs(want.logprobs)]
         assert_same_up_to_near_tie(got["tokens"], got["top_logprobs"], [text(t) for t in want.token_ids], want_top)
+
+
+def test_replicas_give_one_engines_greedy_outputs(served, tiny_model_dir):
+    prompts = [[5 + i, 17, 23 + 2 * i, 9, 40 + i] for i in range(4)]
+    assert_greedy_like_one_engine(served, str(tiny_model_dir("llama")), prompts)
     wait_until(lambda: all_free(served))
     routed = served.server.engine.metrics.render().decode()
     for replica in ("0", "1"):
