@@ -63,8 +63,15 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; a ValueError (naming the field) if it can never run here. A request with
-        `kv_transfer.output_token_ids` continues after them (its KV `put` into `transfer` before)."""
+        `kv_transfer.output_token_ids` continues after them (its KV `put` into `transfer` before). A
+        structured-output request's grammar is compiled here (once per spec), not in a step."""
         moved = req.kv_transfer
+        spec = req.sampling_params.structured_outputs
+        grammar = self.worker.runner.batch.grammar
+        if spec is not None:  # compiled now, between steps (cached): the step only copies the matcher
+            if grammar is None:
+                raise ValueError("structured_outputs: this engine has no grammar support")
+            grammar.compiler.check(spec)
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),

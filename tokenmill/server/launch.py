@@ -65,6 +65,9 @@ def build_server(
     limits_of_core = clients[0].limits
     tokenizer = Tokenizer(config.model)
     processor = OutputProcessor(tokenizer, limits_of_core, seed=config.seed)
+    for client in clients:  # a core in this process shares the front end's grammars: each compiles once
+        if isinstance(client, LocalCoreClient) and client.core.worker.runner.batch.grammar is not None:
+            client.core.worker.runner.batch.grammar.use_compiler(processor.grammar)
     model = Path(config.model)
     name = served_model_name or (model.stem if is_gguf(model) else model.name)
     metrics = EngineMetrics(name, num_replicas=len(clients))

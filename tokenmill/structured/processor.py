@@ -42,6 +42,10 @@ class GrammarProcessor:
         # mask of the row's j-th position is the grammar's after its first j drafts
         self.drafts: dict[int, list[int]] = {}
 
+    def use_compiler(self, compiler: GrammarCompiler) -> None:
+        """Share another compiler (the front end's, in the same process) instead of building one."""
+        self._compiler = compiler
+
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
