@@ -4,6 +4,7 @@ batched runs with chunked prefill, preemption and prefix caching equal lone runs
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -16,7 +17,30 @@ from tokenmill.layers.backends import backend_names, get_attention_backend
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
 
-BACKENDS = [name for name in backend_names() if name != "auto"]  # auto is one of the others
+try:  # the GPU backend runs here under Triton's CPU interpreter (set before triton compiles anything)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton  # noqa: F401
+
+    TRITON = ["triton"]
+except ImportError:
+    TRITON = []
+BACKENDS = [name for name in backend_names() if name not in ("auto", "triton")] + TRITON  # auto: one of the others
+# the interpreter runs a kernel as Python loops (~13 s a forward case): in the default run, one forward
+# case on it (the slow run has the rest, and the engine's many-step cases)
+ENGINE_BACKENDS = [pytest.param(b, marks=pytest.mark.slow) if b == "triton" else b for b in BACKENDS]
+
+
+FORWARD_CASES = [
+    pytest.param(
+        arch,
+        backend,
+        ops,
+        marks=[pytest.mark.slow] if backend == "triton" and (arch, ops) != ("qwen3", "torch") else [],
+    )
+    for ops in ("torch", "cpu")
+    for backend in BACKENDS
+    for arch in ("llama", "mistral", "qwen3")  # mistral: a sliding window; qwen3: q/k norms (and head_dim 48)
+]
 
 
 def test_the_registry_names_its_backends_and_refuses_others(tiny_model_dir):
@@ -24,15 +48,13 @@ def test_the_registry_names_its_backends_and_refuses_others(tiny_model_dir):
     for name in BACKENDS:
         assert get_attention_backend(name).name == name
     assert get_attention_backend("auto").name == "cpu"  # the kernels build on the machines tests run on
-    with pytest.raises(ValueError, match="attention_backend: expected one of auto, cpu, torch"):
+    with pytest.raises(ValueError, match="attention_backend: expected one of auto, cpu, torch, triton"):
         get_attention_backend("flash-on-cpu")
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(str(tiny_model_dir("llama")), attention_backend="flash-on-cpu")
 
 
-@pytest.mark.parametrize("ops", ["torch", "cpu"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])  # mistral: a sliding window; qwen3: q/k norms
+@pytest.mark.parametrize(("arch", "backend", "ops"), FORWARD_CASES)
 def test_forward_equals_transformers(tiny_model_dir, hf_logits, backend, arch, ops):
     folder = tiny_model_dir(arch)
     model = load_model(folder, dtype="float32", backend=get_attention_backend(backend), ops=get_layer_ops(ops))
@@ -47,7 +69,7 @@ def test_forward_equals_transformers(tiny_model_dir, hf_logits, backend, arch, o
     assert_logits_close(torch.cat(logits[0]), hf_logits(folder, seqs[0]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 def test_engine_core_cases(tiny_model_dir, backend):
     model = str(tiny_model_dir("llama"))
     ps = prompts(12, seed=21)

@@ -3,7 +3,8 @@
 `torch` is the reference (pure torch, runs wherever torch runs). `cpu` reads the paged cache in
 place with a native kernel built for this CPU on first use (`kernels/cpu_build.py`). `auto` (the
 default) is `cpu` where its kernels build and `torch` elsewhere (the log says which and why).
-GPU kernels register here beside them; every registered backend runs the engine's core test cases.
+`triton` (triton_paged.py) is the GPU one: a CUDA device, or Triton's CPU interpreter (TRITON_INTERPRET=1,
+for tests). Every registered backend runs the engine's core test cases.
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.cpu_paged import CpuPagedBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = native_choices(
-    "attention_backend", CpuPagedBackend, TorchReferenceBackend
-)
+
+def _triton() -> AttentionBackend:
+    from tokenmill.layers.backends.triton_paged import TritonPagedBackend  # (imports triton: GPU path only)
+
+    return TritonPagedBackend()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    **native_choices("attention_backend", CpuPagedBackend, TorchReferenceBackend),
+    "triton": _triton,
+}
 
 
 def backend_names() -> list[str]:

@@ -1,0 +1,172 @@
+"""TritonPagedBackend: paged attention in one Triton kernel, for GPUs (and Triton's CPU interpreter).
+
+The cache keeps the reference backend's layout, [blocks, block_size, kv_heads, head_dim] per layer
+(so the torch reference reads what this one writes). One kernel serves every step: a program per
+(query token, query head) walks its sequence's blocks through the block table, up to its own
+position (causal) and from the window's start (sliding window), with an online softmax in float32:
+decodes (one query), speculative verification (1 + k) and prompt chunks (varlen, over the cached
+prefix and the chunk itself) alike. GQA/MQA: query head h reads KV head h // (heads / kv_heads). New
+K/V are written into their slots first (one scatter). An int8 cache is not supported here.
+
+Triton is imported only when this backend is built (`pip install 'tokenmill[gpu]'`, triton 3.6.0);
+nothing on the CPU path imports it. Under `TRITON_INTERPRET=1` the kernel runs on CPU tensors: the
+tests compare it there with the reference on small shapes; the device script repeats that on real
+shapes and times it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.layers.attention import KVCache, check_batch
+
+
+@dataclass
+class TritonMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
+    token_seq: torch.Tensor  # [n] int32: each query token's sequence
+    token_pos: torch.Tensor  # [n] int32: each query token's position in its sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0: never read past a sequence)
+    max_blocks: int
+
+
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention(
+        q_ptr, k_cache, v_cache, out_ptr, token_seq, token_pos, tables,
+        scale, window,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
+        GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        MAX_BLOCKS: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // GROUP
+        seq = tl.load(token_seq + t)
+        pos = tl.load(token_pos + t)
+        d = tl.arange(0, D_PAD)  # head_dim rounded up to a power of two (arange's rule), the rest masked
+        in_head = d < D
+        q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d, mask=in_head, other=0.0).to(tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        denom = tl.zeros((), tl.float32)
+        acc = tl.zeros((D_PAD,), tl.float32)
+        for i in range(0, MAX_BLOCKS):  # (a compile-time bound: the interpreter cannot loop to a runtime one)
+            live = i * BLOCK <= pos  # the sequence's blocks up to the token's own
+            if HAS_WINDOW:
+                live = live & ((i + 1) * BLOCK > pos - window + 1)  # and not wholly before its window
+            if live:
+                block = tl.load(tables + seq * stride_tb + i)
+                key_pos = i * BLOCK + tl.arange(0, BLOCK)
+                offs = block * stride_kb + tl.arange(0, BLOCK)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+                keys = tl.load(k_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)  # [BLOCK, D_PAD]
+                scores = tl.sum(keys * q[None, :], axis=1) * scale  # [BLOCK]
+                visible = key_pos <= pos
+                if HAS_WINDOW:
+                    visible = visible & (key_pos > pos - window)
+                scores = tl.where(visible, scores, float("-inf"))
+                new_m = tl.maximum(m, tl.max(scores, axis=0))
+                alpha = tl.exp(m - new_m)
+                p = tl.exp(scores - new_m)
+                values = tl.load(v_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)
+                acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
+                denom = denom * alpha + tl.sum(p, axis=0)
+                m = new_m
+        out = acc / denom
+        tl.store(out_ptr + t * stride_qt + h * stride_qh + d, out.to(out_ptr.dtype.element_ty), mask=in_head)
+
+    return paged_attention
+
+
+class TritonPagedBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        import os
+
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend: triton needs a CUDA device (or TRITON_INTERPRET=1, Triton's slow CPU "
+                "interpreter, for tests); on a CPU use cpu or torch"
+            )
+        try:
+            self._paged_attention = _kernel()
+        except ImportError:
+            raise ValueError(
+                "attention_backend: triton is not installed (pip install 'tokenmill[gpu]': triton 3.6.0)"
+            ) from None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads)
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> TritonMetadata:
+        check_batch(query_lens, seq_lens, block_tables, block_size)
+        slots: list[int] = []
+        seqs: list[int] = []
+        positions: list[int] = []
+        for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            for p in range(s - q, s):
+                slots.append(table[p // block_size] * block_size + p % block_size)
+                seqs.append(b)
+                positions.append(p)
+        # the kernel's loop bound is a compile-time constant: rounded up to a power of two, so that a
+        # server compiles it a few times (log2 of the longest context in blocks), not once per length
+        widest = 1 << (max(-(-s // block_size) for s in seq_lens) - 1).bit_length()
+        tables = [(t[:widest] + [0] * widest)[:widest] for t in block_tables]
+        return TritonMetadata(
+            num_actual_tokens=len(slots),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            token_seq=torch.tensor(seqs, dtype=torch.int32, device=device),
+            token_pos=torch.tensor(positions, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            max_blocks=widest,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, heads, D]
+        k: torch.Tensor,  # [T, kv_heads, D]
+        v: torch.Tensor,
+        cache: KVCache,
+        metadata: TritonMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, heads, D]
+        if cache.k_scale is not None:
+            raise ValueError("kv_cache_dtype: int8 is not supported by the triton attention backend")
+        md = metadata
+        n = md.num_actual_tokens
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, block_size = k.shape[1], cache.k.shape[1]
+        cache.k.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k[:n])
+        cache.v.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v[:n])
+        out = torch.zeros_like(q)  # padding rows stay zero
+        if n == 0:
+            return out
+        qc = q.contiguous()
+        self._paged_attention[(n, num_heads)](
+            qc, cache.k, cache.v, out, md.token_seq, md.token_pos, md.block_tables,
+            scale, sliding_window or 0,
+            qc.stride(0), qc.stride(1), cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
+            md.block_tables.stride(0),
+            GROUP=num_heads // num_kv_heads, BLOCK=block_size, D=head_dim, D_PAD=1 << (head_dim - 1).bit_length(),
+            HAS_WINDOW=sliding_window is not None,
+            MAX_BLOCKS=md.max_blocks,
+        )  # fmt: skip
+        return out
