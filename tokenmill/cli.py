@@ -198,6 +198,20 @@ def _eval_quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sparsify(args: argparse.Namespace) -> int:
+    from tokenmill.eval.quant_eval import compare_folders
+    from tokenmill.models.sparsify import sparsify_folder
+
+    out = sparsify_folder(args.model, args.out, args.method, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    if args.windows > 0:
+        report = compare_folders(str(args.model), str(out), f"2:4 sparse ({args.method})", windows=args.windows)
+        print(report.render())
+        if args.json:
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -305,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--window-len", type=int, default=512, help="tokens a window")
     ev.add_argument("--json", default=None, help="also write the report as JSON to this file")
     ev.set_defaults(func=_eval_quant)
+
+    sp = sub.add_parser(
+        "sparsify", help="2:4-prune a model folder's decoder projections (magnitude or wanda) and report the quality"
+    )
+    sp.add_argument("model", help="Hugging Face model folder")
+    sp.add_argument("--method", default="wanda", choices=("magnitude", "wanda"), help="what decides the 2 kept of 4")
+    sp.add_argument("--out", required=True, help="folder to write (dense, zeros in place, sparsity.json)")
+    sp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    sp.add_argument("--windows", type=int, default=8, help="text windows of the quality report (0: none)")
+    sp.add_argument("--json", default=None, help="also write the quality report as JSON to this file")
+    sp.set_defaults(func=_sparsify)
 
     add_bench_parser(sub)
     add_doctor_parser(sub)

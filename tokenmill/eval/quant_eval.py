@@ -151,6 +151,24 @@ def evaluate(
     tuner = Autotuner(torch.device("cpu"), default_cache_path())
     ref = _load(model, dtype, None, length, tuner)
     quant = _load(model, dtype, spec, length, tuner)
+    return _compare(model, spec.method, spec.group_size, spec.head, ref, quant, text_file, windows, length)
+
+
+def compare_folders(
+    reference: str, candidate: str, label: str, dtype: str = "auto", text_file: Path | None = None,
+    windows: int = 16, length: int = 512,
+) -> QuantEvalReport:  # fmt: skip
+    """The same measures for another folder of the same model (a pruned copy: `label` says what it is)."""
+    tuner = Autotuner(torch.device("cpu"), default_cache_path())
+    ref = _load(reference, dtype, None, length, tuner)
+    other = _load(candidate, dtype, None, length, tuner)
+    return _compare(reference, label, None, "same", ref, other, text_file, windows, length)
+
+
+def _compare(
+    model: str, label: str, group_size: int | None, head: str, ref: Loaded, quant: Loaded,
+    text_file: Path | None, windows: int, length: int,
+) -> QuantEvalReport:  # fmt: skip
     wins, source = text_windows(Tokenizer(model), text_file, windows, length)
     nll_ref = nll_quant = kl = 0.0
     agree = count = 0
@@ -168,9 +186,9 @@ def evaluate(
     saved = dense.weight_bytes() - quantized.weight_bytes()
     return QuantEvalReport(
         model=str(model),
-        quantization=spec.method,
-        group_size=spec.group_size,
-        head=spec.head,
+        quantization=label,
+        group_size=group_size,
+        head=head,
         dtype=str(torch_dtype).removeprefix("torch."),
         text=source,
         windows=len(wins),

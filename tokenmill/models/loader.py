@@ -250,6 +250,13 @@ def load_model(
             except ValueError as e:  # e.g. a quantization group size that does not divide this layer
                 raise ValueError(f"{name}: {e}") from None
     model.finish_loading()
+    if checkpoint is None and (folder / "sparsity.json").is_file():  # `tokenmill sparsify`'s folders
+        logger.info(
+            "%s: 2:4 sparse weights (sparsity.json), run dense on %s: no 2:4 kernel runs them faster here "
+            "(torch's semi-structured sparse kernels are CUDA-only, and not wired in yet)",
+            folder,
+            device.type,
+        )
     model.init_rotary(device)
     model.requires_grad_(False)
     return model.eval()
