@@ -71,7 +71,7 @@ def main() -> None:
         [{"role": "user", "content": "List forty people (name, age, city) as JSON."}]
     )
     tokenizer = Tokenizer(args.model)
-    compiler = GrammarCompiler(lambda: tokenizer.hf, llm.engine.model_config.vocab_size, tokenizer.info.eos_token_ids)
+    compiler = GrammarCompiler(tokenizer, llm.engine.model_config.vocab_size)
     _ = compiler.tokenizer  # built once per process: not a schema's cost
     start = time.perf_counter()
     compiler.matcher(StructuredOutputsParams(json=json.dumps(SCHEMA)))

@@ -53,10 +53,10 @@ class DisaggregatedEngine(AsyncEngine):
     def _not_for_new_requests(self) -> list[int]:
         return self._decode_ids
 
-    def _send(self, replica: int, entry: OpenRequest) -> bool:
+    def _send(self, replica: int, requests: list[EngineCoreRequest], eager: bool) -> bool:
         """Prefill only: one token, and the prompt's KV kept for a decode replica."""
-        prefills = [_prefill_only(r) for r in entry.requests]
-        if not self.clients[replica].send_requests(prefills, entry.eager):
+        prefills = [_prefill_only(r) for r in requests]
+        if not self.clients[replica].send_requests(prefills, eager):
             return False
         self._prefilling.update(r.request_id for r in prefills if r.kv_transfer is not None)
         return True
@@ -81,18 +81,11 @@ class DisaggregatedEngine(AsyncEngine):
             self._prefilling.difference_update(r.request_id for r in entry.requests)
         return entry
 
-    def _original(self, core_id: str) -> EngineCoreRequest | None:
-        parent = self.processor.parent_of(core_id)
-        entry = self._open.get(parent) if parent is not None else None
-        if entry is None:
-            return None
-        return next((r for r in entry.requests if r.request_id == core_id), None)
-
     def _hand_off(self, source: int, core_id: str, tokens: list[int]) -> None:
         parent = self.processor.parent_of(core_id)
         entry = self._open.get(parent) if parent is not None else None
-        original = self._original(core_id)
-        if entry is None or original is None or not self.processor.running(core_id):
+        original = next((r for r in entry.requests if r.request_id == core_id), None) if entry else None
+        if parent is None or entry is None or original is None or not self.processor.running(core_id):
             # aborted, or ended here by a stop string its first token completed
             self.clients[source].drop_kv([core_id])
             return
@@ -126,9 +119,9 @@ class DisaggregatedEngine(AsyncEngine):
                 continue
         return None
 
-    def _fail(self, request_id: str | None, error: BaseException) -> None:
-        entry = self._close(request_id) if request_id is not None else None
-        if entry is not None and request_id is not None:
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        entry = self._close(request_id)
+        if entry is not None:
             self.processor.abort_request(request_id)
             entry.sink.put_nowait(error)
 

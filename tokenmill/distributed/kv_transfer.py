@@ -52,6 +52,18 @@ class TransferConnector:
         self._saves: list[KVSave] = []
         self.counters = TransferCounters()
 
+    def stats_fields(self) -> dict[str, float]:
+        """The counters as EngineStats' kv_transfer_* fields."""
+        c = self.counters
+        return {
+            "kv_transfer_sent_bytes": c.sent_bytes,
+            "kv_transfer_received_bytes": c.received_bytes,
+            "kv_transfer_sent": c.sent,
+            "kv_transfer_received": c.received,
+            "kv_transfer_recomputed": c.recomputed,
+            "kv_transfer_seconds": c.seconds,
+        }
+
     def bind(self, caches: list[KVCache]) -> None:
         self.caches = caches
 

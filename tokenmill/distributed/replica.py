@@ -87,7 +87,7 @@ class ReplicaActor:
         self._loop = CoreLoop(self._core, self._put)
         self._order = threading.Lock()
         self._next = 0  # the number of the next command to apply
-        self._early: dict[int, tuple[str, bytes, list[Any]]] = {}  # commands that came before their turn
+        self._early: dict[int, tuple[str, bytes, KVBlocks | None]] = {}  # commands that came before their turn
         self._thread.submit(self._run)
 
     def _run(self) -> None:
@@ -109,23 +109,27 @@ class ReplicaActor:
 
     def submit(self, seq: int, kind: str, payload: bytes, refs: list[Any] | None = None) -> None:
         """Command number `seq` (from 0): applied once every earlier one has been. `refs`: a handoff's
-        KV, as a Ray object reference (in a list, so that Ray leaves fetching it to `_apply`)."""
-        with self._order:
-            self._early[seq] = (kind, payload, refs or [])
-            while self._next in self._early:
-                self._apply(*self._early.pop(self._next))
-                self._next += 1
-
-    def _apply(self, kind: str, payload: bytes, refs: list[Any]) -> None:
+        KV, as a Ray object reference (in a list, so that Ray leaves fetching it to this call), fetched
+        before the command waits its turn (a slow fetch holds up no other command)."""
+        blocks = None
         if kind == "handoff":
-            batch = decode(payload, RequestBatch)
-            (request,) = batch.requests
             transfer = self._core.transfer
             assert transfer is not None, "a handoff goes to a disaggregated server's replica"
             start = time.perf_counter()
             blocks = _fetch(refs[0])  # from the prefill replica, through Ray's object store
             transfer.add_seconds(time.perf_counter() - start)
-            transfer.put(request.request_id, blocks)
+        with self._order:
+            self._early[seq] = (kind, payload, blocks)
+            while self._next in self._early:
+                self._apply(*self._early.pop(self._next))
+                self._next += 1
+
+    def _apply(self, kind: str, payload: bytes, blocks: KVBlocks | None) -> None:
+        if kind == "handoff":
+            batch = decode(payload, RequestBatch)
+            (request,) = batch.requests
+            assert self._core.transfer is not None
+            self._core.transfer.put(request.request_id, blocks)
             self._loop.send_requests(batch.requests, batch.eager)
         elif kind == "requests":
             batch = decode(payload, RequestBatch)
@@ -156,11 +160,6 @@ class ReplicaActor:
     def drop_kv(self, request_ids: list[str]) -> None:
         if self._core.transfer is not None:
             self._core.transfer.drop(request_ids)
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()
 
 
 class RayCoreClient:

@@ -66,7 +66,7 @@ class OpenRequest:
     eager: bool  # hand every step over at once (streamed, or stop strings matched here)
     sink: asyncio.Queue[RequestOutput | BaseException]
     again: Callable[[], list[EngineCoreRequest]]  # registers the request anew: its new core requests
-    replica: int = -1
+    replica: int  # where it runs
     handed: bool = False  # an output went to the caller: the request can no longer start over
     last_token: float = 0.0  # for the inter-token latency metric
     tokens: int = 0
@@ -194,12 +194,13 @@ class AsyncEngine:
             return self.processor.add_request(request_id, prompt, params, arrival, cache_salt, output_kind)
 
         eager = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)
-        entry = OpenRequest(add(), eager, asyncio.Queue(), add, last_token=arrival)
+        requests = add()
         try:
-            self._dispatch(entry, exclude=())
+            replica = self._dispatch(requests, eager, exclude=())
         except EngineUnavailable:
             self.processor.abort_request(request_id)
             raise
+        entry = OpenRequest(requests, eager, asyncio.Queue(), add, replica, last_token=arrival)
         self._open[request_id] = entry
         finished = False
         try:
@@ -221,33 +222,33 @@ class AsyncEngine:
         if self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
 
-    def _dispatch(self, entry: OpenRequest, exclude: Sequence[int]) -> None:
-        """Send a request's core requests to a replica the router picks; EngineStopped if none takes them."""
-        first = entry.requests[0]
+    def _dispatch(self, requests: list[EngineCoreRequest], eager: bool, exclude: Sequence[int]) -> int:
+        """Send a request's core requests to a replica the router picks, and return it; EngineStopped
+        if none takes them."""
+        first = requests[0]
         exclude = [*exclude, *self._not_for_new_requests()]
         while True:
             try:
                 route = self.router.pick(first.prompt_token_ids, first.cache_salt, exclude)
             except LookupError:
                 raise EngineStopped("no engine replica is running") from None
-            if self._send(route.replica, entry):
-                entry.replica = route.replica
+            if self._send(route.replica, requests, eager):
                 self.router.load[route.replica] += 1
                 self.metrics.observe_routed(route.replica, route.by_prefix)
-                return
+                return route.replica
             exclude = [*exclude, route.replica]
 
     def _not_for_new_requests(self) -> list[int]:
         """Replicas a new request never starts on (a disaggregated server's decode replicas)."""
         return []
 
-    def _send(self, replica: int, entry: OpenRequest) -> bool:
+    def _send(self, replica: int, requests: list[EngineCoreRequest], eager: bool) -> bool:
         """Hand a request's core requests to a replica; False if it has ended."""
-        return self.clients[replica].send_requests(entry.requests, entry.eager)
+        return self.clients[replica].send_requests(requests, eager)
 
     def _close(self, request_id: str) -> OpenRequest | None:
         entry = self._open.pop(request_id, None)
-        if entry is not None and entry.replica >= 0:
+        if entry is not None:
             self.router.load[entry.replica] = max(0, self.router.load[entry.replica] - 1)
         return entry
 
@@ -321,7 +322,7 @@ class AsyncEngine:
                 try:
                     self.processor.abort_request(request_id)
                     entry.requests = entry.again()
-                    self._dispatch(entry, exclude=[replica])
+                    entry.replica = self._dispatch(entry.requests, entry.eager, exclude=[replica])
                     logger.info("request %s moved from lost replica %d to %d", request_id, replica, entry.replica)
                     continue
                 except EngineUnavailable:

@@ -160,29 +160,11 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats(self.worker.weight_bytes)
-        grammar = self.worker.runner.batch.grammar
-        if grammar is not None and grammar.masks:
-            compiler = grammar.compiler
-            stats = dataclasses.replace(
-                stats,
-                structured_compiles=compiler.compiles,
-                structured_compile_seconds=compiler.compile_seconds,
-                structured_cache_hits=compiler.cache_hits,
-                structured_masks=grammar.masks,
-                structured_mask_seconds=grammar.mask_seconds,
-            )
-        if self.transfer is None:
-            return stats
-        c = self.transfer.counters
-        return dataclasses.replace(
-            stats,
-            kv_transfer_sent_bytes=c.sent_bytes,
-            kv_transfer_received_bytes=c.received_bytes,
-            kv_transfer_sent=c.sent,
-            kv_transfer_received=c.received,
-            kv_transfer_recomputed=c.recomputed,
-            kv_transfer_seconds=c.seconds,
-        )
+        extra: dict[str, float] = {}  # the structured-output and KV-transfer counters, where there are some
+        for part in (self.worker.runner.batch.grammar, self.transfer):
+            if part is not None:
+                extra.update(part.stats_fields())
+        return dataclasses.replace(stats, **extra) if extra else stats
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""

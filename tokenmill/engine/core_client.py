@@ -76,7 +76,6 @@ class LocalCoreClient:
         self._deliver: Deliver | None = None
         self.loop = CoreLoop(core, self._hand_over)
         self._running: Future[None] | None = None
-        self._sent = 0  # requests sent so far (the loop counts those taken)
 
     @property
     def limits(self) -> EngineLimits:
@@ -84,7 +83,7 @@ class LocalCoreClient:
 
     @property
     def num_pending(self) -> int:
-        return max(0, self._sent - self.loop.taken)  # (read while the core takes: never below 0)
+        return self.loop.pending
 
     def start(self, deliver: Deliver, stopped: Stopped) -> None:
         self._deliver = deliver
@@ -99,10 +98,7 @@ class LocalCoreClient:
         self._deliver(steps)
 
     def send_requests(self, requests: list[EngineCoreRequest], eager: bool) -> bool:
-        if not self.loop.send_requests(requests, eager):
-            return False
-        self._sent += len(requests)
-        return True
+        return self.loop.send_requests(requests, eager)
 
     def send(self, command: AbortRequests | StopRequests) -> None:
         self.loop.send(command)

@@ -48,7 +48,8 @@ class CoreLoop:
         self.eager: set[str] = set()
         self._lock = threading.Lock()  # guards `closed` against senders
         self.closed = False  # the loop has ended (or is ending): nothing sent is seen any more
-        self.taken = 0  # requests the core has taken so far (sent - taken: not yet queued in the core)
+        self.sent = 0  # requests queued for the core so far
+        self.taken = 0  # requests the core has taken so far
 
     # -- any thread --------------------------------------------------------------------------------
 
@@ -61,7 +62,13 @@ class CoreLoop:
                 if eager:
                     self.eager.add(request.request_id)
                 self._commands.put(request)
+            self.sent += len(requests)
             return True
+
+    @property
+    def pending(self) -> int:
+        """Requests sent that the core has not taken yet."""
+        return self.sent - self.taken
 
     def send(self, command: AbortRequests | StopRequests | Shutdown) -> None:
         self._commands.put(command)

@@ -92,7 +92,7 @@ class EngineMetrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
             [*labels, "position"], registry=r,
         )  # fmt: skip
-        transfer = [
+        parts = [  # the counters of the engine's optional parts: KV transfer, structured output
             ("kv_transfer_sent_bytes", "KV bytes copied out of finished prefills (disaggregated serving)."),
             ("kv_transfer_received_bytes", "KV bytes received and written into the cache (disaggregated serving)."),
             ("kv_transfer_sent", "Prefills whose KV was copied out for a decode engine."),
@@ -105,7 +105,7 @@ class EngineMetrics:
             ("structured_masks", "Grammar masks computed and applied (one per constrained row per step)."),
             ("structured_mask_seconds", "Time computing and applying grammar masks."),
         ]
-        self.transfer = {name: Counter(PREFIX + name, doc, labels, registry=r) for name, doc in transfer}
+        self.part_counters = {name: Counter(PREFIX + name, doc, labels, registry=r) for name, doc in parts}
         self.success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -114,7 +114,6 @@ class EngineMetrics:
         self._zero = self._last
         self._by_replica: dict[int, EngineStats] = {}  # each live replica's latest stats
         self._retired = self._zero  # the running totals of replicas lost since the start
-        self.num_replicas = num_replicas
         self._replica_series = _ReplicaSeries(r, model_name) if num_replicas > 1 else None
         self._log_mark = (self._clock(), self._last)
         # The per-step series, labelled once: a `labels()` lookup per series per step cost more than
@@ -132,7 +131,7 @@ class EngineMetrics:
             (self.spec_draft_tokens.labels(m), "spec_decode_num_draft_tokens"),
             (self.spec_accepted.labels(m), "spec_decode_num_accepted_tokens"),
         ]
-        self._counters += [(counter.labels(m), name) for name, counter in self.transfer.items()]
+        self._counters += [(counter.labels(m), name) for name, counter in self.part_counters.items()]
         self._itl = self.itl.labels(m)
 
     def observe_step(self, stats: EngineStats, replica: int = 0) -> None:

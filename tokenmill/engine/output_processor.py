@@ -175,8 +175,7 @@ class OutputProcessor:
     def grammar(self) -> GrammarCompiler:
         """This front end's grammar compiler (validates structured-output specs; built on first use)."""
         if self._grammar is None:
-            tok = self.tokenizer
-            self._grammar = GrammarCompiler(lambda: tok.hf, self.limits.vocab_size, tok.info.eos_token_ids)
+            self._grammar = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
         return self._grammar
 
     def _with_token_constraints(self, params: SamplingParams) -> SamplingParams:

@@ -63,7 +63,7 @@ class InputBatch:
         self.penalties = PenaltiesProcessor(self.capacity, vocab_size, self.device)
         # in vLLM's order: the grammar's mask, which tokens may come at all, then biases, then the penalties
         self.grammar = GrammarProcessor(grammar, vocab_size) if grammar is not None else None
-        self.processors: list[LogitsProcessor] = [*([self.grammar] if self.grammar is not None else [])]
+        self.processors: list[LogitsProcessor] = [self.grammar] if self.grammar is not None else []
         self.processors += [
             AllowedTokensProcessor(),
             BadWordsProcessor(),

@@ -151,7 +151,7 @@ class ModelRunner:
         if argmax_only:  # nothing between the logits and their argmax: no sampling metadata to build
             self._accept(firsts, inputs.drafts, self.sampler.argmax(logits).tolist(), None, result)
             return
-        if self.batch.grammar is not None and inputs.drafts:  # its verification rows follow the drafts
+        if self.batch.grammar is not None and self.batch.grammar.active and inputs.drafts:  # rows follow drafts
             self.batch.grammar.drafts = {self.batch.row_of[i]: d for i, d in inputs.drafts.items()}
         verifications = self._verifications(firsts, inputs.drafts)
         resample = partial(self.rejection.resample, verifications=verifications) if verifications else None

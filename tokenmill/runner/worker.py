@@ -59,8 +59,7 @@ logger = logging.getLogger("tokenmill")
 
 def grammar_compiler(model: str, vocab_size: int) -> GrammarCompiler:
     """The GrammarCompiler of structured-output requests, over the model's own tokenizer."""
-    tokenizer = Tokenizer(model)
-    return GrammarCompiler(lambda: tokenizer.hf, vocab_size, tokenizer.info.eos_token_ids)
+    return GrammarCompiler(Tokenizer(model), vocab_size)
 
 
 def native_or_reference(name: str, field: str, device: torch.device, dtype: torch.dtype) -> str:

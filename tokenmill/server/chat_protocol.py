@@ -118,8 +118,7 @@ class ChatCompletionRequest(_Request):
             )
         if named is not None and named not in {t.function.name for t in self.tools or ()}:
             raise custom_error(f"no tool named {show(named)} in 'tools'.", ("tool_choice",), whole=True)
-        mode = self.tool_mode
-        if mode is not None and mode.spec() is not None and self.structured_field is not None:
+        if self.tool_mode is not None and self.tool_mode.choice != "auto" and self.structured_field is not None:
             raise custom_error(
                 f"tool_choice {show(named or self.tool_choice)} and '{self.structured_field}' both constrain "
                 "the answer; send one.",
@@ -158,9 +157,9 @@ class ChatCompletionRequest(_Request):
 
     def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
         fields = self._common_sampling()
-        mode = self.tool_mode
-        if mode is not None and mode.spec() is not None:  # "required" or a named function: under its schema
-            fields["structured_outputs"] = mode.spec()
+        spec = self.tool_mode.spec() if self.tool_mode is not None else None
+        if spec is not None:  # "required" or a named function: under its schema
+            fields["structured_outputs"] = spec
         fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(
             fields,

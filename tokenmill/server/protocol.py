@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from tokenmill.server.structured_fields import ResponseFormat, StructuredOutputsField, structured_spec
 from tokenmill.server.validation import (
     Limits,
@@ -100,6 +100,8 @@ class _Request(_Strict):
     )
 
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+    # the structured-output spec the fields ask for and the field that asks (structured_fields.py), read once
+    _structured: tuple[StructuredOutputsParams | None, str | None] = PrivateAttr(default=(None, None))
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -149,6 +151,11 @@ class _Request(_Strict):
             for name, f in cls.model_fields.items()
             if not f.is_required() and type(None) not in get_args(f.annotation)
         ]
+
+    @model_validator(mode="after")
+    def _read_structured(self) -> Any:
+        self._structured = structured_spec(self)  # (a RequestError naming the field passes through)
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -227,13 +234,13 @@ class _Request(_Strict):
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "allowed_token_ids": tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             "bad_words": tuple(self.bad_words or ()),
-            "structured_outputs": structured_spec(self)[0],
+            "structured_outputs": self._structured[0],
         }
 
     @property
     def structured_field(self) -> str | None:
         """The request field that asked for structured output (a bad spec's 400 names it)."""
-        return structured_spec(self)[1]
+        return self._structured[1]
 
     def _sampling_params(
         self,

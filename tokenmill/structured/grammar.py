@@ -19,9 +19,9 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
+from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.sampling_params import StructuredOutputsParams
 
 CACHE_SIZE = 256
@@ -29,12 +29,11 @@ JSON_OPTIONS = {"whitespace_flexible": False}  # compact: "," and ":" with no wh
 
 
 class GrammarCompiler:
-    def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        """`hf_tokenizer`: builds the model's (fast) transformers tokenizer when first needed;
-        `vocab_size`: the model's logits width (the tokenizer's length or more: the rest never allowed)."""
-        self._hf_tokenizer = hf_tokenizer
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        """`tokenizer`: the model's; `vocab_size`: the model's logits width (the tokenizer's length or
+        more: the rest never allowed)."""
+        self._model_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
         self._tokenizer: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()  # spec key -> template LLMatcher
         self._lock = threading.Lock()
@@ -47,8 +46,9 @@ class GrammarCompiler:
         if self._tokenizer is None:
             import llguidance.hf
 
-            eos = list(self.eos_token_ids) or None
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size, eos_token=eos)
+            model = self._model_tokenizer
+            eos = list(model.info.eos_token_ids) or None
+            self._tokenizer = llguidance.hf.from_tokenizer(model.hf, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:

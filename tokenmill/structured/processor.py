@@ -14,6 +14,7 @@ a token forced past them could) allows only EOS, so the request ends instead of 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,19 @@ class GrammarProcessor:
             self._compiler = self._compiler_factory()
         return self._compiler
 
+    def stats_fields(self) -> dict[str, float]:
+        """The counters as EngineStats' structured_* fields (none before a first grammar row)."""
+        if not self.masks:
+            return {}
+        compiler = self.compiler
+        return {
+            "structured_compiles": compiler.compiles,
+            "structured_compile_seconds": compiler.compile_seconds,
+            "structured_cache_hits": compiler.cache_hits,
+            "structured_masks": self.masks,
+            "structured_mask_seconds": self.mask_seconds,
+        }
+
     @property
     def active(self) -> bool:
         return bool(self.matchers)
@@ -80,26 +94,24 @@ class GrammarProcessor:
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [R, V] of batch rows `rows` [R] -> the same with each grammar row's disallowed tokens at -inf."""
-        import time
-
         start = time.perf_counter()
-        picked: list[tuple[int, Any, int]] = []  # (logits row, matcher, drafts before this position)
+        picked: list[tuple[int, int, int]] = []  # (logits row, batch row, drafts before this position)
         seen: dict[int, int] = {}
         for i, r in enumerate(rows.tolist()):
             if r in self.matchers:
                 seen[r] = seen.get(r, -1) + 1
-                picked.append((i, self.matchers[r], seen[r]))
+                picked.append((i, r, seen[r]))
         drafts, self.drafts = self.drafts, {}
         if not picked:
             return logits
         if self._bitmask.shape[0] < len(picked):
             self._bitmask = torch.zeros(max(len(picked), 2 * self._bitmask.shape[0]), self._words, dtype=torch.int32)
         row_bytes = self._words * 4
-        for j, (i, matcher, ahead) in enumerate(picked):
-            target = self._bitmask[j]
+        for j, (_, r, ahead) in enumerate(picked):
+            matcher, target = self.matchers[r], self._bitmask[j]
             # a verification row after `ahead` drafts: the grammar as they leave it (up to the first one it
             # refuses: the rows past that one cannot be reached), then back
-            taken = matcher.try_consume_tokens(drafts.get(int(rows[i]), [])[:ahead]) if ahead else 0
+            taken = matcher.try_consume_tokens(drafts.get(r, [])[:ahead]) if ahead else 0
             if matcher.is_error():
                 target.zero_()
                 for eos in self._eos:

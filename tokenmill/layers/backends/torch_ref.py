@@ -66,14 +66,19 @@ class TorchMetadata:
     prefills: list[PrefillSequence]
 
 
-class TorchReferenceBackend:
-    name = "torch"
+class ReferenceLayout:
+    """The reference cache layout: K and V of [num_blocks, block_size, num_kv_heads, head_dim] a layer
+    (an int8 cache's scales [num_blocks, block_size, num_kv_heads]); other backends may share it."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads)
+
+
+class TorchReferenceBackend(ReferenceLayout):
+    name = "torch"
 
     def build_metadata(
         self,

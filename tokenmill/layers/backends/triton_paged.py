@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tokenmill.layers.attention import KVCache, check_batch
+from tokenmill.layers.backends.torch_ref import ReferenceLayout
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _kernel() -> Any:
     return paged_attention
 
 
-class TritonPagedBackend:
+class TritonPagedBackend(ReferenceLayout):
     name = "triton"
 
     def __init__(self) -> None:
@@ -101,12 +102,6 @@ class TritonPagedBackend:
             raise ValueError(
                 "attention_backend: triton is not installed (pip install 'tokenmill[gpu]': triton 3.6.0)"
             ) from None
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_dim)
-
-    def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads)
 
     def build_metadata(
         self,
