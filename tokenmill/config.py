@@ -115,11 +115,17 @@ class EngineConfig:
     model: str = dataclasses.field(metadata={"help": "Hugging Face model folder"})
     dtype: str = setting(
         "auto",
-        "dtype of weights and activations; auto: the checkpoint's; fastest: the fastest here (timed at start) "
+        "dtype of weights and activations; auto: the checkpoint's (a float32 one in bfloat16 on a GPU); "
+        "fastest: the fastest here (timed at start) "
         "whose next-token distribution stays within KL 0.01 nats of float32's",
         choices=DTYPES,
     )
     device: str = setting("cpu", "torch device to run on: cpu, cuda, cuda:1, ...")
+    enforce_eager: bool = setting(
+        False,
+        "on a CUDA device, run every step eagerly; by default decode-only steps replay CUDA graphs captured at "
+        "start at padded batch sizes (1, 2, 4, 8, then every 8 up to max_num_seqs)",
+    )
     block_size: int = setting(16, "tokens per KV cache block", minimum=1)
     max_num_seqs: int = setting(64, "most requests running at once", minimum=1)
     max_num_batched_tokens: int = setting(512, "tokens one engine step may run (prompt chunks + decodes)", minimum=1)
@@ -137,7 +143,8 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto",
         "attention backend by name: `cpu` (a native paged kernel built for this CPU on first use), `torch` "
-        "(the pure-torch reference), or `auto` (`cpu` where its kernels build, else `torch`)",
+        "(the pure-torch reference), `triton` (a CUDA device; pip install 'tokenmill[gpu]'), or `auto` (`cpu` "
+        "where its kernels build, `triton` on a CUDA device where triton is installed, else `torch`)",
     )
     cpu_threads: int | None = setting(
         None, "torch threads on a CPU device (default: one per physical core this process may use)", minimum=1

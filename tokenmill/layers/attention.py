@@ -38,6 +38,20 @@ class AttentionMetadata(Protocol):
     num_actual_tokens: int  # tokens [0, n) of the flat batch are real; the rest is padding
 
 
+class MetadataBuilder(Protocol):
+    """What builds a step's attention metadata: a backend, or the CUDA graphs' static buffers
+    (runner/cuda_graphs.py) for the steps they replay."""
+
+    def build_metadata(
+        self,
+        query_lens: list[int],  # new tokens of each sequence this step
+        seq_lens: list[int],  # tokens in the cache for each sequence after this step
+        block_tables: list[list[int]],  # each holds at least ceil(seq_lens[b] / block_size) block ids
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata: ...
+
+
 class AttentionBackend(Protocol):
     """Writes the new tokens' K/V into the paged cache and attends over each sequence's cache."""
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.layers.attention import AttentionMetadata, MetadataBuilder
 from tokenmill.outputs import ScheduledChunk
 
 
@@ -37,7 +37,7 @@ class ModelInputs:
 def prepare_inputs(
     chunks: list[ScheduledChunk],
     block_tables: list[list[int]],  # each chunk's request's table
-    backend: AttentionBackend,
+    backend: MetadataBuilder,
     block_size: int,
     prompt_logprob_targets: dict[str, tuple[int, list[int]]],
     device: torch.device,

@@ -21,6 +21,7 @@ from tokenmill.layers.sampler import LogprobsTensors, Sampler, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import ModelInputs, prepare_inputs
+from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.spec_decode.draft_model import DraftRow, DraftRunner
 from tokenmill.spec_decode.proposer import speculates
@@ -49,6 +50,7 @@ class ModelRunner:
         self.greedy_head = False
         self.draft: DraftRunner | None = None  # speculative decoding's draft model, where one is configured
         self.rejection = RejectionSampler()  # verifies unseeded sampled requests' drafts
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, where captured
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         for request_id in scheduled.finished_request_ids:
@@ -74,13 +76,23 @@ class ModelRunner:
             and s.next_prompt_logprob < len(s.prompt_token_ids)
         }
         tables = [self.batch.state(c.request_id).block_table for c in scheduled.chunks]
-        inputs = prepare_inputs(scheduled.chunks, tables, self.backend, self.block_size, targets, self.device)
+        graphs = self.graphs  # a decode-only step replays a CUDA graph (the draft model's steps: eager)
+        if graphs is not None and (
+            (self.draft is not None and scheduled.draft_next)
+            or not graphs.covers([len(c.token_ids) for c in scheduled.chunks])
+        ):
+            graphs = None
+        builder = graphs if graphs is not None else self.backend
+        inputs = prepare_inputs(scheduled.chunks, tables, builder, self.block_size, targets, self.device)
         with torch.inference_mode():
             start = time.perf_counter()
             if self.draft is not None and scheduled.draft_next:  # the draft's KV for the step's tokens
                 self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
                 result.draft_seconds = time.perf_counter() - start  # (the draft's share of the step)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            if graphs is not None:
+                hidden = graphs.forward(inputs.input_ids, inputs.positions)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             argmax_only = self._argmax_only(inputs)
             # [R, hidden]: the rows wanting logits (a decode-only step: every row, no copy)
             wanted = hidden if inputs.every_row else hidden.index_select(0, inputs.logits_rows)

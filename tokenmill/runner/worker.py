@@ -12,6 +12,7 @@ nothing else of torch crosses.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import time
 
@@ -46,6 +47,7 @@ from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, S
 from tokenmill.runner import huge_pages
 from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.cpu_threads import physical_cores
+from tokenmill.runner.cuda_graphs import DecodeGraphs, PaddedMetadata, graph_batch_sizes
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_runner import ModelRunner
@@ -69,6 +71,23 @@ def native_or_reference(name: str, field: str, device: torch.device, dtype: torc
     if name == "cpu" and not native:
         raise ValueError(f"{field}: 'cpu' runs float32 and bfloat16 on a CPU device, not {dtype} on {device}")
     return name if native or name != "auto" else "torch"
+
+
+def attention_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto` on a CUDA device: triton where it is installed; elsewhere as `native_or_reference`."""
+    if name == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return native_or_reference(name, "attention_backend", device, dtype)
+
+
+def default_dtype(config_dtype: str, checkpoint: ModelConfig, device: torch.device) -> torch.dtype:
+    """`--dtype` resolved: auto is the checkpoint's dtype, except a float32 checkpoint on a GPU runs in
+    bfloat16 there (as vLLM does: the tensor cores' dtype, half the bytes a step streams)."""
+    dtype = resolve_dtype(config_dtype, checkpoint)
+    if config_dtype == "auto" and device.type == "cuda" and dtype == torch.float32:
+        logger.info("dtype auto: the float32 checkpoint runs in bfloat16 on %s (--dtype float32 keeps it)", device)
+        return torch.bfloat16
+    return dtype
 
 
 def prepare_native(
@@ -122,7 +141,7 @@ class Worker:
         if config.dtype == "fastest":
             model, self.backend = self._fastest(config, source)
         else:
-            dtype = resolve_dtype(config.dtype, checkpoint_config)
+            dtype = default_dtype(config.dtype, checkpoint_config, self.device)
             model, self.backend = self._build(config, source, dtype)
         dtype = model.dtype
         ops = model.ops
@@ -163,7 +182,8 @@ class Worker:
         draft = self._draft_model(config, spec, dtype) if spec is not None and spec.model is not None else None
         if draft is not None:  # its KV sits in the same blocks: each block holds both models' share
             per_block += kv_bytes_per_block(self.backend, draft.config, self.block_size, self.kv_dtype)
-        self.num_blocks = budget // per_block
+        graphed = self.device.type == "cuda" and not config.enforce_eager and isinstance(self.backend, PaddedMetadata)
+        self.num_blocks = budget // per_block - (1 if graphed else 0)  # (the graphs' padding rows' scratch block)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"kv_cache_memory: {budget} bytes hold {self.num_blocks * self.block_size} tokens of KV, fewer "
@@ -191,7 +211,16 @@ class Worker:
                 self.num_blocks / max(1, dense),
             )
         grammar = functools.partial(grammar_compiler, config.model, self.model_config.vocab_size)
-        self.runner = ModelRunner(model, self._caches(self.num_blocks), self.backend, self.block_size, grammar)
+        caches = self._caches(self.num_blocks + (1 if graphed else 0))
+        self.runner = ModelRunner(model, caches, self.backend, self.block_size, grammar)
+        if graphed:
+            start = time.perf_counter()
+            sizes = graph_batch_sizes(config.max_num_seqs)
+            self.runner.graphs = DecodeGraphs(
+                model, caches, self.backend, self.block_size, self.max_model_len, self.num_blocks, sizes, capture=True
+            )
+            logger.info("CUDA graphs: decode steps of up to %d rows, %d sizes captured in %.1f s", sizes[-1],
+                        len(sizes), time.perf_counter() - start)  # fmt: skip
         if draft is not None and spec is not None:
             k = spec.num_speculative_tokens
             scratch = DraftRunner.scratch_blocks(config.max_num_seqs, k, self.block_size)
@@ -207,9 +236,7 @@ class Worker:
     ) -> tuple[LlamaForCausalLM, AttentionBackend]:
         """The model in `dtype` with its attention backend, layer ops and linear method; with
         `linear_backend` auto, the method's kernel per weight shape and row class tuned here."""
-        backend = get_attention_backend(
-            native_or_reference(config.attention_backend, "attention_backend", self.device, dtype)
-        )
+        backend = get_attention_backend(attention_backend_name(config.attention_backend, self.device, dtype))
         ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
         method, head = self._linear_methods(config, dtype)
         checkpoint_methods = self._checkpoint_methods(config, source, dtype)

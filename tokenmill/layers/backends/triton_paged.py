@@ -6,7 +6,9 @@ The cache keeps the reference backend's layout, [blocks, block_size, kv_heads, h
 position (causal) and from the window's start (sliding window), with an online softmax in float32:
 decodes (one query), speculative verification (1 + k) and prompt chunks (varlen, over the cached
 prefix and the chunk itself) alike. GQA/MQA: query head h reads KV head h // (heads / kv_heads). New
-K/V are written into their slots first (one scatter). An int8 cache is not supported here.
+K/V are written into their slots first (one scatter). An int8 cache is not supported here. The loop's
+bounds are read in the kernel, so it compiles once per head shape, not per context length; and a
+decode step's metadata can be built at fixed shapes (`padded_metadata`) for a CUDA graph to replay.
 
 Triton is imported only when this backend is built (`pip install 'tokenmill[gpu]'`, triton 3.6.0);
 nothing on the CPU path imports it. Under `TRITON_INTERPRET=1` the kernel runs on CPU tensors: the
@@ -31,8 +33,7 @@ class TritonMetadata:
     slot_mapping: torch.Tensor  # [n] int64: block_id * block_size + offset of each real token
     token_seq: torch.Tensor  # [n] int32: each query token's sequence
     token_pos: torch.Tensor  # [n] int32: each query token's position in its sequence
-    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0: never read past a sequence)
-    max_blocks: int
+    block_tables: torch.Tensor  # [B, width] int32 (padded: never read past a sequence's own blocks)
 
 
 def _kernel() -> Any:
@@ -45,7 +46,6 @@ def _kernel() -> Any:
         scale, window,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
         GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        MAX_BLOCKS: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -58,27 +58,29 @@ def _kernel() -> Any:
         m = tl.full((), float("-inf"), tl.float32)
         denom = tl.zeros((), tl.float32)
         acc = tl.zeros((D_PAD,), tl.float32)
-        for i in range(0, MAX_BLOCKS):  # (a compile-time bound: the interpreter cannot loop to a runtime one)
-            live = i * BLOCK <= pos  # the sequence's blocks up to the token's own
+        # the blocks from the window's first (or the sequence's) to the token's own: a while loop, whose
+        # bounds Triton's interpreter can take from loaded values (its `range` cannot, with numpy 2)
+        i = tl.zeros((), tl.int32)
+        if HAS_WINDOW:
+            i = tl.maximum(pos - window + 1, 0) // BLOCK
+        while i <= pos // BLOCK:
+            block = tl.load(tables + seq * stride_tb + i)
+            key_pos = i * BLOCK + tl.arange(0, BLOCK)
+            offs = block * stride_kb + tl.arange(0, BLOCK)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+            keys = tl.load(k_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)  # [BLOCK, D_PAD]
+            scores = tl.sum(keys * q[None, :], axis=1) * scale  # [BLOCK]
+            visible = key_pos <= pos
             if HAS_WINDOW:
-                live = live & ((i + 1) * BLOCK > pos - window + 1)  # and not wholly before its window
-            if live:
-                block = tl.load(tables + seq * stride_tb + i)
-                key_pos = i * BLOCK + tl.arange(0, BLOCK)
-                offs = block * stride_kb + tl.arange(0, BLOCK)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-                keys = tl.load(k_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)  # [BLOCK, D_PAD]
-                scores = tl.sum(keys * q[None, :], axis=1) * scale  # [BLOCK]
-                visible = key_pos <= pos
-                if HAS_WINDOW:
-                    visible = visible & (key_pos > pos - window)
-                scores = tl.where(visible, scores, float("-inf"))
-                new_m = tl.maximum(m, tl.max(scores, axis=0))
-                alpha = tl.exp(m - new_m)
-                p = tl.exp(scores - new_m)
-                values = tl.load(v_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)
-                acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
-                denom = denom * alpha + tl.sum(p, axis=0)
-                m = new_m
+                visible = visible & (key_pos > pos - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            new_m = tl.maximum(m, tl.max(scores, axis=0))
+            alpha = tl.exp(m - new_m)
+            p = tl.exp(scores - new_m)
+            values = tl.load(v_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
+            denom = denom * alpha + tl.sum(p, axis=0)
+            m = new_m
+            i += 1
         out = acc / denom
         tl.store(out_ptr + t * stride_qt + h * stride_qh + d, out.to(out_ptr.dtype.element_ty), mask=in_head)
 
@@ -112,6 +114,43 @@ class TritonPagedBackend(ReferenceLayout):
         device: torch.device | str = "cpu",
     ) -> TritonMetadata:
         check_batch(query_lens, seq_lens, block_tables, block_size)
+        width = max(-(-s // block_size) for s in seq_lens)
+        return self._metadata(query_lens, seq_lens, block_tables, block_size, device, sum(query_lens), width, 0)
+
+    def padded_metadata(
+        self,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+        rows: int,
+        width: int,
+        scratch_block: int,
+    ) -> TritonMetadata:
+        """A decode step's metadata at fixed shapes, for a CUDA graph (runner/cuda_graphs.py): `rows`
+        tokens (one a sequence; the rows past the real ones write their K/V to `scratch_block`, a block
+        no sequence owns, and attend to it) and block tables `width` blocks wide."""
+        if len(seq_lens) > rows or any(-(-s // block_size) > width for s in seq_lens):
+            raise ValueError(f"padded_metadata: {len(seq_lens)} sequences exceed {rows} rows x {width} blocks")
+        check_batch([1] * len(seq_lens), seq_lens, block_tables, block_size)
+        pad = rows - len(seq_lens)
+        return self._metadata(
+            [1] * rows, seq_lens + [1] * pad, block_tables + [[scratch_block]] * pad, block_size, device, rows, width,
+            scratch_block,
+        )  # fmt: skip
+
+    @staticmethod
+    def _metadata(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+        tokens: int,
+        width: int,
+        fill: int,
+    ) -> TritonMetadata:
+        """`tokens` query tokens over block tables `width` wide (padded with `fill`, never read)."""
         slots: list[int] = []
         seqs: list[int] = []
         positions: list[int] = []
@@ -120,17 +159,15 @@ class TritonPagedBackend(ReferenceLayout):
                 slots.append(table[p // block_size] * block_size + p % block_size)
                 seqs.append(b)
                 positions.append(p)
-        # the kernel's loop bound is a compile-time constant: rounded up to a power of two, so that a
-        # server compiles it a few times (log2 of the longest context in blocks), not once per length
-        widest = 1 << (max(-(-s // block_size) for s in seq_lens) - 1).bit_length()
-        tables = [(t[:widest] + [0] * widest)[:widest] for t in block_tables]
+        tables = [(t[:width] + [fill] * width)[:width] for t in block_tables]
+        flat = torch.tensor(slots + seqs + positions, dtype=torch.int64)  # one host-to-device copy for three
+        slot_mapping, token_seq, token_pos = flat.to(device).split(tokens)
         return TritonMetadata(
-            num_actual_tokens=len(slots),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            token_seq=torch.tensor(seqs, dtype=torch.int32, device=device),
-            token_pos=torch.tensor(positions, dtype=torch.int32, device=device),
+            num_actual_tokens=tokens,
+            slot_mapping=slot_mapping,
+            token_seq=token_seq.to(torch.int32),
+            token_pos=token_pos.to(torch.int32),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            max_blocks=widest,
         )
 
     def forward(
@@ -162,6 +199,5 @@ class TritonPagedBackend(ReferenceLayout):
             md.block_tables.stride(0),
             GROUP=num_heads // num_kv_heads, BLOCK=block_size, D=head_dim, D_PAD=1 << (head_dim - 1).bit_length(),
             HAS_WINDOW=sliding_window is not None,
-            MAX_BLOCKS=md.max_blocks,
         )  # fmt: skip
         return out
