@@ -111,6 +111,7 @@ def test_each_flag_sets_its_field():
     values = {
         "dtype": "bfloat16",
         "device": "cuda:1",
+        "enforce_eager": True,
         "block_size": 32,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 1024,

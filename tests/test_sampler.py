@@ -366,6 +366,46 @@ def test_mixed_batch_greedy_rows_take_the_penalised_argmax() -> None:
             assert float(ref_probs(logits[i], p, prompt, output)[tokens[i]]) > 0
 
 
+def test_the_sampler_reads_no_tensor_value_on_the_host(monkeypatch) -> None:
+    """On a GPU each read of a tensor's value by the host waits for the device: the sampler branches on
+    the metadata's host-side fields only. Here every such read raises while a mixed batch (greedy,
+    top-k, top-p, min-p, penalties, logprobs) is sampled; the tokens are then read once, as the runner does."""
+    logits, rows = mixed_batch(5)
+    rows = [(dataclasses.replace(r[0], logprobs=2), *r[1:]) for r in rows]
+    md = metadata(rows, VOCAB)
+    expected = Sampler()(logits, md)
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a tensor's value read on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, refuse)
+        out = Sampler()(logits, md)
+    assert torch.equal(out.token_ids, expected.token_ids)
+    assert out.logprobs is not None and torch.equal(out.logprobs.topk_ids, expected.logprobs.topk_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_sampler_on_a_gpu_never_synchronizes() -> None:
+    logits, rows = mixed_batch(6)
+    md = SamplingMetadata.from_params(
+        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+        [r[4] for r in rows], VOCAB, "cuda",
+    )  # fmt: skip
+    logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, md)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    on_cpu = Sampler()(logits.cpu(), metadata(rows, VOCAB)).token_ids  # (sampled rows: another generator's draws)
+    greedy = torch.tensor([r[0].greedy for r in rows])
+    assert torch.equal(out.token_ids.cpu()[greedy], on_cpu[greedy])
+
+
 # ----------------------------------------------------------------------------- logprobs
 
 

@@ -59,6 +59,7 @@ class PenaltiesProcessor:
         self.frequency = torch.zeros(capacity, dtype=torch.float32, device=self.device)  # [C]
         self.penalised = [False] * capacity  # rows that ask for a penalty
         self._num_penalised = 0
+        self.repeating = [False] * capacity  # rows with a repetition penalty (`apply` branches on these)
         self._counts: torch.Tensor | None = None  # [C, V] float32: output token counts
         self._prompt_seen: torch.Tensor | None = None  # [C, V] bool: tokens of the prompt
 
@@ -76,6 +77,7 @@ class PenaltiesProcessor:
         self.presence = torch.cat([self.presence, self.presence.new_zeros(extra)])
         self.frequency = torch.cat([self.frequency, self.frequency.new_zeros(extra)])
         self.penalised.extend([False] * extra)
+        self.repeating.extend([False] * extra)
         if self._counts is not None and self._prompt_seen is not None:
             self._counts = torch.cat([self._counts, self._counts.new_zeros(extra, self.vocab_size)])
             self._prompt_seen = torch.cat([self._prompt_seen, self._prompt_seen.new_zeros(extra, self.vocab_size)])
@@ -92,6 +94,7 @@ class PenaltiesProcessor:
     ) -> None:
         penalised = params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
         self.repetition[row] = params.repetition_penalty
+        self.repeating[row] = params.repetition_penalty != 1
         self.presence[row] = params.presence_penalty
         self.frequency[row] = params.frequency_penalty
         self.penalised[row] = penalised
@@ -107,13 +110,14 @@ class PenaltiesProcessor:
     def remove_row(self, row: int) -> None:
         if self.penalised[row]:
             self._num_penalised -= 1
-        self.penalised[row] = False
+        self.penalised[row] = self.repeating[row] = False
         self.repetition[row], self.presence[row], self.frequency[row] = 1.0, 0.0, 0.0
 
     def move_row(self, src: int, dst: int) -> None:
         for t in (self.repetition, self.presence, self.frequency):
             t[dst] = t[src]
         self.penalised[dst], self.penalised[src] = self.penalised[src], False
+        self.repeating[dst], self.repeating[src] = self.repeating[src], False
         if self.penalised[dst]:
             counts, prompt_seen = self._state()
             counts[dst] = counts[src]
@@ -130,7 +134,7 @@ class PenaltiesProcessor:
         output_counts = counts.index_select(0, rows)  # [R, V]
         output_seen = output_counts > 0  # [R, V]
         repetition = self.repetition.index_select(0, rows)  # [R]
-        if bool((repetition != 1).any()):
+        if any(self.repeating):  # (rows without one divide or multiply by 1: unchanged)
             seen = output_seen | prompt_seen.index_select(0, rows)
             penalty = torch.where(seen, repetition.unsqueeze(-1), 1.0)  # [R, V]
             logits = torch.where(logits > 0, logits / penalty, logits * penalty)

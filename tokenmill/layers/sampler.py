@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,12 @@ class SamplingMetadata:
     all_greedy: bool  # every row greedy: argmax of the (processed) logits, no sorting, no randomness
     processors: list[LogitsProcessor]  # the active ones, applied in order
     batch_rows: torch.Tensor  # [B] int64: each row's row in the processors' (persistent) batch
+    # The same parameters on the host: the sampler branches on these, never on a tensor's value, so
+    # that on a GPU it queues its kernels without waiting for the device (one sync a step: the tokens).
+    greedy_rows: list[bool]  # [B]
+    top_k_rows: list[int]  # [B] as in top_k
+    uses_top_p: bool  # some row has top_p < 1
+    uses_min_p: bool  # some row has min_p > 0
 
     @classmethod
     def from_params(
@@ -106,6 +113,7 @@ class SamplingMetadata:
             all_greedy=all(p.greedy for p in params),
             processors=[p for p in processors if p.active],
             batch_rows=torch.tensor(batch_rows, dtype=torch.int64, device=device),
+            **host_fields(params, vocab_size),
         )
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
@@ -144,10 +152,23 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
     )
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def host_fields(params: list[SamplingParams], vocab_size: int) -> dict[str, Any]:
+    """SamplingMetadata's host-side fields for rows of these params."""
+    return {
+        "greedy_rows": [p.greedy for p in params],
+        "top_k_rows": [vocab_size if p.top_k is None else min(p.top_k, vocab_size) for p in params],
+        "uses_top_p": any(p.top_p < 1 for p in params),
+        "uses_min_p": any(p.min_p > 0 for p in params),
+    }
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """logits [B, V] -> [B, V] with tokens outside each row's top-k, then top-p, set to -inf.
 
-    top_k [B] int64 in [1, V] (V keeps all), top_p [B] float32 in (0, 1] (1 keeps all); None skips.
+    top_k [B] int64 in [1, V] (V keeps all; `max_k`: the largest k below V, from the host), top_p [B]
+    float32 in (0, 1] (1 keeps all); None skips.
     """
     vocab_size = logits.shape[-1]
     if top_p is None:
@@ -156,7 +177,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
         # Top-k alone: the k-th largest logit of each row from one topk over the largest k, no full sort.
         no_limit = top_k >= vocab_size  # [B]
         k = top_k.masked_fill(no_limit, 1)  # [B]
-        largest = torch.topk(logits, int(k.max()), dim=-1).values  # [B, max_k], descending
+        largest = torch.topk(logits, max_k, dim=-1).values  # [B, max_k], descending
         kth = largest.gather(-1, (k - 1).unsqueeze(-1))  # [B, 1]
         kth = kth.masked_fill(no_limit.unsqueeze(-1), float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
@@ -219,21 +240,22 @@ class Sampler:
         # Shifting by the row maximum first leaves the distribution unchanged and keeps tiny
         # temperatures from overflowing: the top logit becomes 0, the others <= 0 (or -inf).
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # [B, V]
-        top_k = metadata.top_k.clamp(1, vocab_size)
+        limits = [k for k in metadata.top_k_rows if k < vocab_size]
         scaled = _top_k_top_p(
             scaled,
-            top_k if bool((top_k < vocab_size).any()) else None,
-            metadata.top_p if bool((metadata.top_p < 1).any()) else None,
+            metadata.top_k.clamp(1, vocab_size) if limits else None,
+            max(limits, default=1),
+            metadata.top_p if metadata.uses_top_p else None,
         )
         probs = scaled.softmax(dim=-1)  # [B, V]
-        if bool((metadata.min_p > 0).any()):
+        if metadata.uses_min_p:
             top = probs.amax(dim=-1, keepdim=True)  # [B, 1]
             min_p = metadata.min_p.unsqueeze(-1)  # [B, 1]
             kept = probs.masked_fill(probs < min_p * top, 0.0)
             # Renormalise only the rows that use min-p, so a row's distribution, down to the last bit,
             # does not depend on whether another row in the batch uses it.
             probs = torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
-        if bool(greedy.any()):
+        if any(metadata.greedy_rows):
             one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
             probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
         return probs
@@ -243,9 +265,8 @@ class Sampler:
         """[B, V] i.i.d. Exp(1) noise per sampled row, from its own (seed, position) generator; 1 for greedy rows."""
         noise = torch.ones_like(probs)
         tiny = torch.finfo(noise.dtype).tiny
-        greedy = (metadata.temperature == 0).tolist()
         for row, (seed, position, is_greedy) in enumerate(
-            zip(metadata.seeds, metadata.output_positions, greedy, strict=True)
+            zip(metadata.seeds, metadata.output_positions, metadata.greedy_rows, strict=True)
         ):
             if is_greedy:
                 continue

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.layers.logits_processor import LogitsProcessor, PenaltiesProcessor
-from tokenmill.layers.sampler import SamplingMetadata
+from tokenmill.layers.sampler import SamplingMetadata, host_fields
 from tokenmill.layers.token_constraints import (
     AllowedTokensProcessor,
     BadWordsProcessor,
@@ -173,4 +173,5 @@ class InputBatch:
             all_greedy=all(s.params.greedy for s in states),
             processors=[p for p in self.processors if p.active],
             batch_rows=index,
+            **host_fields([s.params for s in states], self.vocab_size),
         )
