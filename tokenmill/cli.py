@@ -202,7 +202,7 @@ def _sparsify(args: argparse.Namespace) -> int:
     from tokenmill.eval.quant_eval import compare_folders
     from tokenmill.models.sparsify import sparsify_folder
 
-    out = sparsify_folder(args.model, args.out, args.method, overwrite=args.overwrite)
+    out = sparsify_folder(args.model, args.out, args.method, overwrite=args.overwrite, storage=args.format)
     print(f"wrote {out}")
     if args.windows > 0:
         report = compare_folders(str(args.model), str(out), f"2:4 sparse ({args.method})", windows=args.windows)
@@ -325,7 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("model", help="Hugging Face model folder")
     sp.add_argument("--method", default="wanda", choices=("magnitude", "wanda"), help="what decides the 2 kept of 4")
-    sp.add_argument("--out", required=True, help="folder to write (dense, zeros in place, sparsity.json)")
+    sp.add_argument("--out", required=True, help="folder to write (compressed-tensors, 2:4 sparsity_config)")
+    sp.add_argument(
+        "--format",
+        default="sparse-24-bitmask",
+        choices=("sparse-24-bitmask", "dense"),
+        help="how the pruned weights are stored: half the values and a bitmask, or dense with zeros in place",
+    )
     sp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     sp.add_argument("--windows", type=int, default=8, help="text windows of the quality report (0: none)")
     sp.add_argument("--json", default=None, help="also write the quality report as JSON to this file")

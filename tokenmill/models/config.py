@@ -46,6 +46,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     quantization: CheckpointQuantization | None = None  # config.json's quantization_config (AWQ, GPTQ)
+    sparsity: CheckpointSparsity | None = None  # its quantization_config.sparsity_config (compressed-tensors 2:4)
 
     @property
     def q_size(self) -> int:
@@ -71,6 +72,16 @@ class CheckpointQuantization:
 
 
 CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
+SPARSITY_FORMATS = ("sparse-24-bitmask", "dense")
+
+
+@dataclass(frozen=True)
+class CheckpointSparsity:
+    """compressed-tensors' `sparsity_config` for 2:4 weights: stored `sparse-24-bitmask`
+    (layers/sparse24.py) or `dense` (zeros in place); the decoder projections follow 2:4."""
+
+    format: str  # one of SPARSITY_FORMATS
+    structure: str = "2:4"
 
 
 class _Fields:
@@ -116,6 +127,8 @@ def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
     if method not in CHECKPOINT_QUANTIZATIONS:
         raise f.error(f"{field}.quant_method", f"is {method!r}; tokenmill loads {', '.join(CHECKPOINT_QUANTIZATIONS)}")
     if method == "compressed-tensors":
+        if not raw.get("config_groups") and raw.get("sparsity_config"):
+            return None  # sparse only (_parse_sparsity)
         return _parse_compressed_tensors(f, q)
     bits = q.get("bits", int, default=q.get("w_bit", int, default=None))
     if bits not in ((4,) if method == "awq" else (4, 8)):
@@ -132,6 +145,26 @@ def _parse_quantization(f: _Fields) -> CheckpointQuantization | None:
     desc_act = method == "gptq" and q.get("desc_act", bool, default=False)
     v2 = method == "gptq" and q.get("checkpoint_format", str, default="gptq") == "gptq_v2"
     return CheckpointQuantization(method, bits, None if group == -1 else group, v2, desc_act=desc_act)
+
+
+def _parse_sparsity(f: _Fields) -> CheckpointSparsity | None:
+    """compressed-tensors' `quantization_config.sparsity_config`: 2:4, stored sparse-24-bitmask or dense."""
+    raw = f.get("quantization_config", dict, default=None, allow_none=True)
+    if raw is None or not raw.get("sparsity_config"):  # (an empty one: none)
+        return None
+    field = "quantization_config.sparsity_config"
+    if raw.get("quant_method") != "compressed-tensors":
+        raise f.error(field, "is set outside a compressed-tensors quantization_config")
+    if raw.get("config_groups"):
+        raise f.error(field, "is set with quantized config_groups: 2:4 sparse and quantized weights are not supported")
+    sp = _Fields(raw["sparsity_config"] if isinstance(raw["sparsity_config"], dict) else {}, f.where)
+    fmt = sp.get("format", str)
+    if fmt not in SPARSITY_FORMATS:
+        raise f.error(f"{field}.format", f"is {fmt!r}; tokenmill loads {', '.join(SPARSITY_FORMATS)}")
+    structure = sp.get("sparsity_structure", str, default="2:4")
+    if structure != "2:4":
+        raise f.error(f"{field}.sparsity_structure", f"is {structure!r}; tokenmill loads 2:4")
+    return CheckpointSparsity(fmt, structure)
 
 
 def _parse_compressed_tensors(f: _Fields, q: _Fields) -> CheckpointQuantization:
@@ -309,6 +342,7 @@ def parse_config(raw: Any, where: str) -> ModelConfig:
         bos_token_id=f.get("bos_token_id", int, default=None, allow_none=True),
         eos_token_ids=eos_ids,
         quantization=_parse_quantization(f),
+        sparsity=_parse_sparsity(f),
     )
 
 

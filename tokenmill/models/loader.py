@@ -35,6 +35,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.ops import LayerOps
 from tokenmill.layers.quantize import Int4Weight, Int8Weight
+from tokenmill.layers.sparse24 import SEMI_STRUCTURED_DTYPES, SPARSE_24_SUFFIXES, decompress_2_4, to_semi_structured
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM, WeightTarget
@@ -129,10 +130,21 @@ def _check_complete(model: LlamaForCausalLM, seen: set[str], where: str) -> None
 
 
 def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
-    """Fill every parameter of `model` from the folder's safetensors, checking names and shapes."""
+    """Fill every parameter of `model` from the folder's safetensors, checking names and shapes. A
+    `sparse-24-bitmask` checkpoint's weights arrive as three tensors each (layers/sparse24.py), made
+    dense here as the third comes in."""
     params = dict(model.named_parameters())
     targets = model.checkpoint_map()
     seen: set[str] = set()
+    sparse = model.config.sparsity is not None and model.config.sparsity.format == "sparse-24-bitmask"
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # a sparse weight's prefix -> its parts read so far
+
+    def load(name: str, tensor: torch.Tensor, where: str) -> None:
+        if name in seen:
+            raise ModelLoadError(f"{where}: tensor '{name}' appears in more than one file")
+        if _load_tensor(model, params, targets, name, tensor, where):
+            seen.add(name)
+
     for path, indexed_names in weight_files(folder).items():
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
@@ -142,12 +154,24 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     if absent:
                         raise ModelLoadError(f"{path}: tensor '{absent[0]}' listed in {INDEX_FILE} is not in this file")
                 for name in names:
-                    if name in seen:
-                        raise ModelLoadError(f"{path}: tensor '{name}' appears in more than one file")
-                    if _load_tensor(model, params, targets, name, f.get_tensor(name), str(path)):
-                        seen.add(name)
+                    if not (sparse and name.endswith(SPARSE_24_SUFFIXES)):
+                        load(name, f.get_tensor(name), str(path))
+                        continue
+                    prefix, suffix = name.rsplit(".", 1)
+                    got = parts.setdefault(prefix, {})
+                    got["." + suffix] = f.get_tensor(name)
+                    if len(got) == len(SPARSE_24_SUFFIXES):
+                        try:
+                            dense = decompress_2_4(got[".shape"], got[".compressed"], got[".bitmask"], prefix)
+                        except ValueError as e:
+                            raise ModelLoadError(f"{path}: tensor {e}") from None
+                        load(f"{prefix}.weight", dense, str(path))
+                        del parts[prefix]
         except SafetensorError as e:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+    for prefix, got in parts.items():
+        absent = next(s for s in SPARSE_24_SUFFIXES if s not in got)
+        raise ModelLoadError(f"{folder}: tensor '{prefix}{absent}' missing from the checkpoint (sparse-24-bitmask)")
     _check_complete(model, seen, f"{folder}")
 
 
@@ -204,6 +228,25 @@ def read_model_config(model: str | Path | GGUFCheckpoint) -> ModelConfig:
     return load_config(Path(model))
 
 
+def _run_2_4(model: LlamaForCausalLM, device: torch.device) -> None:
+    """A 2:4 checkpoint's decoder projections on the sparse tensor cores where they run (CUDA, float16
+    or bfloat16); elsewhere dense, and the log says so."""
+    if device.type != "cuda" or model.dtype not in SEMI_STRUCTURED_DTYPES:
+        logger.info(
+            "2:4 sparse weights run dense on %s in %s: no 2:4 kernel runs them faster here (torch's "
+            "semi-structured sparse kernels need CUDA and float16 or bfloat16)",
+            device.type,
+            model.dtype,
+        )
+        return
+    names = {n for n, m in model.layers.named_modules(prefix="layers") if isinstance(m, LinearBase)}
+    done, refused = to_semi_structured(model, names)
+    logger.info("2:4 sparse weights: %d of %d decoder projections on the sparse tensor cores", len(done), len(names))
+    if refused:
+        name, why = next(iter(refused.items()))
+        logger.info("2:4 sparse weights: %d layers stay dense (%s: %s)", len(refused), name, why)
+
+
 def load_model(
     folder: str | Path | GGUFCheckpoint,
     dtype: str | torch.dtype = "auto",
@@ -250,13 +293,8 @@ def load_model(
             except ValueError as e:  # e.g. a quantization group size that does not divide this layer
                 raise ValueError(f"{name}: {e}") from None
     model.finish_loading()
-    if checkpoint is None and (folder / "sparsity.json").is_file():  # `tokenmill sparsify`'s folders
-        logger.info(
-            "%s: 2:4 sparse weights (sparsity.json), run dense on %s: no 2:4 kernel runs them faster here "
-            "(torch's semi-structured sparse kernels are CUDA-only, and not wired in yet)",
-            folder,
-            device.type,
-        )
+    if cfg.sparsity is not None:
+        _run_2_4(model, device)
     model.init_rotary(device)
     model.requires_grad_(False)
     return model.eval()

@@ -1,4 +1,4 @@
-"""`tokenmill sparsify`: 2:4 pruning of a model folder's decoder projections, written as a dense folder.
+"""`tokenmill sparsify`: 2:4 pruning of a model folder's decoder projections, written as compressed-tensors.
 
 In every group of 4 consecutive inputs of each output row of every decoder projection (q, k, v, o,
 gate, up, down; the embedding table and the output projection stay whole), the 2 weights with the
@@ -9,10 +9,12 @@ sparse kernels, cuSPARSELt) run at up to twice the dense rate. Scores:
   standard library's held-out files, as `eval-quant` reads them), so that a small weight on a loud
   input is kept; the norms are collected from the dense model's own forward, layer by layer.
 
-The folder is written dense (zeros in place) with `sparsity.json` beside config.json saying which
-tensors follow the 2:4 pattern; it loads as any folder. On a CPU that is the whole story: no kernel
-here runs 2:4 faster (torch's semi-structured kernels are CUDA-only), so the model runs dense, and
-the log says so. The quality cost is `eval-quant`'s measures, against the dense model.
+The folder is written as llm-compressor writes its 2:4 models: config.json's `quantization_config`
+names compressed-tensors with a `sparsity_config` (2:4, targets Linear, ignore lm_head), the pruned
+weights stored `sparse-24-bitmask` (half the values and a bitmask: layers/sparse24.py), or `dense`
+(zeros in place). It loads here (and in vLLM); on a GPU in float16 / bfloat16 the projections then run
+on the sparse tensor cores, on a CPU dense (torch's semi-structured kernels are CUDA-only), and the
+log says which. The quality cost is `eval-quant`'s measures, against the dense model.
 """
 
 from __future__ import annotations
@@ -26,28 +28,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tokenmill.layers.sparse24 import compress_2_4, keep_mask_2_4
 from tokenmill.models.folder_write import write_folder
 from tokenmill.models.loader import weight_files
 
 PROJECTION = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 METHODS = ("magnitude", "wanda")
-SPARSITY_FILE = "sparsity.json"
+FORMATS = ("sparse-24-bitmask", "dense")
 
 
 def prune_2_4(weight: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     """weight [N, K] (K a multiple of 4) with, in each group of 4 inputs of a row, the 2 lowest-scored zeroed."""
-    n, k = weight.shape
-    if k % 4:
-        raise ValueError(f"2:4 sparsity needs input widths that are multiples of 4, got {k}")
-    groups = score.float().reshape(n, k // 4, 4)
-    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(2, dim=-1).indices, True)
-    return weight * keep.reshape(n, k).to(weight.dtype)
-
-
-def is_2_4(weight: torch.Tensor) -> bool:
-    """Every group of 4 inputs of every row holds at most 2 nonzeros."""
-    n, k = weight.shape
-    return bool(((weight.reshape(n, k // 4, 4) != 0).sum(-1) <= 2).all())
+    return weight * keep_mask_2_4(score).to(weight.dtype)
 
 
 def input_norms(model_dir: Path, windows: int, length: int) -> dict[tuple[int, str], torch.Tensor]:
@@ -96,17 +88,29 @@ KIND = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gate_up", "up": "
 
 
 def sparsify_folder(
-    src: str | Path, out: str | Path, method: str, overwrite: bool = False, windows: int = 8, length: int = 256
+    src: str | Path,
+    out: str | Path,
+    method: str,
+    overwrite: bool = False,
+    windows: int = 8,
+    length: int = 256,
+    storage: str = "sparse-24-bitmask",
 ) -> Path:
-    """Write the 2:4-pruned copy `out` of the model folder `src` (dense, zeros in place); returns `out`."""
+    """Write the 2:4-pruned copy `out` of the model folder `src` (its projections stored `storage`: one
+    of FORMATS); returns `out`."""
     src, out = Path(src), Path(out)
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if storage not in FORMATS:
+        raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {storage!r}")
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if config.get("quantization_config"):
+        raise ValueError(f"model: {src} is quantized already ({config['quantization_config'].get('quant_method')})")
     if out.exists() and not overwrite:
         raise ValueError(f"out: {out} already exists (pass --overwrite to replace it)")
     norms = input_norms(src, windows, length) if method == "wanda" else {}
     tensors: dict[str, torch.Tensor] = {}
-    pruned: list[str] = []
+    zeros = total = 0
     for path in weight_files(src):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open's handle is not a mapping)
@@ -118,15 +122,33 @@ def sparsify_folder(
                 score = w.abs().float()
                 if method == "wanda":
                     score = score * norms[(int(found.group(1)), KIND[found.group(3)])][None, :]
-                tensors[name] = prune_2_4(w, score).contiguous()
-                pruned.append(name)
-    info = {"structure": "2:4", "method": method, "tensors": pruned}
+                pruned = prune_2_4(w, score).contiguous()
+                zeros, total = zeros + int((pruned == 0).sum()), total + pruned.numel()
+                if storage == "dense":
+                    tensors[name] = pruned
+                else:
+                    prefix = name.removesuffix(".weight")
+                    tensors |= {prefix + suffix: t for suffix, t in compress_2_4(pruned).items()}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {
+            "format": storage,
+            "sparsity_structure": "2:4",
+            "targets": ["Linear"],
+            "ignore": ["lm_head"],
+            "global_sparsity": zeros / max(total, 1),
+        },
+    }
 
     def write(staging: Path) -> None:
         for item in src.iterdir():
-            if item.is_file() and not item.name.endswith((".safetensors", ".index.json")):
+            if (
+                item.is_file()
+                and not item.name.endswith((".safetensors", ".index.json"))
+                and item.name != "config.json"
+            ):
                 shutil.copy2(item, staging / item.name)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / SPARSITY_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
     return write_folder(out, write)

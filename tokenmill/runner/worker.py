@@ -216,11 +216,14 @@ class Worker:
         if graphed:
             start = time.perf_counter()
             sizes = graph_batch_sizes(config.max_num_seqs)
-            self.runner.graphs = DecodeGraphs(
-                model, caches, self.backend, self.block_size, self.max_model_len, self.num_blocks, sizes, capture=True
-            )
-            logger.info("CUDA graphs: decode steps of up to %d rows, %d sizes captured in %.1f s", sizes[-1],
-                        len(sizes), time.perf_counter() - start)  # fmt: skip
+            try:
+                self.runner.graphs = DecodeGraphs(
+                    model, caches, self.backend, self.block_size, self.max_model_len, self.num_blocks, sizes, True
+                )
+                logger.info("CUDA graphs: decode steps of up to %d rows, %d sizes captured in %.1f s", sizes[-1],
+                            len(sizes), time.perf_counter() - start)  # fmt: skip
+            except RuntimeError as e:  # a kernel that cannot be captured (the log names it): eager steps
+                logger.warning("CUDA graphs: capture failed, every step runs eagerly (%s)", str(e).splitlines()[0])
         if draft is not None and spec is not None:
             k = spec.num_speculative_tokens
             scratch = DraftRunner.scratch_blocks(config.max_num_seqs, k, self.block_size)
