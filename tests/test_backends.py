@@ -27,7 +27,8 @@ except ImportError:
 BACKENDS = [name for name in backend_names() if name not in ("auto", "triton")] + TRITON  # auto: one of the others
 # the interpreter runs a kernel as Python loops (~13 s a forward case): in the default run, one forward
 # case on it (the slow run has the rest); the engine's many-step cases on it (minutes interpreted) run
-# on a GPU only (`gpu`: benchmarks/gpu/check.sh runs them on a lent device)
+# on a GPU only (`gpu`; they need the engine, whose server packages the lent device lacks: run them
+# there with those installed)
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ENGINE_BACKENDS = [pytest.param(b, marks=GPU_ONLY) if b == "triton" else b for b in BACKENDS]
 
