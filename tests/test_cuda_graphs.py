@@ -33,6 +33,20 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(64) == [1, 2, 4, *range(8, 65, 8)]
 
 
+def test_on_a_cuda_device_auto_means_triton_and_a_float32_checkpoint_runs_in_bfloat16(tiny_model_dir):
+    from tokenmill.models.loader import read_model_config
+    from tokenmill.runner.worker import attention_backend_name, default_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg = read_model_config(tiny_model_dir("llama"))  # a float32 checkpoint
+    assert default_dtype("auto", cfg, cuda) == torch.bfloat16
+    assert default_dtype("float32", cfg, cuda) == torch.float32  # asked for: kept
+    assert default_dtype("auto", cfg, cpu) == torch.float32
+    assert attention_backend_name("auto", cuda, torch.bfloat16) == "triton"
+    assert attention_backend_name("torch", cuda, torch.bfloat16) == "torch"
+    assert attention_backend_name("auto", cpu, torch.float32) == "auto"  # (the registry picks cpu or torch)
+
+
 def test_padded_metadata_points_padding_rows_at_the_scratch_block():
     md = TritonPagedBackend().padded_metadata([3, 9], [[5], [2, 7]], BLOCK, "cpu", rows=4, width=6, scratch_block=11)
     assert md.num_actual_tokens == 4
@@ -45,18 +59,26 @@ def test_padded_metadata_points_padding_rows_at_the_scratch_block():
         TritonPagedBackend().padded_metadata([3, 9], [[5], [2, 7]], BLOCK, "cpu", rows=4, width=1, scratch_block=11)
 
 
+NUM_BLOCKS = 48
+
+
 def run_requests(model, graphs: bool, device: torch.device, steps: int, capture: bool) -> tuple[dict, list]:
-    """Three requests' prompts (one eager step), then `steps` decode steps of all three (padded to 4),
-    one of them after a 1-token step of a fourth request mixed in; -> each request's tokens and
-    chosen-token logprobs, and the caches."""
+    """`drive` through a ModelRunner over NUM_BLOCKS blocks (+ the graphs' scratch block) -> its
+    results, and the caches."""
     cfg = model.config
     backend = TritonPagedBackend()
-    num_blocks = 24
-    caches = allocate_kv_cache(backend, cfg.num_layers, num_blocks + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+    caches = allocate_kv_cache(backend, cfg.num_layers, NUM_BLOCKS + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                                model.dtype, device)  # fmt: skip
     runner = ModelRunner(model, caches, backend, BLOCK)
     if graphs:
-        runner.graphs = DecodeGraphs(model, caches, backend, BLOCK, 64, num_blocks, [1, 2, 4], capture=capture)
+        runner.graphs = DecodeGraphs(model, caches, backend, BLOCK, 128, NUM_BLOCKS, [1, 2, 4], capture=capture)
+    return drive(runner.execute, steps), caches
+
+
+def drive(execute, steps: int) -> dict:
+    """Three requests' prompts (one eager step), then `steps` decode steps of all three (padded to 4),
+    one of them after a 1-token step of a fourth request mixed in; -> each request's tokens and
+    chosen-token logprobs. Block ids below 40 (of BLOCK tokens each)."""
     params = SamplingParams(temperature=0, max_tokens=64, logprobs=2)
     prompts = {"a": [5, 9, 13, 2, 7], "b": [3] * 11, "c": [8, 1]}
     tables = {"a": [3], "b": [0, 7], "c": [12], "d": [20]}
@@ -67,7 +89,7 @@ def run_requests(model, graphs: bool, device: torch.device, steps: int, capture:
             ids.setdefault(r, []).extend(toks)
             logprobs.setdefault(r, []).extend(out.logprobs[r])
 
-    record(runner.execute(SchedulerOutput(
+    record(execute(SchedulerOutput(
         [NewRequestData(r, p, params, 0) for r, p in prompts.items()],
         [ScheduledChunk(r, p, 0, tables[r], True, True) for r, p in prompts.items()], [],
     )))  # fmt: skip
@@ -75,14 +97,14 @@ def run_requests(model, graphs: bool, device: torch.device, steps: int, capture:
         chunks = []
         for r, p in prompts.items():
             position = len(p) + step
-            grown = [9 + step // BLOCK + 3 * "abc".index(r)] if position % BLOCK == 0 else []
+            grown = [24 + 5 * "abc".index(r) + position // BLOCK] if position % BLOCK == 0 else []
             tables[r] += grown
             chunks.append(ScheduledChunk(r, [ids[r][-1]], position, grown, True))
         new = [NewRequestData("d", [4], params, 0)] if step == 1 else []
         if step == 1:  # a 1-token prompt joins: a decode-shaped chunk, through the graph too
             chunks.append(ScheduledChunk("d", [4], 0, tables["d"], True, True))
-        record(runner.execute(SchedulerOutput(new, chunks, [])))
-    return {"ids": ids, "logprobs": logprobs}, caches
+        record(execute(SchedulerOutput(new, chunks, [])))
+    return {"ids": ids, "logprobs": logprobs}
 
 
 def same_tokens(a: dict, b: dict) -> None:
@@ -104,10 +126,11 @@ def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_di
     eager, eager_caches = run_requests(model, False, cpu, 4, capture=False)
     padded, padded_caches = run_requests(model, True, cpu, 4, capture=False)
     same_tokens(eager, padded)
-    for e, p in zip(eager_caches, padded_caches, strict=True):  # the real blocks alike; padding went to block 24
-        torch.testing.assert_close(p.k[:24], e.k[:24], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(p.v[:24], e.v[:24], atol=1e-5, rtol=1e-5)
-    assert bool(padded_caches[0].k[24].abs().sum() > 0) and not bool(eager_caches[0].k[24].abs().sum() > 0)
+    for e, p in zip(eager_caches, padded_caches, strict=True):  # the real blocks alike; padding in the scratch one
+        torch.testing.assert_close(p.k[:NUM_BLOCKS], e.k[:NUM_BLOCKS], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p.v[:NUM_BLOCKS], e.v[:NUM_BLOCKS], atol=1e-5, rtol=1e-5)
+    scratch = padded_caches[0].k[NUM_BLOCKS]
+    assert bool(scratch.abs().sum() > 0) and not bool(eager_caches[0].k[NUM_BLOCKS].abs().sum() > 0)
 
 
 def test_graphs_refuse_steps_they_do_not_cover(tiny_model_dir):
@@ -134,16 +157,19 @@ def test_captured_graphs_replay_what_eager_steps_compute(tiny_model_dir):
 
 @pytest.mark.gpu
 @NEEDS_CUDA
-def test_the_engine_on_a_gpu_equals_its_eager_self(tiny_model_dir):
-    pytest.importorskip("msgspec", reason="the engine needs the server's packages (the device has torch only)")
-    from tokenmill import LLM
+def test_the_worker_on_a_gpu_captures_graphs_and_equals_its_eager_self(tiny_model_dir):
+    from tokenmill.config import EngineConfig
+    from tokenmill.runner.worker import Worker
 
-    folder = str(tiny_model_dir("llama"))
-    prompts = [[1 + i, 7, 3 * i + 2] for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=20)
-    outs = {}
+    results = {}
     for eager in (True, False):
-        llm = LLM(folder, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=4)
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert (llm.engine.core.worker.runner.graphs is None) == eager
-    assert outs[True] == outs[False]
+        config = EngineConfig(model=str(tiny_model_dir("llama")), device="cuda", dtype="float32",
+                              enforce_eager=eager, max_num_seqs=4, block_size=BLOCK)  # fmt: skip
+        worker = Worker(config)
+        assert worker.backend.name == "triton"  # auto on CUDA
+        assert (worker.runner.graphs is None) == eager
+        if not eager:
+            assert worker.runner.graphs.sizes == [1, 2, 4]
+            assert worker.runner.kv_caches[0].k.shape[0] == worker.num_blocks + 1  # the scratch block
+        results[eager] = drive(worker.execute, 20)
+    same_tokens(results[True], results[False])
