@@ -5,9 +5,10 @@ a few microseconds of CPU time) more than by its work; a CUDA graph replays them
 A graph is captured at start for each padded batch size (1, 2, 4, 8, then every 8 up to
 `max_num_seqs`), over static buffers: token ids [rows], positions [rows], the backend's metadata at
 fixed shapes (`padded_metadata`: the rows past the real ones write their K/V into a scratch block
-no sequence owns, the block tables as wide as `max_model_len`), and the hidden states it leaves
-[rows, hidden]. A step of B decodes copies its inputs into the buffers of the smallest size >= B,
-replays that graph and reads its B rows back. Steps with prompt chunks or drafts run eagerly.
+no sequence owns; the block tables' buffer as wide as `max_model_len`, a step copying in only the
+columns its longest sequence needs), and the hidden states it leaves [rows, hidden]. A step of B
+decodes copies its inputs into the buffers of the smallest size >= B, replays that graph and reads
+its B rows back. Steps with prompt chunks or drafts run eagerly.
 
 The graphs share one memory pool and are captured largest first (the smaller ones reuse its
 blocks). A backend that can be captured implements `PaddedMetadata` (the Triton one).
@@ -116,8 +117,8 @@ class DecodeGraphs:
         )
         for field in dataclasses.fields(fresh):
             value = getattr(fresh, field.name)
-            if isinstance(value, torch.Tensor):
-                getattr(g.metadata, field.name).copy_(value, non_blocking=True)
+            if isinstance(value, torch.Tensor):  # into the buffer's leading part (a narrower block table)
+                getattr(g.metadata, field.name)[tuple(slice(0, n) for n in value.shape)].copy_(value)
             elif value != getattr(g.metadata, field.name):
                 raise ValueError(f"DecodeGraphs: metadata field {field.name} changed shape ({value})")
         self._current = g
@@ -142,9 +143,10 @@ class DecodeGraphs:
         return g.hidden[:batch]
 
     def _buffers(self, rows: int) -> _Graph:
-        metadata = self.backend.padded_metadata(
-            [], [], self.block_size, self.device, rows, self.width, self.scratch_block
-        )
+        metadata = self.backend.padded_metadata(  # a context of `width` blocks: the buffers at full width
+            [self.width * self.block_size], [[self.scratch_block] * self.width], self.block_size, self.device,
+            rows, self.width, self.scratch_block,
+        )  # fmt: skip
         with torch.device(self.device):
             ids, positions = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
             hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype)

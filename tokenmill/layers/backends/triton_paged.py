@@ -127,16 +127,18 @@ class TritonPagedBackend(ReferenceLayout):
         width: int,
         scratch_block: int,
     ) -> TritonMetadata:
-        """A decode step's metadata at fixed shapes, for a CUDA graph (runner/cuda_graphs.py): `rows`
-        tokens (one a sequence; the rows past the real ones write their K/V to `scratch_block`, a block
-        no sequence owns, and attend to it) and block tables `width` blocks wide."""
-        if len(seq_lens) > rows or any(-(-s // block_size) > width for s in seq_lens):
+        """A decode step's metadata for a CUDA graph (runner/cuda_graphs.py): `rows` tokens (one a
+        sequence; the rows past the real ones write their K/V to `scratch_block`, a block no sequence
+        owns, and attend to it), block tables as wide as this step's longest (at most `width`: the graph's
+        buffer, into whose leading columns they are copied; the kernel reads no column past a sequence's own)."""
+        needed = max((-(-s // block_size) for s in seq_lens), default=1)
+        if len(seq_lens) > rows or needed > width:
             raise ValueError(f"padded_metadata: {len(seq_lens)} sequences exceed {rows} rows x {width} blocks")
         check_batch([1] * len(seq_lens), seq_lens, block_tables, block_size)
         pad = rows - len(seq_lens)
         return self._metadata(
-            [1] * rows, seq_lens + [1] * pad, block_tables + [[scratch_block]] * pad, block_size, device, rows, width,
-            scratch_block,
+            [1] * rows, seq_lens + [1] * pad, block_tables + [[scratch_block]] * pad, block_size, device, rows,
+            needed, scratch_block,
         )  # fmt: skip
 
     @staticmethod
