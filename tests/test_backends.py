@@ -18,7 +18,8 @@ from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
 
 try:  # the GPU backend runs here under Triton's CPU interpreter (set before triton compiles anything)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton  # noqa: F401
 
     TRITON = ["triton"]

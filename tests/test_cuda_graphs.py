@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles anything: the kernels run on the CPU
+if not torch.cuda.is_available():  # before triton compiles anything: the kernels run on the CPU, interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from tokenmill.layers.attention import allocate_kv_cache
@@ -121,10 +122,10 @@ def same_tokens(a: dict, b: dict) -> None:
 
 
 def test_decode_steps_through_the_static_buffers_equal_eager_steps(tiny_model_dir):
-    model = load_model(tiny_model_dir("llama"), dtype="float32", backend=TritonPagedBackend())
-    cpu = torch.device("cpu")
-    eager, eager_caches = run_requests(model, False, cpu, 4, capture=False)
-    padded, padded_caches = run_requests(model, True, cpu, 4, capture=False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (interpreted on a CPU)
+    model = load_model(tiny_model_dir("llama"), dtype="float32", backend=TritonPagedBackend(), device=device)
+    eager, eager_caches = run_requests(model, False, device, 4, capture=False)
+    padded, padded_caches = run_requests(model, True, device, 4, capture=False)
     same_tokens(eager, padded)
     for e, p in zip(eager_caches, padded_caches, strict=True):  # the real blocks alike; padding in the scratch one
         torch.testing.assert_close(p.k[:NUM_BLOCKS], e.k[:NUM_BLOCKS], atol=1e-5, rtol=1e-5)

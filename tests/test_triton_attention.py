@@ -1,7 +1,8 @@
 """The Triton attention backend against the torch reference, on CPU tensors under Triton's interpreter
-(TRITON_INTERPRET=1: no GPU, no timing): decodes, speculative verification rows, prompt chunks over a
-cached prefix, GQA and MQA, a sliding window, block sizes 16 and 32, float32 within 1e-4. The device
-script (benchmarks/gpu/check.sh) repeats the comparison on real shapes on a GPU."""
+(TRITON_INTERPRET=1: no GPU, no timing; compiled, on CUDA tensors, where there is a GPU): decodes,
+speculative verification rows, prompt chunks over a cached prefix, GQA and MQA, a sliding window,
+block sizes 16 and 32, float32 within 1e-4. The device script (benchmarks/gpu/check.sh) runs this
+file on a GPU."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles anything: the kernels run on the CPU
+# without CUDA, Triton's interpreter runs the kernels on CPU tensors (set before triton compiles anything);
+# on a GPU (the device script runs this file) the same cases run compiled, on CUDA tensors
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from tokenmill.layers.attention import allocate_kv_cache
-from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
-from tokenmill.layers.backends.triton_paged import TritonPagedBackend
+from tokenmill.layers.attention import allocate_kv_cache  # noqa: E402
+from tokenmill.layers.backends.torch_ref import TorchReferenceBackend  # noqa: E402
+from tokenmill.layers.backends.triton_paged import TritonPagedBackend  # noqa: E402
 
 CASES = [
     # (query lens, cached lens before the step, heads, kv heads, block size, window)
@@ -40,28 +45,31 @@ def test_triton_paged_attention_matches_the_reference(query_lens, cached, heads,
         at += n
     num_blocks = len(ids)
     ref_backend, tri_backend = TorchReferenceBackend(), TritonPagedBackend()
-    ref_cache = allocate_kv_cache(ref_backend, 1, num_blocks, block, kv_heads, head_dim, torch.float32)[0]
-    tri_cache = allocate_kv_cache(tri_backend, 1, num_blocks, block, kv_heads, head_dim, torch.float32)[0]
+    ref_cache = allocate_kv_cache(ref_backend, 1, num_blocks, block, kv_heads, head_dim, torch.float32, DEVICE)[0]
+    tri_cache = allocate_kv_cache(tri_backend, 1, num_blocks, block, kv_heads, head_dim, torch.float32, DEVICE)[0]
     # the cached prefix: written by a reference step, copied to the other cache (same layout)
     prior = [c for c in cached if c]
     if prior:
         pq = [c for c in cached if c]
         pt = [t for t, c in zip(tables, cached, strict=True) if c]
         n = sum(pq)
-        md = ref_backend.build_metadata(pq, pq, pt, block)
+        md = ref_backend.build_metadata(pq, pq, pt, block, DEVICE)
         ref_backend.forward(
-            torch.randn(n, heads, head_dim), torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim),
+            torch.randn(n, heads, head_dim, device=DEVICE), torch.randn(n, kv_heads, head_dim, device=DEVICE),
+            torch.randn(n, kv_heads, head_dim, device=DEVICE),
             ref_cache, md, 0.25, window,
         )  # fmt: skip
         tri_cache.k.copy_(ref_cache.k)
         tri_cache.v.copy_(ref_cache.v)
     n = sum(query_lens)
-    q = torch.randn(n + 2, heads, head_dim)  # two padding rows
-    k, v = torch.randn(n + 2, kv_heads, head_dim), torch.randn(n + 2, kv_heads, head_dim)
-    want = ref_backend.forward(q, k, v, ref_cache, ref_backend.build_metadata(query_lens, seq_lens, tables, block),
-                               0.25, window)  # fmt: skip
-    got = tri_backend.forward(q, k, v, tri_cache, tri_backend.build_metadata(query_lens, seq_lens, tables, block),
-                              0.25, window)  # fmt: skip
+    q = torch.randn(n + 2, heads, head_dim, device=DEVICE)  # two padding rows
+    k, v = torch.randn(n + 2, kv_heads, head_dim, device=DEVICE), torch.randn(n + 2, kv_heads, head_dim, device=DEVICE)
+    want = ref_backend.forward(
+        q, k, v, ref_cache, ref_backend.build_metadata(query_lens, seq_lens, tables, block, DEVICE), 0.25, window
+    )
+    got = tri_backend.forward(
+        q, k, v, tri_cache, tri_backend.build_metadata(query_lens, seq_lens, tables, block, DEVICE), 0.25, window
+    )
     torch.testing.assert_close(got[:n], want[:n], rtol=1e-4, atol=1e-4)
     assert torch.equal(got[n:], torch.zeros_like(got[n:]))
     torch.testing.assert_close(tri_cache.k, ref_cache.k)  # the new keys went to the same slots
