@@ -56,6 +56,7 @@ def test_padded_metadata_points_padding_rows_at_the_scratch_block():
     assert md.token_seq.tolist() == [0, 1, 2, 3]
     assert md.block_tables.shape == (4, 2)  # as wide as the longest sequence needs (a graph's buffer: up to 6)
     assert md.block_tables[2].tolist() == [11, 11]
+    assert md.fresh == [] and md.paged_rows.tolist() == md.all_rows.tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="exceed 4 rows x 1 blocks"):
         TritonPagedBackend().padded_metadata([3, 9], [[5], [2, 7]], BLOCK, "cpu", rows=4, width=1, scratch_block=11)
 

@@ -29,11 +29,14 @@ CASES = [
     ([7, 12], [0, 20], 2, 2, 32, None),  # a fresh prompt and a chunk over a cached prefix
     ([1, 5], [50, 33], 4, 2, 16, 8),  # sliding window
     ([3, 1, 6], [31, 64, 1], 8, 2, 32, 20),
+    ([9, 1, 5], [0, 20, 0], 4, 2, 16, None),  # fresh prompts (SDPA's, or the kernel's) around a decode
+    ([6, 2], [0, 3], 4, 4, 16, 4),  # a fresh prompt in a windowed layer: the kernel's either way
 ]
 
 
+@pytest.mark.parametrize("sdpa_prompts", [True, False])
 @pytest.mark.parametrize(("query_lens", "cached", "heads", "kv_heads", "block", "window"), CASES)
-def test_triton_paged_attention_matches_the_reference(query_lens, cached, heads, kv_heads, block, window):
+def test_triton_paged_attention_matches_the_reference(query_lens, cached, heads, kv_heads, block, window, sdpa_prompts):
     torch.manual_seed(0)
     head_dim = 16
     seq_lens = [c + q for c, q in zip(cached, query_lens, strict=True)]
@@ -44,7 +47,7 @@ def test_triton_paged_attention_matches_the_reference(query_lens, cached, heads,
         tables.append(ids[at : at + n])
         at += n
     num_blocks = len(ids)
-    ref_backend, tri_backend = TorchReferenceBackend(), TritonPagedBackend()
+    ref_backend, tri_backend = TorchReferenceBackend(), TritonPagedBackend(sdpa_prompts)
     ref_cache = allocate_kv_cache(ref_backend, 1, num_blocks, block, kv_heads, head_dim, torch.float32, DEVICE)[0]
     tri_cache = allocate_kv_cache(tri_backend, 1, num_blocks, block, kv_heads, head_dim, torch.float32, DEVICE)[0]
     # the cached prefix: written by a reference step, copied to the other cache (same layout)

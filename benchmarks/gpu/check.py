@@ -8,7 +8,8 @@
    built on the device (no download), decoding at batch 1, 8 and 64 with 512 tokens of context each
    (the cache filled at random: the step reads it all the same), eagerly and replayed from a CUDA
    graph: the step's time against its weight bytes over the HBM bandwidth measured in the same run
-   (a 4 GiB device-to-device copy); and a 2,048-token prompt's prefill (TTFT).
+   (a 4 GiB device-to-device copy); and a 2,048-token prompt's prefill (TTFT), its attention through
+   SDPA (flash attention, the default) and through the paged kernel.
 3. 2:4: the 8B shape's four projections (qkv, o, gate_up, down), pruned 2:4, as torch's
    semi-structured sparse tensors against dense, bfloat16, at 1 to 512 rows: the time of the four
    together each way (median of interleaved repeats), the speed-up, and the largest difference of
@@ -212,13 +213,16 @@ def roofline(device: torch.device) -> dict:
     md = backend.build_metadata([prompt], [prompt], [list(range(blocks))], BLOCK, device)
     ids, pos = torch.randint(0, cfg.vocab_size, (prompt,), device=device), torch.arange(prompt, device=device)
 
-    def prefill() -> None:
+    def prefill(sdpa: bool) -> None:  # the prompt's attention through SDPA (flash), or the paged kernel
+        backend.sdpa_prompts = sdpa
         with torch.no_grad():
-            model.compute_logits(model(ids, pos, caches, md)[-1:])
+            model.compute_logits(model(ids, pos, caches, md)[-1:]).argmax(-1).tolist()
 
-    prefill()
-    ttft = timed_ms(prefill, device, 5 if not DRY else 1)
-    out["ttft_2048_ms"] = ttft if device.type == "cuda" else "ran (no timing under the interpreter)"
+    prefill(True)
+    prefill(False)
+    times = interleaved({"sdpa": lambda: prefill(True), "kernel": lambda: prefill(False)}, device, 5 if not DRY else 1)
+    backend.sdpa_prompts = True
+    out["ttft_2048_ms"] = times if device.type == "cuda" else "ran, both ways (no timing under the interpreter)"
     return out
 
 

@@ -5,10 +5,12 @@ The cache keeps the reference backend's layout, [blocks, block_size, kv_heads, h
 (query token, query head) walks its sequence's blocks through the block table, up to its own
 position (causal) and from the window's start (sliding window), with an online softmax in float32:
 decodes (one query), speculative verification (1 + k) and prompt chunks (varlen, over the cached
-prefix and the chunk itself) alike. GQA/MQA: query head h reads KV head h // (heads / kv_heads). New
-K/V are written into their slots first (one scatter). An int8 cache is not supported here. The loop's
-bounds are read in the kernel, so it compiles once per head shape, not per context length; and a
-decode step's metadata can be built at fixed shapes (`padded_metadata`) for a CUDA graph to replay.
+prefix and the chunk itself) alike; a prompt with nothing cached before it goes through torch's SDPA
+instead (flash attention on a GPU) in layers without a window (`sdpa_prompts`). GQA/MQA: query head
+h reads KV head h // (heads / kv_heads). New K/V are written into their slots first (one scatter).
+An int8 cache is not supported here. The loop's bounds are read in the kernel, so it compiles once
+per head shape, not per context length; and a decode step's metadata can be built at fixed shapes
+(`padded_metadata`) for a CUDA graph to replay.
 
 Triton is imported only when this backend is built (`pip install 'tokenmill[gpu]'`, triton 3.6.0);
 nothing on the CPU path imports it. Under `TRITON_INTERPRET=1` the kernel runs on CPU tensors: the
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.layers.attention import KVCache, check_batch
 from tokenmill.layers.backends.torch_ref import ReferenceLayout
@@ -34,6 +37,11 @@ class TritonMetadata:
     token_seq: torch.Tensor  # [n] int32: each query token's sequence
     token_pos: torch.Tensor  # [n] int32: each query token's position in its sequence
     block_tables: torch.Tensor  # [B, width] int32 (padded: never read past a sequence's own blocks)
+    all_rows: torch.Tensor  # [n] int32: 0 .. n-1, the kernel's rows when it attends every token
+    paged_rows: torch.Tensor  # [m] int32: the rows of the tokens not in `fresh`
+    # (first row, length) of each prompt with nothing cached before it (several tokens): attended by
+    # SDPA (flash attention on a GPU) in layers without a sliding window, when the backend is asked to
+    fresh: list[tuple[int, int]]
 
 
 def _kernel() -> Any:
@@ -42,12 +50,12 @@ def _kernel() -> Any:
 
     @triton.jit
     def paged_attention(
-        q_ptr, k_cache, v_cache, out_ptr, token_seq, token_pos, tables,
+        q_ptr, k_cache, v_cache, out_ptr, rows, token_seq, token_pos, tables,
         scale, window,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
         GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0)
+        t = tl.load(rows + tl.program_id(0))  # the query token this program attends for
         h = tl.program_id(1)
         kvh = h // GROUP
         seq = tl.load(token_seq + t)
@@ -88,10 +96,16 @@ def _kernel() -> Any:
 
 
 class TritonPagedBackend(ReferenceLayout):
+    """`sdpa_prompts`: a prompt with nothing cached before it goes through torch's SDPA (flash attention
+    on a GPU: tensor cores) in layers without a sliding window, the kernel taking the other tokens;
+    False: the kernel takes every token (the device script times both)."""
+
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, sdpa_prompts: bool = True) -> None:
         import os
+
+        self.sdpa_prompts = sdpa_prompts
 
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -156,20 +170,30 @@ class TritonPagedBackend(ReferenceLayout):
         slots: list[int] = []
         seqs: list[int] = []
         positions: list[int] = []
+        paged: list[int] = []
+        fresh: list[tuple[int, int]] = []
         for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            if q == s and q > 1:
+                fresh.append((len(slots), q))
+            else:
+                paged.extend(range(len(slots), len(slots) + q))
             for p in range(s - q, s):
                 slots.append(table[p // block_size] * block_size + p % block_size)
                 seqs.append(b)
                 positions.append(p)
         tables = [(t[:width] + [fill] * width)[:width] for t in block_tables]
-        flat = torch.tensor(slots + seqs + positions, dtype=torch.int64)  # one host-to-device copy for three
-        slot_mapping, token_seq, token_pos = flat.to(device).split(tokens)
+        # one host-to-device copy for the five
+        flat = torch.tensor(slots + seqs + positions + list(range(tokens)) + paged, dtype=torch.int64).to(device)
+        slot_mapping, token_seq, token_pos, all_rows, paged_rows = flat.split([tokens] * 4 + [len(paged)])
         return TritonMetadata(
             num_actual_tokens=tokens,
             slot_mapping=slot_mapping,
             token_seq=token_seq.to(torch.int32),
             token_pos=token_pos.to(torch.int32),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            all_rows=all_rows.to(torch.int32),
+            paged_rows=paged_rows.to(torch.int32),
+            fresh=fresh,
         )
 
     def forward(
@@ -191,11 +215,20 @@ class TritonPagedBackend(ReferenceLayout):
         cache.k.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, k[:n])
         cache.v.view(-1, num_kv_heads, head_dim).index_copy_(0, md.slot_mapping, v[:n])
         out = torch.zeros_like(q)  # padding rows stay zero
-        if n == 0:
+        rows = md.all_rows
+        if self.sdpa_prompts and sliding_window is None and md.fresh:
+            rows = md.paged_rows
+            for start, length in md.fresh:  # [1, heads, L, D] each: causal over the prompt itself
+                qs, ks, vs = (x[start : start + length].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                attended = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+                )
+                out[start : start + length] = attended[0].transpose(0, 1)
+        if rows.numel() == 0:
             return out
         qc = q.contiguous()
-        self._paged_attention[(n, num_heads)](
-            qc, cache.k, cache.v, out, md.token_seq, md.token_pos, md.block_tables,
+        self._paged_attention[(rows.numel(), num_heads)](
+            qc, cache.k, cache.v, out, rows, md.token_seq, md.token_pos, md.block_tables,
             scale, sliding_window or 0,
             qc.stride(0), qc.stride(1), cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
             md.block_tables.stride(0),
