@@ -52,8 +52,9 @@ class MetadataBuilder(Protocol):
     ) -> AttentionMetadata: ...
 
 
-class AttentionBackend(Protocol):
-    """Writes the new tokens' K/V into the paged cache and attends over each sequence's cache."""
+class AttentionBackend(MetadataBuilder, Protocol):
+    """Writes the new tokens' K/V into the paged cache and attends over each sequence's cache (its
+    per-step metadata built by `build_metadata`)."""
 
     name: str
 
@@ -64,15 +65,6 @@ class AttentionBackend(Protocol):
     def kv_scale_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
         """Shape of one layer's K (and V) scales of an int8 cache: one per token and KV head."""
         ...
-
-    def build_metadata(
-        self,
-        query_lens: list[int],  # new tokens of each sequence this step
-        seq_lens: list[int],  # tokens in the cache for each sequence after this step
-        block_tables: list[list[int]],  # each holds at least ceil(seq_lens[b] / block_size) block ids
-        block_size: int,
-        device: torch.device | str = "cpu",
-    ) -> AttentionMetadata: ...
 
     def forward(
         self,
