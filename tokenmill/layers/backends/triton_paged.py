@@ -72,7 +72,7 @@ def _kernel() -> Any:
         if HAS_WINDOW:
             i = tl.maximum(pos - window + 1, 0) // BLOCK
         while i <= pos // BLOCK:
-            block = tl.load(tables + seq * stride_tb + i)
+            block = tl.load(tables + seq * stride_tb + i).to(tl.int64)  # (offsets past 2**31 in a large cache)
             key_pos = i * BLOCK + tl.arange(0, BLOCK)
             offs = block * stride_kb + tl.arange(0, BLOCK)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
             keys = tl.load(k_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)  # [BLOCK, D_PAD]
