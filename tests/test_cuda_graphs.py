@@ -44,6 +44,7 @@ def test_on_a_cuda_device_auto_means_triton_and_a_float32_checkpoint_runs_in_bfl
     assert default_dtype("float32", cfg, cuda) == torch.float32  # asked for: kept
     assert default_dtype("auto", cfg, cpu) == torch.float32
     assert attention_backend_name("auto", cuda, torch.bfloat16) == "triton"
+    assert attention_backend_name("auto", cuda, torch.bfloat16, "int8") == "torch"  # (triton reads no int8 cache)
     assert attention_backend_name("torch", cuda, torch.bfloat16) == "torch"
     assert attention_backend_name("auto", cpu, torch.float32) == "auto"  # (the registry picks cpu or torch)
 
@@ -166,7 +167,7 @@ def test_the_worker_on_a_gpu_captures_graphs_and_equals_its_eager_self(tiny_mode
     results = {}
     for eager in (True, False):
         config = EngineConfig(model=str(tiny_model_dir("llama")), device="cuda", dtype="float32",
-                              enforce_eager=eager, max_num_seqs=4, block_size=BLOCK)  # fmt: skip
+                              enforce_eager=eager, max_num_seqs=4, block_size=BLOCK, kv_cache_memory=2**26)  # fmt: skip
         worker = Worker(config)
         assert worker.backend.name == "triton"  # auto on CUDA
         assert (worker.runner.graphs is None) == eager
@@ -174,4 +175,6 @@ def test_the_worker_on_a_gpu_captures_graphs_and_equals_its_eager_self(tiny_mode
             assert worker.runner.graphs.sizes == [1, 2, 4]
             assert worker.runner.kv_caches[0].k.shape[0] == worker.num_blocks + 1  # the scratch block
         results[eager] = drive(worker.execute, 20)
+        del worker  # (its cache freed before the next one is sized)
+        torch.cuda.empty_cache()
     same_tokens(results[True], results[False])

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from tokenmill.outputs import NewRequestData
+from tokenmill.runner.input_batch import InputBatch
 from tokenmill.sampling_params import SamplingParams, generator_seed
 
 Row = tuple[SamplingParams, int, int, list[int], list[int]]  # params, seed, output position, prompt, output
@@ -384,6 +386,35 @@ def test_the_sampler_reads_no_tensor_value_on_the_host(monkeypatch) -> None:
         out = Sampler()(logits, md)
     assert torch.equal(out.token_ids, expected.token_ids)
     assert out.logprobs is not None and torch.equal(out.logprobs.topk_ids, expected.logprobs.topk_ids)
+
+
+def test_the_persistent_batch_with_every_processor_reads_no_tensor_value_on_the_host(monkeypatch) -> None:
+    """The same with the runner's persistent batch and its token constraints (allowed tokens, bad words,
+    min_tokens, logit_bias) and penalties active, rows out of order."""
+    batch = InputBatch(capacity=8, vocab_size=VOCAB)
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=[3, 5, 7]),
+        SamplingParams(temperature=0.9, bad_words_token_ids=[[4], [9, 2]], seed=1),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6], logit_bias={8: 5.0}),
+        SamplingParams(temperature=1.1, top_k=5, repetition_penalty=1.3, logprobs=1, seed=2),
+    ]
+    for i, p in enumerate(params):
+        batch.add(NewRequestData(f"r{i}", [1, 2, 9], p, seed=i, eos_token_ids=(0,)))
+    batch.append_tokens(["r1", "r3"], [9, 4])
+    ids = ["r3", "r0", "r2", "r1"]
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    md = batch.sampling_metadata(ids)
+    expected = Sampler()(logits, md)
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a tensor's value read on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, refuse)
+        out = Sampler()(logits, md)
+    assert torch.equal(out.token_ids, expected.token_ids)
+    assert int(out.token_ids[1]) in (3, 5, 7) and int(out.token_ids[2]) not in (0, 6)
 
 
 @pytest.mark.gpu

@@ -29,12 +29,12 @@ def test_allowed_tokens_keep_only_theirs():
     p.add_row(5, SamplingParams(), [], ())  # asks for nothing: no state, untouched
     assert p.active and 5 not in p.state
     x = logits()
-    out = p.apply(x, torch.tensor([5, 3]))
+    out = p.apply(x, torch.tensor([5, 3]), [5, 3])
     assert out[0].tolist() == pytest.approx(x[0].tolist())
     assert out[1].tolist() == pytest.approx([-INF, 0.7, -INF, -INF, 1.0, -INF])
     assert x[1, 0] == 0.6  # the input is left as is
     p.move_row(3, 0)
-    assert p.apply(x, torch.tensor([0, 5]))[0].tolist() == pytest.approx([-INF, 0.1, -INF, -INF, 0.4, -INF])
+    assert p.apply(x, torch.tensor([0, 5]), [0, 5])[0].tolist() == pytest.approx([-INF, 0.1, -INF, -INF, 0.4, -INF])
     p.remove_row(0)
     assert not p.active
 
@@ -43,11 +43,11 @@ def test_bad_words_bar_the_last_token_after_the_rest():
     p = BadWordsProcessor()
     p.add_row(0, SamplingParams(bad_words_token_ids=[(2,), (4, 5)]), [], ())
     x = logits(1)
-    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, 0.5])
+    assert p.apply(x, torch.tensor([0]), [0])[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, 0.5])
     p.append_token(0, 4)  # the output now ends with 4: 5 would complete the word (4, 5)
-    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, -INF])
+    assert p.apply(x, torch.tensor([0]), [0])[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, -INF])
     p.append_token(0, 1)
-    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, 0.5])
+    assert p.apply(x, torch.tensor([0]), [0])[0].tolist() == pytest.approx([0.0, 0.1, -INF, 0.3, 0.4, 0.5])
 
 
 def test_min_tokens_mask_eos_and_stop_ids_until_reached():
@@ -58,18 +58,18 @@ def test_min_tokens_mask_eos_and_stop_ids_until_reached():
     assert list(p.state) == [0]
     x = logits(1)
     masked = [0.0, 0.1, 0.2, -INF, 0.4, -INF]
-    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx(masked)
+    assert p.apply(x, torch.tensor([0]), [0])[0].tolist() == pytest.approx(masked)
     p.append_token(0, 1)
-    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx(masked)
+    assert p.apply(x, torch.tensor([0]), [0])[0].tolist() == pytest.approx(masked)
     p.append_token(0, 1)  # two tokens: reached
-    assert p.apply(x, torch.tensor([0]))[0].tolist() == pytest.approx(x[0].tolist()) and not p.active
+    assert p.apply(x, torch.tensor([0]), [0])[0].tolist() == pytest.approx(x[0].tolist()) and not p.active
 
 
 def test_logit_bias_adds_to_the_listed_tokens():
     p = LogitBiasProcessor()
     p.add_row(1, SamplingParams(logit_bias={0: 100, 5: -100, 2: 0.25}), [], ())
     x = logits(1)
-    assert p.apply(x, torch.tensor([1]))[0].tolist() == pytest.approx([100.0, 0.1, 0.45, 0.3, 0.4, -99.5])
+    assert p.apply(x, torch.tensor([1]), [1])[0].tolist() == pytest.approx([100.0, 0.1, 0.45, 0.3, 0.4, -99.5])
 
 
 @pytest.fixture(scope="module")

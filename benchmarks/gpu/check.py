@@ -266,21 +266,26 @@ def sparse_linear(device: torch.device) -> dict:
 
 
 def main() -> None:
+    """Each section's result is written as soon as it is in (a timeout keeps what came before it)."""
     device = torch.device("cuda" if torch.cuda.is_available() and not DRY else "cpu")
-    result = {
-        "dry_run": DRY,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
-        "torch": torch.__version__,
-        "correctness": correctness(device),
-        "roofline_8b" if not DRY else "roofline_tiny": roofline(device),
-        "sparse_2_4_linear": sparse_linear(device),
-    }
     out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results")) / (
         "gpu_check.json" if not DRY else "gpu_check_dry_run.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    result: dict = {
+        "dry_run": DRY,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+    }
+    sections = (
+        ("correctness", correctness),
+        ("sparse_2_4_linear", sparse_linear),
+        ("roofline_8b" if not DRY else "roofline_tiny", roofline),
+    )
+    for name, run in sections:
+        result[name] = run(device)
+        out.write_text(json.dumps(result, indent=1))
+        print(name, json.dumps(result[name], indent=1), flush=True)
     if not result["correctness"]["ok"]:
         raise SystemExit("the Triton backend disagrees with the reference")
 

@@ -45,8 +45,10 @@ class LogitsProcessor(Protocol):
         """Some row needs this processor (an inactive one is skipped)."""
         ...
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """logits [R, V] float32 of batch rows `rows` [R] int64 -> new [R, V] (the input is left as is)."""
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
+        """logits [R, V] float32 of batch rows `rows` [R] int64 (on the logits' device; `row_ids`: the
+        same on the host, for a processor that loops over them without reading the device) -> new
+        [R, V] (the input is left as is)."""
         ...
 
 
@@ -129,7 +131,7 @@ class PenaltiesProcessor:
             counts, _ = self._state()
             counts[row, token] += 1
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
         counts, prompt_seen = self._state()
         output_counts = counts.index_select(0, rows)  # [R, V]
         output_seen = output_counts > 0  # [R, V]

@@ -51,6 +51,7 @@ class SamplingMetadata:
     batch_rows: torch.Tensor  # [B] int64: each row's row in the processors' (persistent) batch
     # The same parameters on the host: the sampler branches on these, never on a tensor's value, so
     # that on a GPU it queues its kernels without waiting for the device (one sync a step: the tokens).
+    batch_row_ids: list[int]  # [B]: batch_rows
     greedy_rows: list[bool]  # [B]
     top_k_rows: list[int]  # [B] as in top_k
     uses_top_p: bool  # some row has top_p < 1
@@ -113,13 +114,14 @@ class SamplingMetadata:
             all_greedy=all(p.greedy for p in params),
             processors=[p for p in processors if p.active],
             batch_rows=torch.tensor(batch_rows, dtype=torch.int64, device=device),
+            batch_row_ids=list(batch_rows),
             **host_fields(params, vocab_size),
         )
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> [B, V] after every active logits processor (the input is left as is)."""
         for processor in self.processors:
-            logits = processor.apply(logits, self.batch_rows)
+            logits = processor.apply(logits, self.batch_rows, self.batch_row_ids)
         return logits
 
 

@@ -20,6 +20,11 @@ import torch
 from tokenmill.sampling_params import SamplingParams
 
 
+def on(device: torch.device, values: object, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device's queue."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class _SparseRows:
     """Per-row state kept only for rows that use a processor; rows move with the batch."""
 
@@ -44,9 +49,9 @@ class _SparseRows:
         if row in self.outputs:
             self.outputs[row].append(token)
 
-    def rows_in(self, rows: torch.Tensor) -> list[tuple[int, int]]:
+    def rows_in(self, row_ids: list[int]) -> list[tuple[int, int]]:
         """(logits row, batch row) for the batch rows this processor has state for."""
-        return [(i, r) for i, r in enumerate(rows.tolist()) if r in self.state]
+        return [(i, r) for i, r in enumerate(row_ids) if r in self.state]
 
 
 class AllowedTokensProcessor(_SparseRows):
@@ -54,10 +59,10 @@ class AllowedTokensProcessor(_SparseRows):
         if params.allowed_token_ids is not None:
             self.state[row] = list(params.allowed_token_ids)
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
         logits = logits.clone()
-        for i, r in self.rows_in(rows):
-            allowed = torch.tensor(self.state[r], dtype=torch.int64, device=logits.device)  # type: ignore[arg-type]
+        for i, r in self.rows_in(row_ids):
+            allowed = on(logits.device, self.state[r], torch.int64)  # type: ignore[arg-type]
             keep = logits[i].index_select(0, allowed)
             logits[i] = float("-inf")
             logits[i, allowed] = keep
@@ -70,9 +75,9 @@ class BadWordsProcessor(_SparseRows):
             self.state[row] = [list(w) for w in params.bad_words_token_ids]
             self.outputs[row] = []
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
         logits = logits.clone()
-        for i, r in self.rows_in(rows):
+        for i, r in self.rows_in(row_ids):
             output = self.outputs[r]
             for word in self.state[r]:  # type: ignore[attr-defined]
                 prefix = word[:-1]
@@ -93,11 +98,11 @@ class MinTokensProcessor(_SparseRows):
         if row in self.state and len(self.outputs[row]) >= self.state[row][0]:  # type: ignore[index]
             self.remove_row(row)  # reached: nothing more to mask for this request
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
         logits = logits.clone()
-        for i, r in self.rows_in(rows):
+        for i, r in self.rows_in(row_ids):
             _, stops = self.state[r]  # type: ignore[misc]
-            logits[i, torch.tensor(stops, dtype=torch.int64, device=logits.device)] = float("-inf")
+            logits[i, on(logits.device, stops, torch.int64)] = float("-inf")
         return logits
 
 
@@ -107,10 +112,10 @@ class LogitBiasProcessor(_SparseRows):
             tokens = sorted(params.logit_bias)
             self.state[row] = (tokens, [float(params.logit_bias[t]) for t in tokens])
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
         logits = logits.clone()
-        for i, r in self.rows_in(rows):
+        for i, r in self.rows_in(row_ids):
             tokens, biases = self.state[r]  # type: ignore[misc]
-            index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
-            logits[i, index] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            index = on(logits.device, tokens, torch.int64)
+            logits[i, index] += on(logits.device, biases, logits.dtype)
         return logits

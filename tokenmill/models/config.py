@@ -155,8 +155,8 @@ def _parse_sparsity(f: _Fields) -> CheckpointSparsity | None:
     field = "quantization_config.sparsity_config"
     if raw.get("quant_method") != "compressed-tensors":
         raise f.error(field, "is set outside a compressed-tensors quantization_config")
-    if raw.get("config_groups"):
-        raise f.error(field, "is set with quantized config_groups: 2:4 sparse and quantized weights are not supported")
+    if raw.get("config_groups"):  # quantized and 2:4 (llm-compressor's 2:4 W4A16...): loaded as quantized, dense
+        return None
     sp = _Fields(raw["sparsity_config"] if isinstance(raw["sparsity_config"], dict) else {}, f.where)
     fmt = sp.get("format", str)
     if fmt not in SPARSITY_FORMATS:

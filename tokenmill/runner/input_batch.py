@@ -173,5 +173,6 @@ class InputBatch:
             all_greedy=all(s.params.greedy for s in states),
             processors=[p for p in self.processors if p.active],
             batch_rows=index,
+            batch_row_ids=rows,
             **host_fields([s.params for s in states], self.vocab_size),
         )

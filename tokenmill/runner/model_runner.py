@@ -103,8 +103,12 @@ class ModelRunner:
             if self.greedy_head and argmax_only:  # greedy tokens from the hidden states
                 tokens = self.model.greedy_tokens(wanted)
                 if tokens is not None:
-                    result.forward_seconds = time.perf_counter() - start
+                    if events:
+                        events[1].record()
                     self._accept(inputs.sample_rows, inputs.drafts, tokens.tolist(), None, result)
+                    result.forward_seconds = (
+                        events[0].elapsed_time(events[1]) / 1e3 if events else time.perf_counter() - start
+                    )
                     self._propose(scheduled, result)
                     return result
             logits = self.model.compute_logits(wanted)  # [R, vocab] float32

@@ -73,9 +73,11 @@ def native_or_reference(name: str, field: str, device: torch.device, dtype: torc
     return name if native or name != "auto" else "torch"
 
 
-def attention_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` on a CUDA device: triton where it is installed; elsewhere as `native_or_reference`."""
-    if name == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+def attention_backend_name(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+    """`auto` on a CUDA device: triton where it is installed (and the cache is not int8, which it does
+    not read); elsewhere as `native_or_reference`."""
+    triton = importlib.util.find_spec("triton") is not None
+    if name == "auto" and device.type == "cuda" and triton and kv_cache_dtype != "int8":
         return "triton"
     return native_or_reference(name, "attention_backend", device, dtype)
 
@@ -128,6 +130,8 @@ def prepare_native(
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":  # (graph capture, events and Triton's launches use the current device)
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             torch.set_num_threads(config.cpu_threads or physical_cores())
@@ -239,7 +243,8 @@ class Worker:
     ) -> tuple[LlamaForCausalLM, AttentionBackend]:
         """The model in `dtype` with its attention backend, layer ops and linear method; with
         `linear_backend` auto, the method's kernel per weight shape and row class tuned here."""
-        backend = get_attention_backend(attention_backend_name(config.attention_backend, self.device, dtype))
+        name = attention_backend_name(config.attention_backend, self.device, dtype, config.kv_cache_dtype)
+        backend = get_attention_backend(name)
         ops = get_layer_ops(native_or_reference(config.layer_ops, "layer_ops", self.device, dtype))
         method, head = self._linear_methods(config, dtype)
         checkpoint_methods = self._checkpoint_methods(config, source, dtype)

@@ -92,12 +92,13 @@ class GrammarProcessor:
         if matcher is not None and not matcher.is_stopped() and not matcher.consume_token(token):
             logger.warning("structured output: token %d broke the grammar (%s)", token, matcher.get_error())
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """logits [R, V] of batch rows `rows` [R] -> the same with each grammar row's disallowed tokens at -inf."""
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, row_ids: list[int]) -> torch.Tensor:
+        """logits [R, V] of batch rows `rows` [R] (`row_ids` on the host) -> the same with each grammar
+        row's disallowed tokens at -inf."""
         start = time.perf_counter()
         picked: list[tuple[int, int, int]] = []  # (logits row, batch row, drafts before this position)
         seen: dict[int, int] = {}
-        for i, r in enumerate(rows.tolist()):
+        for i, r in enumerate(row_ids):
             if r in self.matchers:
                 seen[r] = seen.get(r, -1) + 1
                 picked.append((i, r, seen[r]))
@@ -123,9 +124,11 @@ class GrammarProcessor:
         n, vocab = len(picked), logits.shape[1]
         bits = (self._bitmask[:n].unsqueeze(-1) >> self._shifts) & 1  # [n, W, 32]
         allowed = bits.view(n, -1)[:, :vocab].bool()  # [n, V]
-        index = torch.tensor([i for i, _, _ in picked], dtype=torch.int64)
+        # (copied to the logits' device without waiting for its queue)
+        index = torch.tensor([i for i, _, _ in picked], dtype=torch.int64).to(logits.device, non_blocking=True)
+        allowed = allowed.to(logits.device, non_blocking=True)
         out = logits.clone()
-        out[index] = logits.index_select(0, index).masked_fill(~allowed.to(logits.device), float("-inf"))
+        out[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         self.masks += n
         self.mask_seconds += time.perf_counter() - start
         return out

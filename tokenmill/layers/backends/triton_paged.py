@@ -84,7 +84,8 @@ def _kernel() -> Any:
             new_m = tl.maximum(m, tl.max(scores, axis=0))
             alpha = tl.exp(m - new_m)
             p = tl.exp(scores - new_m)
-            values = tl.load(v_cache + offs, mask=in_head[None, :], other=0.0).to(tl.float32)
+            # (slots past the token: masked, so that a stale inf or NaN there cannot make 0 x V a NaN)
+            values = tl.load(v_cache + offs, mask=visible[:, None] & in_head[None, :], other=0.0).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * values, axis=0)
             denom = denom * alpha + tl.sum(p, axis=0)
             m = new_m
