@@ -20,6 +20,8 @@ import httpx
 # 2 prompts x n=4 sequences of 320 tokens: seconds of decoding for the tiny model, a drain long
 # enough to probe the server in (each probe takes milliseconds).
 LONG = {"model": "llama", "prompt": ["a", "b"], "n": 4, "max_tokens": 320, "ignore_eos": True}
+# outlasts a 0.2 s drain timeout for sure: 16 sequences of 500 tokens (320 x 8 once finished inside 0.5 s)
+LONGER = {**LONG, "n": 8, "max_tokens": 500}
 
 
 @dataclass
@@ -96,8 +98,8 @@ def test_sigterm_refuses_new_work_with_503_while_in_flight_requests_finish(tiny_
 
 
 def test_the_drain_timeout_aborts_what_is_left_and_exits_zero(tiny_model_dir):
-    with serving(str(tiny_model_dir("llama")), drain_timeout=0.5) as p:
-        with httpx.stream("POST", f"{p.base}/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+    with serving(str(tiny_model_dir("llama")), drain_timeout=0.2) as p:
+        with httpx.stream("POST", f"{p.base}/v1/completions", json={**LONGER, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             p.proc.send_signal(signal.SIGTERM)
@@ -107,7 +109,7 @@ def test_the_drain_timeout_aborts_what_is_left_and_exits_zero(tiny_model_dir):
         errors = [e["error"] for e in events(iter(rest)) if "error" in e]
         assert errors and errors[0]["code"] == "shutting_down", rest[-3:]
         assert rest[-1] == "data: [DONE]"
-        assert ended < 10, f"the stream ended {ended:.1f} s after the signal; the drain timeout is 0.5 s"
+        assert ended < 10, f"the stream ended {ended:.1f} s after the signal; the drain timeout is 0.2 s"
         assert p.proc.wait(timeout=30) == 0
         log = "".join(p.log)
         assert "drain timeout: aborting 2 requests still open" in log  # one per prompt
