@@ -3,8 +3,10 @@ distribution (temperature, top-k, top-p, min-p), exact and reproducible sampling
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -368,6 +370,19 @@ def test_mixed_batch_greedy_rows_take_the_penalised_argmax() -> None:
             assert float(ref_probs(logits[i], p, prompt, output)[tokens[i]]) > 0
 
 
+@contextlib.contextmanager
+def no_host_reads(monkeypatch) -> Iterator[None]:
+    """Every read of a tensor's value by the host raises inside (a GPU would wait for the device there)."""
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a tensor's value read on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, refuse)
+        yield
+
+
 def test_the_sampler_reads_no_tensor_value_on_the_host(monkeypatch) -> None:
     """On a GPU each read of a tensor's value by the host waits for the device: the sampler branches on
     the metadata's host-side fields only. Here every such read raises while a mixed batch (greedy,
@@ -377,12 +392,7 @@ def test_the_sampler_reads_no_tensor_value_on_the_host(monkeypatch) -> None:
     md = metadata(rows, VOCAB)
     expected = Sampler()(logits, md)
 
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("a tensor's value read on the host")
-
-    with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
-            m.setattr(torch.Tensor, name, refuse)
+    with no_host_reads(monkeypatch):
         out = Sampler()(logits, md)
     assert torch.equal(out.token_ids, expected.token_ids)
     assert out.logprobs is not None and torch.equal(out.logprobs.topk_ids, expected.logprobs.topk_ids)
@@ -406,12 +416,7 @@ def test_the_persistent_batch_with_every_processor_reads_no_tensor_value_on_the_
     md = batch.sampling_metadata(ids)
     expected = Sampler()(logits, md)
 
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("a tensor's value read on the host")
-
-    with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
-            m.setattr(torch.Tensor, name, refuse)
+    with no_host_reads(monkeypatch):
         out = Sampler()(logits, md)
     assert torch.equal(out.token_ids, expected.token_ids)
     assert int(out.token_ids[1]) in (3, 5, 7) and int(out.token_ids[2]) not in (0, 6)
