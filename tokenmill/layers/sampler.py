@@ -46,7 +46,6 @@ class SamplingMetadata:
     output_positions: list[int]  # per row: index of the output token being sampled (0 = first)
     max_num_logprobs: int  # max over rows of SamplingParams.logprobs (0 if none asks)
     logprobs_requested: bool  # some row has logprobs not None (it may ask for 0: chosen token only)
-    all_greedy: bool  # every row greedy: argmax of the (processed) logits, no sorting, no randomness
     processors: list[LogitsProcessor]  # the active ones, applied in order
     batch_rows: torch.Tensor  # [B] int64: each row's row in the processors' (persistent) batch
     # The same parameters on the host: the sampler branches on these, never on a tensor's value, so
@@ -56,6 +55,11 @@ class SamplingMetadata:
     top_k_rows: list[int]  # [B] as in top_k
     uses_top_p: bool  # some row has top_p < 1
     uses_min_p: bool  # some row has min_p > 0
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row greedy: argmax of the (processed) logits, no sorting, no randomness."""
+        return all(self.greedy_rows)
 
     @classmethod
     def from_params(
@@ -111,7 +115,6 @@ class SamplingMetadata:
             output_positions=list(output_positions),
             max_num_logprobs=max(requested, default=0),
             logprobs_requested=bool(requested),
-            all_greedy=all(p.greedy for p in params),
             processors=[p for p in processors if p.active],
             batch_rows=torch.tensor(batch_rows, dtype=torch.int64, device=device),
             batch_row_ids=list(batch_rows),

@@ -112,11 +112,11 @@ class DecodeGraphs:
             raise ValueError(f"DecodeGraphs: a step of query lengths {query_lens} is not a graphed decode step")
         g = self._graphs[self.padded_size(len(query_lens))]
         rows = g.input_ids.shape[0]
-        fresh = self.backend.padded_metadata(
+        step = self.backend.padded_metadata(
             seq_lens, block_tables, block_size, self.device, rows, self.width, self.scratch_block
         )
-        for field in dataclasses.fields(fresh):
-            value = getattr(fresh, field.name)
+        for field in dataclasses.fields(step):
+            value = getattr(step, field.name)
             if isinstance(value, torch.Tensor):  # into the buffer's leading part (a narrower block table)
                 getattr(g.metadata, field.name)[tuple(slice(0, n) for n in value.shape)].copy_(value)
             elif value != getattr(g.metadata, field.name):

@@ -170,7 +170,6 @@ class InputBatch:
             output_positions=positions,
             max_num_logprobs=max(requested, default=0),
             logprobs_requested=bool(requested),
-            all_greedy=all(s.params.greedy for s in states),
             processors=[p for p in self.processors if p.active],
             batch_rows=index,
             batch_row_ids=rows,
