@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.errors import ParamError
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -42,8 +43,9 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params: {len(params)} given for {len(prompt_list)} prompts; give one, or one per prompt"
+                raise ParamError(
+                    "sampling_params",
+                    f"sampling_params: {len(params)} given for {len(prompt_list)} prompts; give one, or one per prompt",
                 )
         ids = []
         try:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.errors import ParamError
+
 MAX_LOGPROBS = 20
 FLOAT32_MAX = 3.4028234663852886e38
 _MASK64 = (1 << 64) - 1
@@ -56,21 +58,29 @@ class StructuredOutputsParams:
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"structured_outputs.{name}: expected a non-empty string, got {value!r}")
+                raise ParamError(
+                    f"structured_outputs.{name}",
+                    f"structured_outputs.{name}: expected a non-empty string, got {value!r}",
+                )
         if not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs.json_object: expected a boolean, got {self.json_object!r}")
+            raise ParamError(
+                "structured_outputs.json_object",
+                f"structured_outputs.json_object: expected a boolean, got {self.json_object!r}",
+            )
         if self.choice is not None and (
             isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError(
-                f"structured_outputs.choice: expected a non-empty list of non-empty strings, got {self.choice!r}"
+            raise ParamError(
+                "structured_outputs.choice",
+                f"structured_outputs.choice: expected a non-empty list of non-empty strings, got {self.choice!r}",
             )
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(
+            raise ParamError(
+                "structured_outputs",
                 "structured_outputs: expected exactly one of json, json_object, regex, choice, grammar; got "
-                + (", ".join(given) or "none")
+                + (", ".join(given) or "none"),
             )
 
     @property
@@ -129,8 +139,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+        def bad(name: str, expected: str) -> ParamError:
+            return ParamError(name, f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
         def number(name: str) -> float:
             value = getattr(self, name)
@@ -179,10 +189,13 @@ class SamplingParams:
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 if not _token_id(token):
-                    raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {token!r}")
+                    raise ParamError(
+                        "logit_bias", f"logit_bias: keys must be token ids (non-negative integers), got {token!r}"
+                    )
                 if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-                    raise ValueError(
-                        f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {bias!r}"
+                    raise ParamError(
+                        "logit_bias",
+                        f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {bias!r}",
                     )
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or not all(_token_id(t) for t in self.allowed_token_ids)

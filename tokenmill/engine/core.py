@@ -19,6 +19,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.static import StaticScheduler
 from tokenmill.distributed.kv_transfer import TransferConnector
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.errors import ParamError
 from tokenmill.outputs import EngineStats, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.worker import Worker
@@ -70,7 +71,7 @@ class EngineCore:
         grammar = self.worker.runner.batch.grammar
         if spec is not None:  # compiled now, between steps (cached): the step only copies the matcher
             if grammar is None:
-                raise ValueError("structured_outputs: this engine has no grammar support")
+                raise ParamError("structured_outputs", "structured_outputs: this engine has no grammar support")
             grammar.compiler.check(spec)
         request = Request(
             request_id=req.request_id,

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.errors import ParamError
 
 CONTEXT_TOKENS = 4  # emitted tokens decoded again as the window's context
 MAX_PENDING_TOKENS = 8  # pending tokens before the window is shrunk (see _reanchor)
@@ -52,10 +53,10 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         if isinstance(stop, str):
-            raise ValueError("stop: expected a tuple of strings, got a single string")
+            raise ParamError("stop", "stop: expected a tuple of strings, got a single string")
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}]: stop strings must be non-empty strings, got {s!r}")
+                raise ParamError(f"stop[{i}]", f"stop[{i}]: stop strings must be non-empty strings, got {s!r}")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.skip_special_tokens = skip_special_tokens

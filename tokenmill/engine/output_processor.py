@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.errors import ParamError
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, generator_seed
 from tokenmill.structured.grammar import GrammarCompiler
@@ -101,9 +102,9 @@ class OutputProcessor:
         """Check and register a request; the core requests to send (one per child). ValueError
         (naming the field) for a request that cannot run; nothing is registered then."""
         if request_id in self._parents:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id: {request_id!r} is already in use")
         if not isinstance(prompt, str | list | tuple):  # (a dict's keys would pass for a list)
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ParamError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         max_tokens = self._check(ids, params)
         params = self._with_token_constraints(params)
@@ -142,30 +143,34 @@ class OutputProcessor:
         """The effective max_tokens of a valid prompt; ValueError otherwise."""
         lim = self.limits
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise ParamError("prompt", "prompt: must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < lim.vocab_size for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {lim.vocab_size})")
+            raise ParamError("prompt", f"prompt: token ids must be integers in [0, {lim.vocab_size})")
         if len(ids) >= lim.max_model_len:
-            raise ValueError(
+            raise ParamError(
+                "prompt",
                 f"prompt: {len(ids)} tokens leave no room to generate within the maximum model length "
-                f"({lim.max_model_len})"
+                f"({lim.max_model_len})",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else lim.max_model_len - len(ids)
         if params.min_tokens > max_tokens:
-            raise ValueError(
-                f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this request may generate"
+            raise ParamError(
+                "min_tokens",
+                f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this request may generate",
             )
         total = len(ids) + max_tokens
         if total > lim.max_model_len:
-            raise ValueError(
+            raise ParamError(
+                "max_tokens",
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds the maximum model length ({lim.max_model_len})"
+                f"exceeds the maximum model length ({lim.max_model_len})",
             )
         blocks = -(-total // lim.block_size)
         if blocks > lim.num_blocks:
-            raise ValueError(
+            raise ParamError(
+                "max_tokens",
                 f"max_tokens: prompt + max_tokens ({total} tokens) needs {blocks} KV blocks; "
-                f"the cache holds {lim.num_blocks}"
+                f"the cache holds {lim.num_blocks}",
             )
         if params.structured_outputs is not None:
             self.grammar.check(params.structured_outputs)  # compiled (and cached) here: a bad spec is a 400
@@ -189,7 +194,7 @@ class OutputProcessor:
         ):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary ({vocab})")
+                raise ParamError(name, f"{name}: token id {bad} is outside the vocabulary ({vocab})")
         if not params.bad_words:
             return params
         sequences: list[tuple[int, ...]] = list(params.bad_words_token_ids)

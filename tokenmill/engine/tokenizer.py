@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
+from tokenmill.errors import ParamError
 from tokenmill.models.gguf_checkpoint import is_gguf
 
 if TYPE_CHECKING:
@@ -59,15 +60,20 @@ def read_generation_eos(folder: Path) -> tuple[int, ...] | None:
 def check_messages(messages: Sequence[Any]) -> None:
     """Every message is a dict with string 'role' and 'content'; raises ValueError naming the first bad one."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError("messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise ParamError("messages", "messages: expected a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {type(message).__name__}")
+            raise ParamError(
+                f"messages[{i}]",
+                f"messages[{i}]: expected a dict with 'role' and 'content', got {type(message).__name__}",
+            )
         for key in ("role", "content"):
             if key not in message:
-                raise ValueError(f"messages[{i}]: missing '{key}'")
+                raise ParamError(f"messages[{i}]", f"messages[{i}]: missing '{key}'")
             if not isinstance(message[key], str):
-                raise ValueError(f"messages[{i}]: '{key}' must be a string, got {type(message[key]).__name__}")
+                raise ParamError(
+                    f"messages[{i}]", f"messages[{i}]: '{key}' must be a string, got {type(message[key]).__name__}"
+                )
 
 
 class Tokenizer:
@@ -137,7 +143,9 @@ class Tokenizer:
         (the template writes its own BOS). `tools` go to a template that has a tools section; one that
         has none gets `tools_message` as (the start of) the system message instead."""
         if not self.info.has_chat_template:
-            raise ValueError(f"messages: {self.folder} has no chat template; send a plain-text prompt instead")
+            raise ParamError(
+                "messages", f"messages: {self.folder} has no chat template; send a plain-text prompt instead"
+            )
         check_messages(messages)
         from jinja2 import TemplateError
 
@@ -154,9 +162,11 @@ class Tokenizer:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except TemplateError as e:  # the template's own raise_exception(), or a field it needs and lacks
-            raise ValueError(f"messages: the chat template rejected them ({type(e).__name__}: {e})") from None
+            raise ParamError(
+                "messages", f"messages: the chat template rejected them ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(text, str):
-            raise ValueError(f"messages: the chat template rendered {type(text).__name__}, expected text")
+            raise ParamError("messages", f"messages: the chat template rendered {type(text).__name__}, expected text")
         return self.encode(text, add_special_tokens=False)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:

@@ -38,6 +38,7 @@ from tokenmill.server.validation import (
     from_validation_error,
     integral,
     is_int,
+    param_of,
     show,
     split_unknown,
 )
@@ -263,7 +264,7 @@ class _Request(_Strict):
         try:
             return SamplingParams(max_tokens=requested, **fields)
         except ValueError as exc:
-            name = str(exc).split(":", 1)[0]
+            name = param_of(exc)
             param = max_tokens_param if name == "max_tokens" else renames.get(name, name)
             raise RequestError(f"Invalid value for '{param}': {exc}", param, "invalid_value") from exc
 

@@ -45,6 +45,7 @@ from tokenmill.server.responses import (
     usage_info,
 )
 from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
+from tokenmill.server.validation import param_of
 
 logger = logging.getLogger("tokenmill")
 
@@ -169,8 +170,7 @@ class Server:
         try:
             params = build()
         except ValueError as e:
-            field_name = str(e).split(":", 1)[0]
-            raise RequestError(str(e), field_name, "invalid_value") from None
+            raise RequestError(str(e), param_of(e), "invalid_value") from None
         if params.structured_outputs is not None:  # compiled (and cached) now: a bad schema or regex is a 400
             try:
                 self.engine.processor.grammar.check(params.structured_outputs)
@@ -194,7 +194,7 @@ class Server:
         try:
             finals = await asyncio.gather(*(_last(s) for s in streams))
         except ValueError as e:
-            raise RequestError(str(e), str(e).split(":", 1)[0], "invalid_value") from None
+            raise RequestError(str(e), param_of(e), "invalid_value") from None
         usage = usage_info(finals)
         n = job.params.n
         if job.chat:
@@ -256,7 +256,7 @@ class Server:
         if errors:
             await _close_all(streams)
             if isinstance(errors[0], ValueError):
-                raise RequestError(str(errors[0]), str(errors[0]).split(":", 1)[0], "invalid_value") from None
+                raise RequestError(str(errors[0]), param_of(errors[0]), "invalid_value") from None
             raise errors[0]
         firsts = [r for r in results if not isinstance(r, BaseException)]
         return self._events(job, streams, firsts)

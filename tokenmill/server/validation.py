@@ -14,6 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
+from tokenmill.errors import ParamError
+
 INVALID_REQUEST = "invalid_request_error"
 PARAM = "{param}"  # in a custom error's message: replaced by the parameter's full path
 
@@ -41,6 +43,11 @@ class RequestError(Exception):
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+def param_of(exc: ValueError) -> str | None:
+    """The request field a refusal names: a `ParamError` carries it; another ValueError names none."""
+    return exc.param if isinstance(exc, ParamError) else None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from typing import Any
 
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.errors import ParamError
 from tokenmill.sampling_params import StructuredOutputsParams
 
 CACHE_SIZE = 256
@@ -79,12 +80,12 @@ class GrammarCompiler:
         try:
             grammar = _grammar(spec)
         except ValueError as e:
-            raise ValueError(f"{field}: {e}") from None
+            raise ParamError(field, f"{field}: {e}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         self.compiles += 1
         self.compile_seconds += time.perf_counter() - start
         if matcher.is_error():
-            raise ValueError(f"{field}: {_first_line(matcher.get_error())}")
+            raise ParamError(field, f"{field}: {_first_line(matcher.get_error())}")
         return matcher
 
 
