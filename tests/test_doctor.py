@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -30,7 +31,7 @@ from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import measure_stall
-from tokenmill.doctor.step_cost import StepCost, probe
+from tokenmill.doctor.step_cost import StepCost, fit_context, probe
 from tokenmill.doctor.verify import METRICS
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import engine_config, read_config_file
@@ -283,6 +284,51 @@ def test_a_clean_trace_gets_nothing_new(engine):
 
 
 # ----------------------------------------------------------------------------- the command
+
+
+def test_fit_context_is_the_longest_context_whose_requests_fit_the_model():
+    rng = random.Random(5)
+    for _ in range(500):
+        max_len, batch, budget, extra = (
+            rng.randrange(8, 5000),
+            rng.randrange(1, 65),
+            rng.randrange(1, 4097),
+            rng.randrange(0, 60),
+        )
+        want = rng.randrange(1, 6000)
+
+        c = fit_context(max_len, want, batch, budget, extra)
+        total = [x + -(-batch * x // budget) + extra for x in (c, c + 1)]
+        assert 1 <= c <= want and (total[0] <= max_len or c == 1)
+        assert c == want or total[1] > max_len  # the longest: one more token would not fit
+
+
+@pytest.mark.parametrize("max_model_len", [160, 300, 1024])
+def test_the_probe_and_the_stall_fit_any_model_length(tiny_model_dir, max_model_len):
+    # (the mixed probe asked for more tokens than a 1,024-token model holds: the doctor ended in an error)
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            str(tiny_model_dir("llama")),
+            dtype="float32",
+            max_num_seqs=9,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_model_len - 1,
+        )
+    )
+    cost = probe(engine, repeats=1)
+    assert cost.decode_batch[-1] == 9 and not engine.has_unfinished_requests()
+    stall = measure_stall(engine, [max_model_len], 8, 0.5, max_model_len, steps=4)
+    assert stall is not None and stall.context + 8 <= max_model_len
+    assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+
+
+def test_the_doctor_runs_on_the_bundled_demo_model(tmp_path, capsys):
+    demo = Path(__file__).resolve().parents[1] / "models" / "tokenmill-demo"
+    out = tmp_path / "report"
+    code = main(["doctor", str(demo), "--workload", "mixed", "--num-requests", "16", "--out", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["findings"]) == 6
 
 
 def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, tmp_path, capsys):

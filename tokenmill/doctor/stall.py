@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenmill.doctor.step_cost import Prober
+from tokenmill.doctor.step_cost import Prober, fit_context
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
@@ -52,7 +52,7 @@ def measure_stall(
     batch = max(1, min(batch, config.max_num_seqs - 1))
     budget = min(config.max_num_batched_tokens, engine.max_model_len - 1)
     longest = engine.max_model_len - 2
-    context = max(1, min(context, longest - 2 * steps - 8))
+    context = fit_context(engine.max_model_len, context, batch, budget, 2 * steps + 8)
     prober = Prober(engine, seed=2)
     prompt_steps = -(-batch * context // budget)
     for _ in range(batch):

@@ -137,6 +137,21 @@ def grid(limit: int, start: int = 1) -> list[int]:
     return [*out, limit]
 
 
+def fit_context(max_model_len: int, want: int, batch: int, budget: int, extra: int) -> int:
+    """The longest context up to `want` at which `batch` requests, each asked for the steps their
+    prompts take (`batch * context / budget`, rounded up) plus `extra` tokens, fit the model's length:
+    context + those tokens <= max_model_len. At least 1 (a binary search: the total grows with it)."""
+
+    def fits(context: int) -> bool:
+        return context + -(-batch * context // budget) + extra <= max_model_len
+
+    low, high = 1, max(1, want)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 class Prober:
     """Random distinct prompts into an idle engine, and its steps timed one by one."""
 
@@ -211,7 +226,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     # decode attention: a few requests decoding at a long context against the same at the short one
     per_key = 0.0
     b = min(8, config.max_num_seqs)
-    long_context = min(long_context, engine.max_model_len - 4 - 2 * repeats - b * long_context // budget)
+    long_context = fit_context(engine.max_model_len, long_context, b, budget, 2 + 2 * repeats)
     if long_context > 4 * short:
         slow, fast = decode(b, long_context), interpolate(batches, decode_raw, b)
         per_key = max(0.0, (slow - fast) / (b * (long_context - short))) if slow == slow else 0.0
@@ -265,12 +280,13 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
         p.drain()
         return statistics.median(residuals) if residuals else float("nan")
 
+    mixed_context = fit_context(engine.max_model_len, long_context, b, budget, 4 + 4 * repeats)
     if b >= 1 and chunk >= 16:
         near = mixed(short)
-        if long_context > 4 * short:
-            far = mixed(long_context)
+        if mixed_context > 4 * short:
+            far = mixed(mixed_context)
             if far == far and near == near:
-                per_mixed_key = max(0.0, (far - near) / (b * (long_context - short)))
+                per_mixed_key = max(0.0, (far - near) / (b * (mixed_context - short)))
         if near == near:
             per_request = max(0.0, (near - per_mixed_key * b * (short + 2 * repeats)) / b)
     return StepCost(
