@@ -43,7 +43,7 @@ from tokenmill.models.gguf_blocks import BLOCK
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model, read_model_config, resolve_dtype
-from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
+from tokenmill.outputs import SchedulerOutput, StepOutput
 from tokenmill.runner import huge_pages
 from tokenmill.runner.cpu_memory import keep_freed_memory
 from tokenmill.runner.cpu_threads import physical_cores
@@ -51,7 +51,7 @@ from tokenmill.runner.cuda_graphs import DecodeGraphs, PaddedMetadata, graph_bat
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.runner.warm_up import GREEDY, WORST, WarmUpShape, warm_up
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.draft_model import DraftRunner
 from tokenmill.structured.grammar import GrammarCompiler
@@ -410,26 +410,14 @@ class Worker:
         return choice.name == "head"
 
     def _warm_up(self, model: LlamaForCausalLM, config: EngineConfig) -> None:
-        """One prefill step of the largest chunk, then one step of the most decodes, on a scratch
-        cache: kernels are chosen and memory peaks before the KV cache takes what is left."""
-        prompt_len = min(config.max_num_batched_tokens, self.max_model_len)
-        decodes = min(config.max_num_seqs, config.max_num_batched_tokens)
-        prompt_blocks = -(-prompt_len // self.block_size)
-        runner = ModelRunner(model, self._caches(prompt_blocks + decodes), self.backend, self.block_size)
-        params = SamplingParams(temperature=0, max_tokens=1)
-        prompt = [0] * prompt_len
-        runner.execute(
-            SchedulerOutput(
-                new_requests=[NewRequestData("warm-up", prompt, params, 0)],
-                chunks=[ScheduledChunk("warm-up", prompt, 0, list(range(prompt_blocks)), True, True)],
-                finished_request_ids=[],
-            )
+        """The largest prefill chunk, then the most decodes, on a scratch cache: kernels are chosen and
+        memory peaks before the KV cache takes what is left. On a GPU the steps are the worst the
+        settings allow (prompt logprobs over the chunk, top-p at every row), as the cache is sized
+        against their peak; elsewhere the greedy pair."""
+        shape = WarmUpShape(
+            min(config.max_num_batched_tokens, self.max_model_len),
+            min(config.max_num_seqs, config.max_num_batched_tokens),
+            self.block_size,
         )
-        ids = [f"warm-up-{i}" for i in range(decodes)]
-        runner.execute(
-            SchedulerOutput(
-                new_requests=[NewRequestData(i, [0], params, 0) for i in ids],
-                chunks=[ScheduledChunk(i, [0], 0, [prompt_blocks + b], True, True) for b, i in enumerate(ids)],
-                finished_request_ids=["warm-up"],
-            )
-        )
+        runner = ModelRunner(model, self._caches(shape.num_blocks), self.backend, self.block_size)
+        warm_up(runner, shape, WORST if self.device.type == "cuda" else GREEDY)
