@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import ParallelConfig
@@ -51,16 +53,26 @@ def start_server(
     max_waiting: int = 8,
     blocks: int = 64,
     parallel: ParallelConfig | None = None,
+    isolation: str = "api-key",
+    prepare_app: Callable[[FastAPI], None] | None = None,
     **engine: object,
 ) -> RunningServer:
     settings: dict = {"max_model_len": 256, "kv_cache_memory": blocks * KV_BLOCK_BYTES, **engine}
     config = EngineConfig(model=model_dir, **settings)
     server = build_server(
-        config, "tiny", max_waiting=max_waiting, limits=Limits(max_n=4), log_interval=60, parallel=parallel
+        config,
+        "tiny",
+        max_waiting=max_waiting,
+        limits=Limits(max_n=4),
+        log_interval=60,
+        parallel=parallel,
+        isolation=isolation,
     )
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     app = create_app(server, api_key=api_key)
+    if prepare_app is not None:  # (a test's own middleware, say)
+        prepare_app(app)
     userver = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -29,6 +29,7 @@ from tokenmill.engine_args import (
     settings_from,
 )
 from tokenmill.models.make_model import ARCHS, SIZES
+from tokenmill.server.tenancy import ISOLATIONS
 
 MODEL_HELP = (
     "Hugging Face model folder or .gguf file "
@@ -58,6 +59,13 @@ class ServeSettings:
         False, "refuse (400) request fields the server does not know, instead of ignoring them as vLLM does"
     )
     drain_timeout: float = setting(30.0, "seconds in-flight requests get on SIGTERM")
+    prefix_cache_isolation: str = setting(
+        "api-key",
+        "which requests share prefix-cache entries (and see each other's cached_tokens): none (only "
+        "cache_salt separates them), api-key (each API key its own entries), salt-required (as api-key, "
+        "and a request without cache_salt is refused)",
+        choices=ISOLATIONS,
+    )
     data_parallel_size: int = setting(
         1, "engine replicas, each a Ray actor with its own model copy, KV cache and share of the CPU threads", minimum=1
     )
@@ -166,7 +174,13 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         parallel = ParallelConfig(settings.data_parallel_size, settings.routing, settings.ray_address)
     server = build_server(
-        config, settings.served_model_name, settings.max_waiting, limits, settings.log_interval, parallel
+        config,
+        settings.served_model_name,
+        settings.max_waiting,
+        limits,
+        settings.log_interval,
+        parallel,
+        settings.prefix_cache_isolation,
     )
     api_key = settings.api_key or os.environ.get("TOKENMILL_API_KEY")
     serve(server, settings.host, settings.port, api_key, settings.drain_timeout)

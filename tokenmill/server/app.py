@@ -184,6 +184,12 @@ def _error_doc(description: str) -> dict[str, Any]:
     }
 
 
+def tenant_of(request: Request) -> str | None:
+    """Who sent the request, for the cache isolation policy: a hash of the API key it was
+    authenticated with (set by the auth check), None on a server without keys."""
+    return getattr(request.state, "tenant", None)
+
+
 def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     engine: AsyncEngine = server.engine
 
@@ -260,12 +266,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         req = parse_completion_request(await read_json(request), server.limits)
-        return await respond(request, req, server.prepare_completion(req))
+        return await respond(request, req, server.prepare_completion(req, tenant_of(request)))
 
     @app.post("/v1/chat/completions", openapi_extra=_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         req = parse_chat_request(await read_json(request), server.limits)
-        return await respond(request, req, server.prepare_chat(req))
+        return await respond(request, req, server.prepare_chat(req, tenant_of(request)))
 
     @app.post("/tokenize", openapi_extra=_documented(TokenizeRequest, TokenizeResponse, stream=False))
     async def tokenize_route(request: Request) -> Response:

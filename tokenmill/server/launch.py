@@ -50,6 +50,7 @@ def build_server(
     limits: Limits | None = None,
     log_interval: float = 10.0,
     parallel: ParallelConfig | None = None,
+    isolation: str = "api-key",
 ) -> Server:
     """The server's engine: one core on a thread of this process, or with `parallel` (more than one
     replica, or a Ray address) data-parallel replicas on Ray, or prefill and decode replicas."""
@@ -80,7 +81,7 @@ def build_server(
     else:
         routing = parallel.routing if parallel is not None else "least_loaded"
         async_engine = AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing, restart)
-    return Server(async_engine, tokenizer, name, limits_of_core.max_model_len, limits or Limits())
+    return Server(async_engine, tokenizer, name, limits_of_core.max_model_len, limits or Limits(), isolation)
 
 
 def bind(host: str, port: int) -> socket.socket:

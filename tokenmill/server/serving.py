@@ -44,6 +44,7 @@ from tokenmill.server.responses import (
     completion_logprobs,
     usage_info,
 )
+from tokenmill.server.tenancy import cache_salt
 from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
 from tokenmill.server.validation import param_of
 
@@ -75,6 +76,7 @@ class Server:
     model_name: str
     max_model_len: int
     limits: Limits
+    isolation: str = "api-key"  # which requests share prefix-cache entries (server/tenancy.py)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged
 
     def note_ignored(self, names: list[str]) -> None:
@@ -87,7 +89,7 @@ class Server:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prepare_completion(self, req: CompletionRequest) -> Job:
+    def prepare_completion(self, req: CompletionRequest, tenant: str | None = None) -> Job:
         model = self._check_model(req.model)
         params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
         prompts, texts = [], []
@@ -111,11 +113,11 @@ class Server:
             params,
             req.echo,
             include_usage,
-            req.cache_salt,
+            cache_salt(self.isolation, tenant, req.cache_salt),
             continuous,
         )
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Job:
+    def prepare_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> Job:
         model = self._check_model(req.model)
         params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
         tools = template_tools(req.tools) if req.tools else None
@@ -137,7 +139,7 @@ class Server:
             params,
             False,
             include_usage,
-            req.cache_salt,
+            cache_salt(self.isolation, tenant, req.cache_salt),
             continuous,
             req.tool_mode,
         )
