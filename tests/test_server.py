@@ -376,7 +376,7 @@ def test_chat_streaming_with_include_usage_ends_with_the_usage_chunk(srv):
 
 
 def test_an_unexpected_error_is_a_500_in_openai_shape(srv, monkeypatch):
-    def broken(req: object) -> None:
+    def broken(req: object, tenant: object = None) -> None:
         raise KeyError("a bug")
 
     monkeypatch.setattr(srv.server, "prepare_completion", broken)
