@@ -281,3 +281,5 @@ def test_the_watchdog_restarts_a_core_whose_loop_died(serve):
         time.sleep(0.02)
     assert engine.clients[0].core is core and metric(srv, "engine_restarts_total") == 1
     assert post(srv, {"prompt": "after the restart", "max_tokens": 4}).status_code == 200
+    # the same core's totals go on where they were: counted once, not again as a new replica's
+    assert metric(srv, "generation_tokens_total") == srv.stats().generated_tokens

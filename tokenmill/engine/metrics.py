@@ -47,6 +47,16 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
+FAULT_COUNTERS = (
+    ("engine_step_failures", "Engine steps that failed (their requests failed with an error; the engine went on)."),
+    (
+        "engine_request_faults",
+        "Requests the engine failed with an error (their own processing, or a step they were in).",
+    ),
+    ("engine_restarts", "Engine cores the watchdog restarted after their loop ended unasked."),
+)
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, clock: Callable[[], float] = time.monotonic, num_replicas: int = 1) -> None:
         """`clock` times the log line's rates (seconds; injectable so a test controls the interval);
@@ -111,19 +121,9 @@ class EngineMetrics:
         self.success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
-        self.step_failures = Counter(
-            PREFIX + "engine_step_failures",
-            "Engine steps that failed (their requests failed with an error; the engine went on).", labels, registry=r,
-        )  # fmt: skip
-        self.request_faults = Counter(
-            PREFIX + "engine_request_faults",
-            "Requests the engine failed with an error (their own processing, or a step they were in).", labels,
-            registry=r,
-        )  # fmt: skip
-        self.restarts = Counter(
-            PREFIX + "engine_restarts", "Engine cores restarted by the watchdog after their loop ended unasked.",
-            labels, registry=r,
-        )  # fmt: skip
+        self.step_failures, self.request_faults, self.restarts = (
+            Counter(PREFIX + name, doc, labels, registry=r) for name, doc in FAULT_COUNTERS
+        )
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # the totals
         self._zero = self._last

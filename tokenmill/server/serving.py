@@ -196,7 +196,7 @@ class Server:
         try:
             return self.engine.submit(prompts, job.params, job.cache_salt, kind)
         except ValueError as e:
-            raise RequestError(str(e), param_of(e), "invalid_value") from None
+            raise request_error(e) from None
 
     async def complete(self, job: Job) -> dict[str, Any]:
         """Run every prompt to the end; the whole response as JSON. A prompt that fails (or the
@@ -337,8 +337,7 @@ class Server:
         finally:
             for t in tasks:
                 t.cancel()
-            # wait for the pumps to stop before closing their generators (aclose on a generator a
-            # pump is still running raises)
+            # the pumps stopped (each abort its stream's request as it is cancelled), the rest closed
             await asyncio.gather(*tasks, return_exceptions=True)
             _close_all(streams)
 
