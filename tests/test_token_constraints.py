@@ -113,3 +113,76 @@ def test_min_tokens_holds_stop_strings_back(llm):
     late = llm.generate([p], greedy(ignore_eos=True, stop=[stop], min_tokens=12), use_tqdm=False)[0].outputs[0]
     assert late.token_ids == full.token_ids  # the stop string is not checked before min_tokens
     assert_no_leaks(llm)
+
+
+def reference(params: SamplingParams, output: list[int], eos: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """The processors' semantics one token at a time, for one row [V] (ids past the width skipped)."""
+    x, width = x.clone(), x.shape[0]
+    if params.allowed_token_ids is not None:
+        keep = torch.full((width,), -INF)
+        for t in params.allowed_token_ids:
+            if t < width:
+                keep[t] = x[t]
+        x = keep
+    for word in params.bad_words_token_ids:
+        prefix = list(word[:-1])
+        if word[-1] < width and (not prefix or output[len(output) - len(prefix) :] == prefix):
+            x[word[-1]] = -INF
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    if len(output) < params.min_tokens:
+        for t in stops:
+            if t < width:
+                x[t] = -INF
+    for t, bias in (params.logit_bias or {}).items():
+        if t < width:
+            x[t] += bias
+    return x
+
+
+def test_the_processors_agree_with_a_token_at_a_time_reference_on_random_rows():
+    rng = torch.Generator().manual_seed(3)
+    procs = [AllowedTokensProcessor(), BadWordsProcessor(), MinTokensProcessor(), LogitBiasProcessor()]
+    width, rows, eos = 40, 12, (2,)
+
+    def ids(n: int, high: int = width + 5) -> list[int]:  # (some past the width: a larger tokenizer)
+        return torch.randint(0, high, (n,), generator=rng).tolist()
+
+    shared_words = tuple(tuple(ids(int(torch.randint(1, 4, (1,), generator=rng)), 8)) for _ in range(30))
+    params, outputs = {}, {}
+    for row in range(rows):
+        pick = torch.rand(5, generator=rng).tolist()
+        words = shared_words if row % 3 == 0 else tuple(tuple(ids(1 + row % 3, 8)) for _ in range(row))
+        params[row] = SamplingParams(
+            allowed_token_ids=sorted(set(ids(20))) if pick[0] < 0.4 else None,
+            bad_words_token_ids=words if pick[1] < 0.7 else (),
+            min_tokens=int(pick[2] * 6),
+            stop_token_ids=ids(3),
+            ignore_eos=pick[3] < 0.3,
+            logit_bias={t: float(t % 7) - 3 for t in ids(6)} if pick[4] < 0.6 else None,
+        )
+        outputs[row] = []
+        for p in procs:
+            p.add_row(row, params[row], [], eos)
+    for _ in range(8):  # steps: each row's output grows from the bad words' own tokens, so prefixes match
+        x = torch.randn(rows, width, generator=rng)
+        order = torch.randperm(rows, generator=rng).tolist()
+        y = x
+        for p in procs:
+            if p.active:
+                y = p.apply(y, torch.tensor(order), order)
+        for i, row in enumerate(order):
+            want = reference(params[row], outputs[row], eos, x[i])
+            assert torch.equal(torch.isinf(y[i]), torch.isinf(want)), (row, outputs[row])
+            finite = ~torch.isinf(want)
+            assert torch.allclose(y[i][finite], want[finite])
+        for row in range(rows):
+            token = int(torch.randint(0, 8, (1,), generator=rng))
+            outputs[row].append(token)
+            for p in procs:
+                p.append_token(row, token)
+    shared = procs[1]
+    assert len({id(shared.state[r][1]) for r in range(0, rows, 3) if r in shared.state}) <= 1  # one list, shared
+    for row in range(rows):
+        for p in procs:
+            p.remove_row(row)
+    assert not any(p.active for p in procs) and not shared._shared._by_key

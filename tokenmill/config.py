@@ -161,6 +161,11 @@ class EngineConfig:
         "torch's GEMM above), `torch` (torch's GEMM), or `auto` (per weight shape and row count, whichever "
         "measures faster at start; torch where the kernels do not build)",
     )
+    grammar_compile_timeout: float = setting(
+        5.0,
+        "seconds a structured-output spec (JSON schema, regex, grammar) may take to compile before it is "
+        "refused (400) and remembered as refused; compiles run on two threads of their own",
+    )
     cpu_huge_pages: bool = setting(
         True,
         "on a CPU device, weights on 2 MB pages where Linux's transparent huge pages allow (madvise or "

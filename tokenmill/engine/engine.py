@@ -33,7 +33,9 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = Tokenizer(config.model)
-        self.processor = OutputProcessor(self.tokenizer, engine_limits(self.core), seed=config.seed)
+        self.processor = OutputProcessor(
+            self.tokenizer, engine_limits(self.core), config.seed, config.grammar_compile_timeout
+        )
         grammar = self.core.worker.runner.batch.grammar
         if grammar is not None:  # one compiler for the front end and the core: each spec compiles once
             grammar.use_compiler(self.processor.grammar)

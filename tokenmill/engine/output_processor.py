@@ -32,7 +32,7 @@ from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError, RequestFailed, describe
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, generator_seed
-from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.structured.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 
 logger = logging.getLogger("tokenmill")
 
@@ -88,8 +88,11 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits, seed: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, limits: EngineLimits, seed: int = 0, compile_timeout: float = COMPILE_TIMEOUT_S
+    ) -> None:
         self.tokenizer = tokenizer
+        self.compile_timeout = compile_timeout
         self.limits = limits
         self._rng = random.Random(seed)  # draws the seeds of requests that bring none
         self._parents: dict[str, Parent] = {}
@@ -191,7 +194,7 @@ class OutputProcessor:
     def grammar(self) -> GrammarCompiler:
         """This front end's grammar compiler (validates structured-output specs; built on first use)."""
         if self._grammar is None:
-            self._grammar = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
+            self._grammar = GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.compile_timeout)
         return self._grammar
 
     def _with_token_constraints(self, params: SamplingParams) -> SamplingParams:
@@ -210,10 +213,12 @@ class OutputProcessor:
         if not params.bad_words and not params.bad_words_token_ids:
             return params
         sequences: list[tuple[int, ...]] = list(params.bad_words_token_ids)
+        seen = set(sequences)  # (a set: a list's `in` made 20,000 words quadratic)
         for word in params.bad_words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in sequences:
+                if ids and ids not in seen:
+                    seen.add(ids)
                     sequences.append(ids)
         # (a tokenizer may know ids the model has no embedding for: a token added to tokenizer.json)
         bad = next((t for ids in sequences for t in ids if not 0 <= t < vocab), None)

@@ -59,9 +59,9 @@ from tokenmill.structured.grammar import GrammarCompiler
 logger = logging.getLogger("tokenmill")
 
 
-def grammar_compiler(model: str, vocab_size: int) -> GrammarCompiler:
+def grammar_compiler(model: str, vocab_size: int, compile_timeout: float) -> GrammarCompiler:
     """The GrammarCompiler of structured-output requests, over the model's own tokenizer."""
-    return GrammarCompiler(Tokenizer(model), vocab_size)
+    return GrammarCompiler(Tokenizer(model), vocab_size, compile_timeout)
 
 
 def native_or_reference(name: str, field: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -214,7 +214,9 @@ class Worker:
                 dense * self.block_size,
                 self.num_blocks / max(1, dense),
             )
-        grammar = functools.partial(grammar_compiler, config.model, self.model_config.vocab_size)
+        grammar = functools.partial(
+            grammar_compiler, config.model, self.model_config.vocab_size, config.grammar_compile_timeout
+        )
         caches = self._caches(self.num_blocks + (1 if graphed else 0))
         self.runner = ModelRunner(model, caches, self.backend, self.block_size, grammar)
         if graphed:

@@ -66,7 +66,7 @@ def build_server(
         restart = restart_in_place([core], [thread])
     limits_of_core = clients[0].limits
     tokenizer = Tokenizer(config.model)
-    processor = OutputProcessor(tokenizer, limits_of_core, seed=config.seed)
+    processor = OutputProcessor(tokenizer, limits_of_core, config.seed, config.grammar_compile_timeout)
     for client in clients:  # a core in this process shares the front end's grammars: each compiles once
         if isinstance(client, LocalCoreClient) and client.core.worker.runner.batch.grammar is not None:
             client.core.worker.runner.batch.grammar.use_compiler(processor.grammar)
