@@ -100,7 +100,7 @@ def test_through_the_engine(llm):
     assert word
     barred = llm.generate([p], greedy(bad_words=[word], ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert barred.token_ids != plain.token_ids and barred.token_ids[:1] != plain.token_ids[:1]
-    with pytest.raises(ValueError, match="logit_bias: token id 99999 is outside the vocabulary"):
+    with pytest.raises(ValueError, match="logit_bias: token id 99999 is outside the model's vocabulary"):
         llm.generate([p], greedy(logit_bias={99999: 1}), use_tqdm=False)
     assert_no_leaks(llm)
 
