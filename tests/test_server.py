@@ -15,6 +15,7 @@ from tests.server_harness import RunningServer, start_server
 
 API_KEY = "test-key"
 TIMEOUT = httpx.Timeout(30.0)
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_other_errors(srv):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"}, key="wrong")
     assert r.status_code == 401
-    r = httpx.get(f"{srv.base_url}/v2/nothing", timeout=TIMEOUT)
+    r = httpx.get(f"{srv.base_url}/v2/nothing", headers=AUTH, timeout=TIMEOUT)
     assert r.status_code == 404 and "error" in r.json()
     r = post(srv, "/v1/completions", [1, 2])
     assert r.status_code == 400
@@ -194,7 +195,7 @@ def test_client_disconnect_mid_stream_stops_generation_and_frees_blocks(srv):
     assert stats.aborted == before.aborted + 1
     generated = stats.generated_tokens - before.generated_tokens
     assert 1 <= generated < 100, f"{generated} of 200 tokens generated: the abort came late or never"
-    text = httpx.get(f"{srv.base_url}/metrics", timeout=TIMEOUT).text
+    text = httpx.get(f"{srv.base_url}/metrics", headers=AUTH, timeout=TIMEOUT).text
     assert 'tokenmill:request_success_total{finished_reason="abort",model_name="tiny"}' in text
 
 
@@ -218,7 +219,7 @@ def test_burst_beyond_max_waiting_is_refused_politely(srv):
 
 def test_metrics_use_vllm_names(srv, client):
     client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
-    text = httpx.get(f"{srv.base_url}/metrics", timeout=TIMEOUT).text
+    text = httpx.get(f"{srv.base_url}/metrics", headers=AUTH, timeout=TIMEOUT).text
     for name in (
         "time_to_first_token_seconds_bucket",
         "inter_token_latency_seconds_bucket",
@@ -246,8 +247,8 @@ def test_openapi_fuzzing_finds_no_server_error(srv):
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
-    schema = schemathesis.openapi.from_url(f"{srv.base_url}/openapi.json")
     headers = {"authorization": f"Bearer {API_KEY}"}
+    schema = schemathesis.openapi.from_url(f"{srv.base_url}/openapi.json", headers=headers)
     checked = 0
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -382,9 +383,16 @@ def test_an_unexpected_error_is_a_500_in_openai_shape(srv, monkeypatch):
     monkeypatch.setattr(srv.server, "prepare_completion", broken)
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "x"})
     assert r.status_code == 500
+    request_id = r.headers["x-request-id"]
     assert r.json() == {
-        "error": {"message": "Internal error (KeyError).", "type": "internal_error", "param": None, "code": None}
+        "error": {
+            "message": f"internal error (request id {request_id})",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
     }
+    assert "a bug" not in r.text and "Traceback" not in r.text
 
 
 def test_a_draining_server_refuses_with_503_and_its_health_says_so(tiny_model_dir):
@@ -425,7 +433,7 @@ def test_an_engine_crash_fails_open_requests_and_hangs_nothing(tiny_model_dir):
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert error["type"] == "internal_error" and "the engine failed" in error["message"]
-        assert whole[0].status_code == 500 and whole[0].json()["error"]["type"] == "internal_error"
+        assert whole[0].status_code == 500 and whole[0].json()["error"]["type"] == "server_error"
         assert "Traceback" not in whole[0].text
         assert httpx.get(f"{running.base_url}/health", timeout=TIMEOUT).status_code == 503
         r = post(running, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}, key=None)
