@@ -49,6 +49,7 @@ from tokenmill.server.tokenize import (
     TokenizeRequest,
     TokenizeResponse,
     detokenize,
+    render,
     tokenize,
 )
 
@@ -286,12 +287,12 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
 
     @app.post("/tokenize", openapi_extra=_documented(TokenizeRequest, TokenizeResponse, stream=False))
     async def tokenize_route(request: Request) -> Response:
-        parsed = await read_json(request)  # (rendered off the loop too: the answer can hold a million ids)
-        return await off_loop(
-            lambda: JSONResponse(
-                tokenize(parse_model(TokenizeRequest, parsed()), server.tokenizer, server.max_model_len)
-            )
-        )
+        parsed = await read_json(request)
+
+        def answer() -> bytes:  # (rendered off the loop too: it can hold millions of ids)
+            return render(tokenize(parse_model(TokenizeRequest, parsed()), server.tokenizer, server.max_model_len))
+
+        return Response(await off_loop(answer), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=_documented(DetokenizeRequest, DetokenizeResponse, stream=False))
     async def detokenize_route(request: Request) -> Response:
