@@ -25,6 +25,10 @@ from tokenmill.sampling_params import SamplingParams
 BLOCK_BYTES = 24576  # one 16-token block of the tiny llama, float32
 
 
+class ReplicaDied(BaseException):
+    """What ends a replica's loop here (a core survives an Exception in a step: it fails the requests)."""
+
+
 def local_client(config: EngineConfig) -> LocalCoreClient:
     thread = EngineThread()
     return LocalCoreClient(thread.run(lambda: EngineCore(config)), thread)
@@ -124,7 +128,7 @@ def test_a_lost_replica_moves_requests_that_handed_nothing_and_fails_the_others(
         steps["n"] += 1
         if steps["n"] >= 2:
             go.wait(30)
-            raise RuntimeError("replica 0 broke")
+            raise ReplicaDied("replica 0 broke")
         return real_step()
 
     monkeypatch.setattr(lost.core, "step", failing_step)
@@ -164,14 +168,14 @@ def test_a_restarted_replica_rejoins(config, monkeypatch):
     engine = make_engine(config, restart=lambda i: local_client(config))
     real_rejoin = engine._rejoin
 
-    def rejoin(i, client):
-        real_rejoin(i, client)
+    def rejoin(*args):
+        real_rejoin(*args)
         rejoined.set()
 
     monkeypatch.setattr(engine, "_rejoin", rejoin)
     lost = engine.clients[0]
     assert isinstance(lost, LocalCoreClient)
-    monkeypatch.setattr(lost.core, "step", lambda: (_ for _ in ()).throw(RuntimeError("broke")))
+    monkeypatch.setattr(lost.core, "step", lambda: (_ for _ in ()).throw(ReplicaDied("broke")))
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
     async def main() -> tuple[list, str]:

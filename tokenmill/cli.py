@@ -65,7 +65,12 @@ class ServeSettings:
     served_model_name: str | None = setting(
         None, "the model name clients send (default: the model folder's name, or the GGUF file's without .gguf)"
     )
-    max_waiting: int = setting(64, "refuse new requests (429) past this many waiting", minimum=1)
+    max_waiting: int = setting(
+        64,
+        "refuse a request (429) whose sequences (prompts x n) would take those waiting past this many "
+        "(one that finds none waiting always goes in)",
+        minimum=1,
+    )
     max_n: int = setting(16, "largest n a request may ask for", minimum=1)
     max_tokens_limit: int | None = setting(
         None, "largest max_tokens a request may ask for (default: no cap)", minimum=1

@@ -28,3 +28,8 @@ class RequestFailed(RuntimeError):
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+def describe(what: str, error: BaseException) -> str:
+    """`what` happened, with the error's type and message: the text of a RequestFailed."""
+    return f"{what} ({type(error).__name__}: {error})"

@@ -68,6 +68,8 @@ class StepOutput:
     forward_seconds: float = 0.0  # time in the model forward and the logits
     drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's guesses for the next step
     draft_seconds: float = 0.0  # the draft model's share of the step (its pass over the step's tokens, its guesses)
+    # request id -> why the runner failed it alone (its own processors, a NaN row); it sampled nothing
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,6 +109,7 @@ class EngineStats:
     structured_cache_hits: int = 0
     structured_masks: int = 0
     structured_mask_seconds: float = 0.0
+    step_failures: int = 0  # steps whose forward (or sampling) failed: their requests failed, the engine went on
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -6,18 +6,26 @@ asks for one token, an unfinished prompt for its next chunk), then waiting reque
 order while there is room (`max_num_seqs`, budget, KV blocks). When blocks run out, the newest
 running request is preempted: its blocks are freed and it waits, at the head of the queue, to be
 recomputed. Chunked prefill and preemption fall out of this rule; there is no prefill phase.
+
+An error that belongs to one request (its KV allocation, applying its step's results, or one the
+runner reports in `StepOutput.failed`) fails that request alone: it finishes as `FINISHED_ERROR`, its
+blocks freed, and `take_failed` hands the engine why.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.core.block_hash import chain_hashes
 from tokenmill.core.kv_connector import KVConnector
 from tokenmill.core.kv_manager import KVManager
+from tokenmill.errors import describe
 from tokenmill.outputs import EngineStats, NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.request import Request, RequestStatus
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class Scheduler:
         self.held: dict[str, list[Request]] = {}
         self._finished_ids: list[str] = []
         self._scheduled_once: set[str] = set()
+        self.failed: dict[str, str] = {}  # request id -> why it failed, until the engine reports it
         self.num_preemptions = 0
         self.num_aborted = 0
         self.num_prompt_tokens = 0
@@ -136,6 +145,17 @@ class Scheduler:
         self._scheduled_once.discard(request_id)
         self._release(request_id)
 
+    def fail_request(self, request_id: str, why: str) -> None:
+        """Finish a request as failed by the engine (its blocks freed now); `failed` keeps why."""
+        if request_id in self.requests:
+            self.failed[request_id] = why
+        self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests failed since the last call, and why."""
+        failed, self.failed = self.failed, {}
+        return failed
+
     def _release(self, request_id: str) -> None:
         """Queue the requests held for this one."""
         self.waiting.extend(self.held.pop(request_id, ()))
@@ -158,8 +178,12 @@ class Scheduler:
                 budget -= len(chunks[-1].token_ids)
                 i += 1
                 continue
+            if request.status.finished:  # failed allocating its drafts' blocks (the next one is at i)
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            while not self._allocate(request, request.num_computed_tokens + num_new):
+                if request.status.finished:  # failed there: out of the running batch (the next one is at i)
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -183,7 +207,7 @@ class Scheduler:
         drafts = request.draft_token_ids[: budget - 1]
         if not drafts or not self.speculative or request.num_tokens - request.num_computed_tokens != 1:
             return False
-        if not self.kv.allocate(request.request_id, request.num_tokens + len(drafts)):
+        if not self._allocate(request, request.num_tokens + len(drafts)):
             return False
         chunks.append(self._chunk(request, 1, drafts))
         return True
@@ -195,6 +219,8 @@ class Scheduler:
             external = self._external(request, hit)
             num_new = min(request.num_tokens - request.num_computed_tokens - external, budget)
             if not self._reserve(request, external + num_new):
+                if request.status.finished:  # failed there (out of the queue): the next one may fit
+                    continue
                 if hit:  # give the shared blocks back; the request retries from scratch next step
                     self.kv.free(request.request_id)
                     request.num_computed_tokens = 0
@@ -276,7 +302,17 @@ class Scheduler:
         """KV for an admission: the first chunk (and received KV), keeping a few blocks spare for
         running decodes (unless nothing runs: a request that fits the cache alone must always get in)."""
         total = request.num_computed_tokens + num_new
-        return self.kv.allocate(request.request_id, total, keep_watermark=bool(self.running))
+        return self._allocate(request, total, keep_watermark=bool(self.running))
+
+    def _allocate(self, request: Request, num_tokens: int, keep_watermark: bool = False) -> bool:
+        """KV blocks for a request's first `num_tokens` tokens (False: not enough free). An error in
+        the allocation fails that request alone (False, and it is finished)."""
+        try:
+            return self.kv.allocate(request.request_id, num_tokens, keep_watermark=keep_watermark)
+        except Exception as e:
+            logger.warning("request %s: its KV blocks could not be allocated", request.request_id, exc_info=True)
+            self.fail_request(request.request_id, describe("its KV blocks could not be allocated", e))
+            return False
 
     def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -302,37 +338,50 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, scheduled: SchedulerOutput, result: StepOutput, now: float) -> list[Request]:
-        """Apply a step's results; returns the requests that changed (finished ones included)."""
+        """Apply a step's results; returns the requests that changed (finished ones included, failed
+        ones not: `take_failed` has those). An error applying one request's results fails it alone."""
         changed: list[Request] = []
         for chunk in scheduled.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                self.num_prompt_tokens += min(len(chunk.token_ids), request.num_prompt_tokens - chunk.start_position)
-            if chunk.num_draft_tokens:
-                self._verified(request, chunk, len(result.sampled.get(chunk.request_id, ())))
-            else:
-                request.num_computed_tokens += len(chunk.token_ids)
-                self._cache(request)
-            if not chunk.sample:
-                continue
-            if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
-                self._release(request.request_id)  # its prompt is computed, and cached
-            for token in result.sampled.get(chunk.request_id, []):
-                request.output_token_ids.append(token)
-                self.num_generated_tokens += 1
-                if request.times.first_token is None:
-                    request.times.first_token = now
-                status, reason = self._check_stop(request, token)
-                if status is not None:
-                    request.times.finished = now
-                    self.finish_request(request.request_id, status, reason)
-                    break
-            if chunk.num_draft_tokens and request.status is RequestStatus.RUNNING:
-                self._cache(request)  # (the accepted drafts are its tokens now: the blocks they fill hash)
-            changed.append(request)
+            why = result.failed.get(chunk.request_id)
+            if why is None:
+                try:
+                    self._update_one(request, chunk, result, now)
+                    changed.append(request)
+                    continue
+                except Exception as e:
+                    logger.warning("request %s: its step results could not be applied", chunk.request_id, exc_info=True)
+                    why = describe("its step results could not be applied", e)
+            self.fail_request(chunk.request_id, why)
         return changed
+
+    def _update_one(self, request: Request, chunk: ScheduledChunk, result: StepOutput, now: float) -> None:
+        """One request's part of a step: its computed tokens, its new tokens, its stop."""
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            self.num_prompt_tokens += min(len(chunk.token_ids), request.num_prompt_tokens - chunk.start_position)
+        if chunk.num_draft_tokens:
+            self._verified(request, chunk, len(result.sampled.get(chunk.request_id, ())))
+        else:
+            request.num_computed_tokens += len(chunk.token_ids)
+            self._cache(request)
+        if not chunk.sample:
+            return
+        if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
+            self._release(request.request_id)  # its prompt is computed, and cached
+        for token in result.sampled.get(chunk.request_id, []):
+            request.output_token_ids.append(token)
+            self.num_generated_tokens += 1
+            if request.times.first_token is None:
+                request.times.first_token = now
+            status, reason = self._check_stop(request, token)
+            if status is not None:
+                request.times.finished = now
+                self.finish_request(request.request_id, status, reason)
+                break
+        if chunk.num_draft_tokens and request.status is RequestStatus.RUNNING:
+            self._cache(request)  # (the accepted drafts are its tokens now: the blocks they fill hash)
 
     def _cache(self, request: Request) -> None:
         """Hash and cache the blocks its computed tokens fill, those not cached yet."""

@@ -7,18 +7,25 @@ holding the longest cached prefix of its prompt). Requests are tokenized, checke
 the event loop; the cores step while they have work and hand their outputs to the loop, where the
 output processor turns them into RequestOutputs for each request's asyncio queue — so the event loop
 never blocks on a model. A client that goes away aborts its request, whose blocks are freed within
-one engine step. Admission is bounded: past `max_waiting` requests waiting, new ones are refused (the
-server answers 429).
+one engine step. Admission is bounded by live state: a request whose sequences (prompts x n) would take
+those waiting (in the cores, by their latest stats, and sent but not taken yet) past `max_waiting` is
+refused (the server answers 429). The cores hand over fresh stats after every step and after commands
+that leave them idle, so aborts free admission at once. The prompts of one request start together or
+not at all (`submit`).
 
-A core that ends unasked (it failed; a replica's process died) fails its open requests with a clear
-error, except those that have received nothing yet, which go to another replica when there is one;
-the router sends nothing more to it, and where a `restart` is given (Ray replicas) a new core takes
-its place and rejoins once loaded. Nothing hangs: every open request gets an output or an error.
+A request the engine failed alone (`RequestFailed`: its processors, its output, a step it was in)
+gets that error and the others go on. A core whose loop ends unasked (an error outside any step; a
+replica's process died) fails its open requests with a clear error, except those that have received
+nothing yet, which go to another replica when there is one; the router sends nothing more to it, and
+the watchdog (`restart`: the same core reset under a new loop in this process, a new Ray replica)
+puts a core back in its place, which rejoins once ready. Nothing hangs: every open request gets an
+output or an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -26,10 +33,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.distributed.router import ROUTING, Router, RouterConfig
-from tokenmill.engine.core_client import CoreClient
+from tokenmill.engine.core_client import CoreClient, Restart
 from tokenmill.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, StopRequests
 from tokenmill.engine.metrics import EngineMetrics, sum_stats
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_stream import RequestStream
+from tokenmill.errors import RequestFailed, describe
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -72,9 +81,6 @@ class OpenRequest:
     tokens: int = 0
 
 
-Restart = Callable[[int], CoreClient]  # builds (and loads) a replacement for replica i; blocking
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -105,6 +111,7 @@ class AsyncEngine:
         self._open: dict[str, OpenRequest] = {}  # request id -> its state, on the event loop
         self._up = [False] * len(self.clients)  # the core's loop runs (started, not ended)
         self._waiting = [0] * len(self.clients)  # each core's waiting count after its last step
+        self._restarting: set[int] = set()  # replicas being restarted (the watchdog's)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False  # draining or stopping: no new requests
         self._last_log = time.monotonic()
@@ -165,6 +172,7 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
+        """Sequences waiting now: in the running cores (their latest stats) and sent but not taken yet."""
         return sum(self._waiting[i] + c.num_pending for i, c in enumerate(self.clients) if self._up[i])
 
     def stats(self) -> EngineStats:
@@ -187,40 +195,73 @@ class AsyncEngine:
         """Outputs of one request as the engine produces them, until it finishes. Raises
         EngineOverloaded or EngineStopped before anything is accepted, ValueError for a request that
         cannot run. Closing the iterator early (a client gone) aborts the request."""
-        self._admit_check()
-        arrival = time.monotonic()
-
-        def add() -> list[EngineCoreRequest]:
-            return self.processor.add_request(request_id, prompt, params, arrival, cache_salt, output_kind)
-
-        eager = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)
-        requests = add()
+        stream = self.submit([(request_id, prompt)], params, cache_salt, output_kind)[0]
         try:
-            replica = self._dispatch(requests, eager, exclude=())
-        except EngineUnavailable:
-            self.processor.abort_request(request_id)
-            raise
-        entry = OpenRequest(requests, eager, asyncio.Queue(), add, replica, last_token=arrival)
-        self._open[request_id] = entry
-        finished = False
-        try:
-            while True:
-                item = await entry.sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self._abort(request_id)
+            stream.close()
 
-    def _admit_check(self) -> None:
+    def submit(
+        self,
+        prompts: Sequence[tuple[str, str | list[int]]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
+    ) -> list[RequestStream]:
+        """Check, admit and start the prompts of one user request together: every one of them, or
+        none (then EngineOverloaded, EngineStopped or a ValueError naming the field, with nothing
+        left running). `prompts`: (request id, prompt) pairs. Admission counts sequences: prompts x n."""
+        self._admit_check(len(prompts) * params.n)
+        arrival = time.monotonic()
+        eager = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)
+        added: list[tuple[str, Callable[[], list[EngineCoreRequest]], list[EngineCoreRequest]]] = []
+        streams: list[RequestStream] = []
+        try:
+            for request_id, prompt in prompts:  # every prompt checked before any starts
+                add = functools.partial(
+                    self.processor.add_request, request_id, prompt, params, arrival, cache_salt, output_kind
+                )
+                added.append((request_id, add, add()))
+            for request_id, add, requests in added:
+                streams.append(self._start(request_id, add, requests, eager))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            for request_id, _, _ in added[len(streams) :]:
+                self.processor.abort_request(request_id)
+            raise
+        return streams
+
+    def _start(
+        self,
+        request_id: str,
+        add: Callable[[], list[EngineCoreRequest]],
+        requests: list[EngineCoreRequest],
+        eager: bool,
+    ) -> RequestStream:
+        """Send a registered request to a replica; its stream."""
+        assert self._loop is not None, "start() first"
+        replica = self._dispatch(requests, eager, exclude=())
+        entry = OpenRequest(requests, eager, asyncio.Queue(), add, replica, last_token=requests[0].arrival_time)
+        self._open[request_id] = entry
+        return RequestStream(request_id, entry.sink, self._abort, self._loop)
+
+    def _admit_check(self, sequences: int) -> None:
+        """Refuse a request of `sequences` sequences that would take the waiting ones past
+        `max_waiting` (one that finds none waiting always goes in, whatever its size)."""
         if not self.accepting:
-            raise EngineStopped("the server is shutting down" if self.healthy else "the engine is not running")
-        if self.num_waiting >= self.max_waiting:
-            raise EngineOverloaded(f"{self.num_waiting} requests are waiting (the limit is {self.max_waiting})")
+            raise EngineStopped(self._why_not_accepting())
+        waiting = self.num_waiting
+        if waiting and waiting + sequences > self.max_waiting:
+            raise EngineOverloaded(
+                f"{waiting} sequences are waiting and this request brings {sequences} (the limit is {self.max_waiting})"
+            )
+
+    def _why_not_accepting(self) -> str:
+        if self._stopping:
+            return "the server is shutting down"
+        return "the engine is restarting" if self.recovering else "the engine is not running"
 
     def _dispatch(self, requests: list[EngineCoreRequest], eager: bool, exclude: Sequence[int]) -> int:
         """Send a request's core requests to a replica the router picks, and return it; EngineStopped
@@ -272,10 +313,12 @@ class AsyncEngine:
         processed = self.processor.process(outputs)
         if processed.stop_ids:
             self.clients[replica].send(StopRequests(processed.stop_ids))
-        for request_id, message in processed.errors.items():
+        for request_id, error in processed.errors.items():  # refused by the core, or failed
             entry = self._close(request_id)
+            if isinstance(error, RequestFailed):
+                self.metrics.observe_request_fault()
             if entry is not None:
-                entry.sink.put_nowait(ValueError(message))
+                entry.sink.put_nowait(error)
         now = time.monotonic()
         for out in processed.request_outputs:
             entry = self._open.get(out.request_id)
@@ -329,36 +372,50 @@ class AsyncEngine:
                     pass
             self._close(request_id)
             self.processor.abort_request(request_id)
-            entry.sink.put_nowait(self._why_ended(replica, failure))
+            entry.sink.put_nowait(self._why_ended(request_id, replica, failure))
         if unasked and self._restart is not None:
             self._restart_in_background(replica)
 
-    def _why_ended(self, replica: int, failure: BaseException | None) -> BaseException:
+    def _why_ended(self, request_id: str, replica: int, failure: BaseException | None) -> BaseException:
         if failure is None or self._stopping:
             return EngineStopped("the server shut down")
         if len(self.clients) == 1:
-            return RuntimeError("the engine failed")
+            self.metrics.observe_request_fault()
+            restarts = "; it restarts" if self._restart is not None else ""
+            return RequestFailed(request_id, describe("the engine failed", failure) + restarts)
         return ReplicaLost(f"engine replica {replica} was lost ({failure})")
 
+    @property
+    def recovering(self) -> bool:
+        """A core that ended unasked is being restarted."""
+        return bool(self._restarting)
+
     def _restart_in_background(self, replica: int) -> None:
+        """The watchdog's part: a core whose loop ended unasked is replaced (by `restart`: the same
+        core reset under a new loop, or a new replica) and rejoins; /health is degraded meanwhile."""
         restart, loop = self._restart, self._loop
         assert restart is not None and loop is not None
+        self._restarting.add(replica)
 
         def run() -> None:
             try:
                 client = restart(replica)
+                start = client.stats()  # (where its totals start: the same core's, or a new one's zeros)
             except Exception:
                 logger.exception("engine replica %d could not be restarted", replica)
+                loop.call_soon_threadsafe(self._restarting.discard, replica)
                 return
-            loop.call_soon_threadsafe(self._rejoin, replica, client)
+            loop.call_soon_threadsafe(self._rejoin, replica, client, start)
 
         threading.Thread(target=run, name=f"tokenmill-restart-{replica}", daemon=True).start()
 
-    def _rejoin(self, replica: int, client: CoreClient) -> None:
+    def _rejoin(self, replica: int, client: CoreClient, start: EngineStats) -> None:
+        self._restarting.discard(replica)
         if self._stopping:
             client.request_stop()
             return
         self.clients[replica] = client
+        self.metrics.replica_restarted(replica, start)
         self._start_client(replica, client)
         self.router.rejoined(replica)
         logger.info("engine replica %d rejoined", replica)

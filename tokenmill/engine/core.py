@@ -6,11 +6,17 @@ as stopped and its blocks are freed here, in the core, like every other finish),
 returns `EngineCoreOutputs`: per request that changed, the new token ids and logprobs, the
 prompt-logprob rows of the chunk just run, the finish and stop reason, cached tokens and timestamps.
 It never tokenizes, detokenizes or fans out `n`: the front end (`OutputProcessor`) does.
+
+Faults stay as small as they can: an error that belongs to one request (its logits processors, its
+grammar, its KV allocation, its stop check) fails that request alone, and one in the step itself
+(the forward) fails the step's requests; either way they finish with `finish_reason` "error" and a
+`fault` saying why, their blocks freed, and the core goes on serving.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from tokenmill.config import EngineConfig
@@ -19,12 +25,14 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.static import StaticScheduler
 from tokenmill.distributed.kv_transfer import TransferConnector
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from tokenmill.errors import ParamError
-from tokenmill.outputs import EngineStats, StepOutput, StepStats
+from tokenmill.errors import ParamError, describe
+from tokenmill.outputs import EngineStats, SchedulerOutput, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.worker import Worker
 from tokenmill.spec_decode import SpeculativeConfig, make_proposer
 from tokenmill.spec_decode.speculation import Speculation
+
+logger = logging.getLogger("tokenmill")
 
 
 class EngineCore:
@@ -52,6 +60,7 @@ class EngineCore:
         if transfer is not None:
             transfer.bind(self.worker.runner.kv_caches)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
+        self.num_step_failures = 0
         spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
         counts = self.scheduler.spec
         self.speculation = (
@@ -116,7 +125,10 @@ class EngineCore:
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
         if self.transfer is not None:
             self.transfer.run_loads()  # received KV into the blocks just allocated, before the forward
-        result = self.worker.execute(scheduled)
+        try:
+            result = self.worker.execute(scheduled)
+        except Exception as e:  # the step itself failed: its requests fail, the engine goes on
+            return self._step_failed(scheduled, e, start)
         if spec is not None:
             spec.after_step(result.drafts, result.draft_seconds)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
@@ -130,6 +142,7 @@ class EngineCore:
         for request_id, rows in result.prompt_logprobs.items():  # a prompt chunk that sampled nothing
             if request_id not in reported:
                 outputs.append(EngineCoreOutput(request_id, new_prompt_logprobs=rows))
+        outputs += self._failures()
         self.last_step = StepStats(
             num_running=len(scheduled.chunks),
             num_batched_tokens=scheduled.num_batched_tokens,
@@ -139,6 +152,45 @@ class EngineCore:
             kv_allocated_slots=self.scheduler.kv.num_allocated_slots(),
         )
         return EngineCoreOutputs(outputs, self.stats(), self.last_step)
+
+    def _step_failed(self, scheduled: SchedulerOutput, error: Exception, start: float) -> EngineCoreOutputs:
+        """The step's forward (or anything of the runner's that no request owns) failed: its requests
+        fail, the runner forgets them, and the next step starts clean."""
+        logger.error("engine step failed; its %d requests fail", len(scheduled.chunks), exc_info=error)
+        self.num_step_failures += 1
+        ids = [c.request_id for c in scheduled.chunks]
+        for request_id in ids:
+            self.scheduler.fail_request(request_id, describe("the engine step it was in failed", error))
+        self.worker.runner.forget([*ids, *scheduled.finished_request_ids])
+        elapsed = time.perf_counter() - start
+        self.last_step = StepStats(len(ids), scheduled.num_batched_tokens, elapsed, 0.0, 0, 0)
+        return EngineCoreOutputs(self._failures(), self.stats(), self.last_step)
+
+    def _failures(self) -> list[EngineCoreOutput]:
+        """An output for each request failed since the last step (finished, its blocks free)."""
+        now = time.monotonic()
+        return [
+            EngineCoreOutput(request_id, finish_reason=RequestStatus.FINISHED_ERROR.value, finished_time=now, fault=why)
+            for request_id, why in self.scheduler.take_failed().items()
+        ]
+
+    def recover(self, error: Exception) -> EngineCoreOutputs:
+        """After an error that escaped a step (no request owns it, and the scheduler's state is in
+        doubt): every request the core holds fails, the runner forgets them all, and the core serves on."""
+        held = len(self.scheduler.requests)
+        logger.error("engine step failed outside any one request; the %d requests held fail", held, exc_info=error)
+        self.num_step_failures += 1
+        why = describe("the engine failed a step", error)
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.fail_request(request_id, why)
+        self.reset()
+        return EngineCoreOutputs(self._failures(), self.stats(), self.last_step)
+
+    def reset(self) -> None:
+        """Abort whatever requests are left and clear the runner's per-request state: a clean core for a
+        new loop (a restart after the old one ended)."""
+        self.abort_requests(list(self.scheduler.requests))
+        self.worker.runner.forget(list(self.worker.runner.batch.row_of))
 
     @staticmethod
     def _output(request: Request, result: StepOutput, had: int) -> EngineCoreOutput:
@@ -165,7 +217,7 @@ class EngineCore:
         for part in (self.worker.runner.batch.grammar, self.transfer):
             if part is not None:
                 extra.update(part.stats_fields())
-        return dataclasses.replace(stats, **extra) if extra else stats
+        return dataclasses.replace(stats, step_failures=self.num_step_failures, **extra)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""

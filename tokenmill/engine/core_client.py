@@ -4,7 +4,8 @@ A small protocol: send requests and commands, get each batch of steps' outputs t
 and the core's end through `stopped` (both called from a background thread), read its stats. Two
 implementations: `LocalCoreClient` here (the core on a thread of the server's process, the default)
 and `RayCoreClient` (`tokenmill.distributed.replica`: the core in a Ray actor, one per data-parallel
-replica). The AsyncEngine routes between any number of them.
+replica). The AsyncEngine routes between any number of them, and restarts one whose loop ended
+unasked (`restart_in_place` for local cores).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.outputs import EngineStats
 
 Deliver = Callable[[list[EngineCoreOutputs]], None]
 Stopped = Callable[[BaseException | None], None]  # None: a requested stop; else why the core ended
+Restart = Callable[[int], "CoreClient"]  # builds (and loads) a replacement for replica i; blocking
 
 
 class CoreClient(Protocol):
@@ -122,3 +124,17 @@ class LocalCoreClient:
     def join(self, timeout: float) -> None:
         if self._running is not None:
             wait([self._running], timeout)
+
+
+def restart_in_place(cores: list[EngineCore], threads: list[EngineThread]) -> Restart:
+    """The watchdog's restart for cores on threads of this process: replica i's core, reset (whatever
+    requests are left aborted, the runner's rows cleared), under a new loop on its engine thread, or
+    on a new thread where that one has died. The model and its KV cache stay loaded."""
+
+    def restart(i: int) -> CoreClient:
+        if not threads[i].alive:
+            threads[i] = EngineThread()
+        threads[i].run(cores[i].reset)
+        return LocalCoreClient(cores[i], threads[i])
+
+    return restart

@@ -6,10 +6,14 @@ queued commands (requests, aborts, stops, shutdown), steps while there is work, 
 at least every `OUTPUT_INTERVAL_S`, instead of one hand-over per step: each wakes the consumer,
 which on a small machine takes a core from the step's thread team (2 cores: bfloat16 at one request
 222 -> 288 tok/s). A finished, failed, streamed or stop-string ("eager") request is handed at once.
+Commands that leave the core idle (aborts of everything it held) run no step, so the loop then hands
+over the stats alone: the front end's admission count and /metrics never wait on a step to come.
 
 The same loop runs in the server's process (`LocalCoreClient`) and inside a Ray replica actor
-(`tokenmill.distributed.replica`); only `deliver` differs. When the loop ends (a shutdown, or the
-core failing) it frees every request's blocks, so nothing leaks whatever the cause.
+(`tokenmill.distributed.replica`); only `deliver` differs. An error inside a step fails what it
+belongs to (a request, the step's requests, or, escaping the step, every request the core holds) and
+the loop goes on. When the loop ends (a shutdown, or an error outside any step) it frees every
+request's blocks, so nothing leaks whatever the cause; the front end restarts a loop that ended unasked.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tokenmill.engine.messages import (
     Shutdown,
     StopRequests,
 )
+from tokenmill.errors import describe
 
 logger = logging.getLogger("tokenmill")
 
@@ -50,6 +55,8 @@ class CoreLoop:
         self.closed = False  # the loop has ended (or is ending): nothing sent is seen any more
         self.sent = 0  # requests queued for the core so far
         self.taken = 0  # requests the core has taken so far
+        self._changed = False  # commands changed the core since the stats last went out
+        self._held: list[EngineCoreOutputs] = []  # steps not yet handed over
 
     # -- any thread --------------------------------------------------------------------------------
 
@@ -78,7 +85,6 @@ class CoreLoop:
     def run(self, idle_wait: float = 10.0) -> BaseException | None:
         """Step until a Shutdown (None) or a failure (returned, after logging it)."""
         failure: BaseException | None = None
-        held: list[EngineCoreOutputs] = []  # steps not yet handed over
         handed = time.monotonic()
         core = self.core
         try:
@@ -86,28 +92,47 @@ class CoreLoop:
                 if not self._apply_commands(block=not core.has_unfinished(), idle_wait=idle_wait):
                     break
                 if core.has_unfinished():
-                    held.append(core.step())
+                    self._held.append(self._step())
+                    self._changed = False  # (the step's outputs carry the stats)
                     now = time.monotonic()
                     idle = not core.has_unfinished()
-                    if self._urgent(held[-1]) or idle or now - handed >= OUTPUT_INTERVAL_S:
-                        self._deliver(held)
-                        held, handed = [], now
+                    if self._urgent(self._held[-1]) or idle or now - handed >= OUTPUT_INTERVAL_S:
+                        self._hand_over()
+                        handed = now
+                elif self._changed:  # commands left the core idle (aborts): no step will carry the stats
+                    self._hand_over(EngineCoreOutputs([], core.stats(), core.last_step))
         except BaseException as e:  # the core died: the caller fails every open request rather than hang it
             logger.exception("engine core failed")
             failure = e
         finally:
             with self._lock:  # nothing is queued after this
                 self.closed = True
-            if held:  # what the requests got before the end reaches them first
-                self._deliver(held)
+            if self._held:  # what the requests got before the end reaches them first
+                self._hand_over()
             self._abort_everything()
         return failure
+
+    def _hand_over(self, last: EngineCoreOutputs | None = None) -> None:
+        """Deliver the held steps (then `last`), in order: each one's stats are newer than the one's before."""
+        steps, self._held = self._held, []
+        if last is not None:
+            steps.append(last)
+        self._changed = False
+        self._deliver(steps)
+
+    def _step(self) -> EngineCoreOutputs:
+        """One core step. An error that escapes it (one no request owns: the core isolates those of a
+        request and of a step's forward itself) fails every request the core holds, and it serves on."""
+        try:
+            return self.core.step()
+        except Exception as e:
+            return self.core.recover(e)
 
     def _urgent(self, outputs: EngineCoreOutputs) -> bool:
         """Whether a step's outputs go over now: an eager request got tokens, or one finished or failed."""
         urgent = False
         for out in outputs.outputs:
-            if out.finish_reason is not None or out.error is not None:
+            if out.finish_reason is not None or out.error is not None:  # (a fault finishes it: "error")
                 self.eager.discard(out.request_id)
                 urgent = True
             elif out.request_id in self.eager:
@@ -136,6 +161,7 @@ class CoreLoop:
             block = False
             if isinstance(command, Shutdown):
                 return False
+            self._changed = True
             if isinstance(command, AbortRequests | StopRequests):
                 self.eager.difference_update(command.request_ids)
             if isinstance(command, AbortRequests):
@@ -149,7 +175,13 @@ class CoreLoop:
     def _add(self, request: EngineCoreRequest) -> None:
         try:
             self.core.add_request(request)
+            return
         except ValueError as e:  # the front end checks the same limits: this is a disagreement, not a user error
-            self.eager.discard(request.request_id)
-            refusal = EngineCoreOutput(request.request_id, error=str(e))
-            self._deliver([EngineCoreOutputs([refusal], self.core.stats(), self.core.last_step)])
+            refusal = EngineCoreOutput(request.request_id, error=str(e), error_param=getattr(e, "param", None))
+        except Exception as e:  # (a grammar that fails to compile, say): this request fails alone
+            logger.warning("request %s could not be queued", request.request_id, exc_info=True)
+            self.core.abort_requests([request.request_id])
+            why = describe("the engine could not queue it", e)
+            refusal = EngineCoreOutput(request.request_id, finish_reason="error", fault=why)
+        self.eager.discard(request.request_id)
+        self._hand_over(EngineCoreOutputs([refusal], self.core.stats(), self.core.last_step))

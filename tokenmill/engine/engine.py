@@ -77,8 +77,12 @@ class LLMEngine:
         return self.processor.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One core step's RequestOutputs. A request the engine failed alone raises its RequestFailed
+        (the engine's state is clean: the caller may abort the rest, or step on)."""
         processed = self.processor.process(self.core.step())
         self.core.stop_requests(processed.stop_ids)
+        if processed.errors:
+            raise next(iter(processed.errors.values()))
         return processed.request_outputs
 
     def reset_prefix_cache(self) -> bool:

@@ -29,6 +29,10 @@ class EngineThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` on the thread after what was submitted before; its result (or error) in the future."""
         future: Future[T] = Future()

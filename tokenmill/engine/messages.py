@@ -10,7 +10,8 @@ Into the core: `EngineCoreRequest` (a request's token ids, sampling parameters, 
 finishes them as stopped and frees their blocks), `Shutdown`. Out of the core, once per step:
 `EngineCoreOutputs`, one `EngineCoreOutput` per request that changed (the *new* token ids and
 logprobs, the prompt-logprob rows of the chunk just run, finish and stop reason, cached tokens and
-timestamps), with the engine's stats after the step.
+timestamps; or a refusal (`error`, naming the field) or a failure (`fault`)), with the engine's stats
+after the step.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None  # the core refused the request (it never ran)
+    error_param: str | None = None  # the request field the refusal names
+    fault: str | None = None  # the engine failed the request (finish_reason "error"; its blocks are free)
 
 
 @dataclass

@@ -5,7 +5,9 @@ histograms (TTFT, inter-token latency, TPOT, end-to-end, queue, prefill, decode)
 and counters (running, waiting, KV usage, preemptions, prompt and generation tokens, successes by
 finish reason), and a vLLM-like summary line of throughput and load. With data-parallel replicas,
 the series above are the totals over the replicas, and `replica_*` series (labelled `replica`) hold
-each one's load, cache use, prefix hits, routing and whether it is up.
+each one's load, cache use, prefix hits, routing and whether it is up. Faults: `engine_step_failures`
+(steps whose requests failed, the engine going on), `engine_request_faults` (requests failed with an
+error) and `engine_restarts` (cores the watchdog restarted).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ LATENCY_BUCKETS = (
     640.0,
 )
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+FAULT_COUNTERS = (
+    ("engine_step_failures", "Engine steps that failed (their requests failed with an error; the engine went on)."),
+    (
+        "engine_request_faults",
+        "Requests the engine failed with an error (their own processing, or a step they were in).",
+    ),
+    ("engine_restarts", "Engine cores the watchdog restarted after their loop ended unasked."),
+)
 
 
 class EngineMetrics:
@@ -109,6 +121,9 @@ class EngineMetrics:
         self.success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
         )
+        self.step_failures, self.request_faults, self.restarts = (
+            Counter(PREFIX + name, doc, labels, registry=r) for name, doc in FAULT_COUNTERS
+        )
         self.model_name = model_name
         self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # the totals
         self._zero = self._last
@@ -132,6 +147,7 @@ class EngineMetrics:
             (self.spec_accepted.labels(m), "spec_decode_num_accepted_tokens"),
         ]
         self._counters += [(counter.labels(m), name) for name, counter in self.part_counters.items()]
+        self._counters.append((self.step_failures.labels(m), "step_failures"))
         self._itl = self.itl.labels(m)
 
     def observe_step(self, stats: EngineStats, replica: int = 0) -> None:
@@ -165,10 +181,19 @@ class EngineMetrics:
         rejoins in its place starts from zero."""
         last = self._by_replica.pop(replica, None)
         if last is not None:
-            gauges = {"running": 0, "waiting": 0, "kv_blocks_total": 0, "kv_blocks_free": 0, "weight_bytes": 0}
-            self._retired = sum_stats([self._retired, dataclasses.replace(last, kv_tokens=0, **gauges)])
+            self._retired = sum_stats([self._retired, _totals(last)])
         if self._replica_series is not None:
             self._replica_series.up.labels(self.model_name, str(replica)).set(0)
+
+    def replica_restarted(self, replica: int, start: EngineStats) -> None:
+        """A replica lost earlier rejoined (the watchdog's restart), its totals starting at `start`: a
+        core kept from before (a restart in place) brings the totals counted when it was lost, which
+        are then not counted twice; a new one brings zeros."""
+        self.restarts.labels(self.model_name).inc()
+        self._retired = sum_stats([self._retired, _negated(_totals(start))])
+
+    def observe_request_fault(self) -> None:
+        self.request_faults.labels(self.model_name).inc()
 
     def replica_up(self, replica: int) -> None:
         if self._replica_series is not None:
@@ -254,6 +279,22 @@ class _ReplicaSeries:
             delta = getattr(g, name) - getattr(before, name)
             if delta > 0:
                 counter.labels(m, i).inc(delta)
+
+
+GAUGES = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "weight_bytes", "kv_tokens")
+
+
+def _totals(stats: EngineStats) -> EngineStats:
+    """The running totals alone (gauges 0): what a lost replica leaves counted."""
+    return dataclasses.replace(stats, **dict.fromkeys(GAUGES, 0))
+
+
+def _negated(stats: EngineStats) -> EngineStats:
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(EngineStats):
+        value = getattr(stats, f.name)
+        out[f.name] = tuple(-v for v in value) if isinstance(value, tuple) else -value
+    return EngineStats(**out)  # type: ignore[arg-type]
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:

@@ -11,12 +11,17 @@ so far; `LLM.generate`), deltas (what is new since the last output; streaming) o
 delta, a choice's tokens and logprobs go out once all their text has (`num_settled_tokens`): a token
 whose text is partly held back (a possible stop string, an incomplete character) waits for it.
 
+A request the core refused or failed, or whose output cannot be processed here (its detokenizer, its
+stop strings), is forgotten with the error its caller gets (`ProcessedOutputs.errors`), and its other
+children are finished in the core: the rest go on.
+
 Runs wherever the front end runs (the server's event loop): it never calls the core directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -24,10 +29,12 @@ from dataclasses import dataclass, field
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.errors import ParamError
+from tokenmill.errors import ParamError, RequestFailed, describe
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, generator_seed
 from tokenmill.structured.grammar import GrammarCompiler
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,10 @@ class Parent:
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    stop_ids: list[str]  # core requests that matched a stop string: finish them in the core
-    errors: dict[str, str]  # request id -> why the core refused it
+    stop_ids: list[str]  # core requests to finish in the core: a stop string matched, or a sibling failed
+    # request id -> what its caller gets instead of outputs: a refusal (ValueError, ParamError naming the
+    # field) or a failure of the engine's (RequestFailed); the request is forgotten here
+    errors: dict[str, Exception]
 
 
 class OutputProcessor:
@@ -110,6 +119,8 @@ class OutputProcessor:
         params = self._with_token_constraints(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        # (an EOS id past the embedding can never be sampled: masking it would index past the logits)
+        eos = [t for t in self.tokenizer.info.eos_token_ids if t < self.limits.vocab_size]
         children, requests = [], []
         for i in range(params.n):
             core_id = str(self._next_id)
@@ -126,7 +137,7 @@ class OutputProcessor:
                     sampling_params=params,
                     seed=generator_seed(base_seed, i),  # child i seeded from (seed, i)
                     max_tokens=max_tokens,
-                    eos_token_ids=list(self.tokenizer.info.eos_token_ids),
+                    eos_token_ids=eos,
                     arrival_time=arrival,
                     cache_salt=cache_salt,
                     wait_for=wait_for,
@@ -184,18 +195,19 @@ class OutputProcessor:
         return self._grammar
 
     def _with_token_constraints(self, params: SamplingParams) -> SamplingParams:
-        """Check the token ids a request names against the vocabulary, and turn its bad words into
-        token sequences: each word alone and after a space (barred at the start and mid-text)."""
+        """Check the token ids a request names against the model's vocabulary (its embedding, which a
+        tokenizer's added tokens may pass), and turn its bad words into token sequences: each word alone
+        and after a space (barred at the start and mid-text)."""
         vocab = self.limits.vocab_size
         for name, ids in (
             ("logit_bias", list(params.logit_bias or ())),
             ("allowed_token_ids", list(params.allowed_token_ids or ())),
             ("stop_token_ids", list(params.stop_token_ids)),
         ):
-            bad = next((t for t in ids if t >= vocab), None)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ParamError(name, f"{name}: token id {bad} is outside the vocabulary ({vocab})")
-        if not params.bad_words:
+                raise ParamError(name, f"{name}: token id {bad} is outside the model's vocabulary ({vocab})")
+        if not params.bad_words and not params.bad_words_token_ids:
             return params
         sequences: list[tuple[int, ...]] = list(params.bad_words_token_ids)
         for word in params.bad_words:
@@ -203,6 +215,12 @@ class OutputProcessor:
                 ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
                 if ids and ids not in sequences:
                     sequences.append(ids)
+        # (a tokenizer may know ids the model has no embedding for: a token added to tokenizer.json)
+        bad = next((t for ids in sequences for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError(
+                "bad_words", f"bad_words: a word becomes token id {bad}, outside the model's vocabulary ({vocab})"
+            )
         return dataclasses.replace(params, bad_words_token_ids=tuple(sequences))
 
     def abort_request(self, request_id: str) -> list[str]:
@@ -234,32 +252,60 @@ class OutputProcessor:
     # -- outputs ---------------------------------------------------------------------------------
 
     def process(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """One core step's outputs folded into their requests. An error processing one request's
+        output (its detokenizer, its stop strings) fails that request alone."""
         touched: dict[str, Parent] = {}
         stop_ids: list[str] = []
-        errors: dict[str, str] = {}
+        errors: dict[str, Exception] = {}
+
+        def fail(parent: Parent, error: Exception, core_id: str | None = None) -> None:
+            errors[parent.request_id] = error
+            touched.pop(parent.request_id, None)
+            stop_ids.extend(c for c in self.abort_request(parent.request_id) if c != core_id)
+
         for out in outputs.outputs:
             found = self._children.get(out.request_id)
             if found is None:
                 continue  # aborted, or stopped by a stop string, while the step ran
             parent, index = found
-            if out.error is not None:
-                errors[parent.request_id] = out.error
-                stop_ids.extend(c for c in self.abort_request(parent.request_id) if c != out.request_id)
+            if out.error is not None or out.fault is not None:  # (finished in the core already)
+                fail(parent, self._refusal(parent, out), out.request_id)
                 continue
-            if self._apply(parent, parent.children[index], out):
-                stop_ids.append(out.request_id)
+            try:
+                if self._apply(parent, parent.children[index], out):
+                    stop_ids.append(out.request_id)
+            except Exception as e:
+                logger.warning("request %s: its output could not be processed", parent.request_id, exc_info=True)
+                fail(parent, RequestFailed(parent.request_id, describe("its output could not be processed", e)))
+                continue
             touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
-            finished = all(c.finish_reason is not None for c in parent.children)
-            if finished:
-                self._parents.pop(parent.request_id, None)
-                for child in parent.children:
-                    self._children.pop(child.core_id, None)
-            output = self._output(parent, finished)
+            try:
+                output = self._finish(parent)
+            except Exception as e:
+                logger.warning("request %s: its output could not be built", parent.request_id, exc_info=True)
+                fail(parent, RequestFailed(parent.request_id, describe("its output could not be built", e)))
+                continue
             if output is not None:
                 results.append(output)
         return ProcessedOutputs(results, stop_ids, errors)
+
+    def _finish(self, parent: Parent) -> RequestOutput | None:
+        """The request's output after this step (None: nothing to hand over yet); forgotten once done."""
+        finished = all(c.finish_reason is not None for c in parent.children)
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._children.pop(child.core_id, None)
+        return self._output(parent, finished)
+
+    @staticmethod
+    def _refusal(parent: Parent, out: EngineCoreOutput) -> Exception:
+        if out.fault is not None:
+            return RequestFailed(parent.request_id, out.fault)
+        message = out.error or ""
+        return ParamError(out.error_param, message) if out.error_param else ValueError(message)
 
     def _apply(self, parent: Parent, child: Child, out: EngineCoreOutput) -> bool:
         """Fold one core output into a child; True when a stop string ended it here."""

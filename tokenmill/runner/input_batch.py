@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.errors import describe
 from tokenmill.layers.logits_processor import LogitsProcessor, PenaltiesProcessor
 from tokenmill.layers.sampler import SamplingMetadata, host_fields
 from tokenmill.layers.token_constraints import (
@@ -99,7 +100,9 @@ class InputBatch:
         for processor in self.processors:
             processor.add_row(row, p, new.prompt_token_ids, new.eos_token_ids)
         if new.output_token_ids:  # tokens another engine generated: penalties and positions count them
-            self.append_tokens([new.request_id] * len(new.output_token_ids), new.output_token_ids)
+            failed = self.append_tokens([new.request_id] * len(new.output_token_ids), new.output_token_ids)
+            if failed:
+                raise RuntimeError(failed[new.request_id])
         return row
 
     def remove(self, request_id: str) -> None:
@@ -131,15 +134,21 @@ class InputBatch:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def append_tokens(self, request_ids: list[str], tokens: list[int]) -> None:
+    def append_tokens(self, request_ids: list[str], tokens: list[int]) -> dict[str, str]:
         """Each request sampled its token. Only active processors hear of it: an inactive one has no
-        rows, so it has nothing to record."""
+        rows, so it has nothing to record. A processor that fails on a request's token fails that
+        request alone: {request id: why} (the others' tokens are recorded)."""
         active = [p for p in self.processors if p.active]
+        failed: dict[str, str] = {}
         for request_id, token in zip(request_ids, tokens, strict=True):
             row = self.row_of[request_id]
             self.rows[row].output_token_ids.append(token)
             for processor in active:
-                processor.append_token(row, token)
+                try:
+                    processor.append_token(row, token)
+                except Exception as e:
+                    failed[request_id] = describe(f"{type(processor).__name__} failed on token {token}", e)
+        return failed
 
     def sampling_metadata(self, request_ids: list[str], counts: list[int] | None = None) -> SamplingMetadata:
         """The metadata of the logits rows of these requests, in this order: one position each, or

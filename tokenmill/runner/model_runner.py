@@ -1,6 +1,9 @@
 """ModelRunner: execute(SchedulerOutput) -> StepOutput. Runs the model and samples; never holds a Request.
 
 A step whose every row is greedy (no processors, no logprobs) may skip the logits: see `greedy_head`.
+An error that belongs to one request fails it alone, reported in `StepOutput.failed` (its row could
+not be built, its own logits processors fail, its logits are NaN); the others' step goes on. Any other
+error is the step's: the engine core fails the step's requests and calls `forget` on them.
 Keeps its own per-request state in a persistent batch (`InputBatch`: sampling params as per-row
 tensors, seed, prompt and output ids, how far prompt logprobs got, and the logits processors' rows),
 a row added when the scheduler first sends a request and removed when it reports the id finished.
@@ -8,7 +11,9 @@ a row added when the scheduler first sends a request and removed when it reports
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +21,7 @@ from functools import partial
 
 import torch
 
+from tokenmill.errors import describe
 from tokenmill.layers.attention import AttentionBackend, KVCache
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
@@ -27,6 +33,9 @@ from tokenmill.spec_decode.draft_model import DraftRow, DraftRunner
 from tokenmill.spec_decode.proposer import speculates
 from tokenmill.spec_decode.rejection import RejectionSampler, Verification
 from tokenmill.structured.grammar import GrammarCompiler
+
+logger = logging.getLogger("tokenmill")
+NAN_TOKEN = -1  # a sampling row's token where its logits were NaN: its request fails
 
 
 class ModelRunner:
@@ -53,13 +62,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, where captured
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
-        for request_id in scheduled.finished_request_ids:
-            self.batch.remove(request_id)
-        for new in scheduled.new_requests:
-            self.batch.add(new)
+        result = StepOutput(failed=self._join(scheduled))
+        if result.failed:  # their chunks are not computed
+            chunks = [c for c in scheduled.chunks if c.request_id not in result.failed]
+            scheduled = dataclasses.replace(scheduled, chunks=chunks)
         if self.draft is not None:
             self.draft.begin_step(scheduled)
-        result = StepOutput()
         if not scheduled.chunks:
             return result
         for c in scheduled.chunks:  # the scheduler sends only new block ids; the tables live here
@@ -100,41 +108,108 @@ class ModelRunner:
             argmax_only = self._argmax_only(inputs)
             # [R, hidden]: the rows wanting logits (a decode-only step: every row, no copy)
             wanted = hidden if inputs.every_row else hidden.index_select(0, inputs.logits_rows)
-            if self.greedy_head and argmax_only:  # greedy tokens from the hidden states
-                tokens = self.model.greedy_tokens(wanted)
-                if tokens is not None:
-                    if events:
-                        events[1].record()
-                    self._accept(inputs.sample_rows, inputs.drafts, tokens.tolist(), None, result)
-                    result.forward_seconds = (
-                        events[0].elapsed_time(events[1]) / 1e3 if events else time.perf_counter() - start
-                    )
-                    self._propose(scheduled, result)
-                    return result
+            if self.greedy_head and argmax_only and self._greedy_from_head(wanted, inputs, result):
+                if events:
+                    events[1].record()
+                    events[1].synchronize()
+                    result.forward_seconds = events[0].elapsed_time(events[1]) / 1e3
+                else:
+                    result.forward_seconds = time.perf_counter() - start
+                self._propose(scheduled, result)
+                return result
             logits = self.model.compute_logits(wanted)  # [R, vocab] float32
             if events:  # (no sync: the sampler's kernels queue behind the forward's)
                 events[1].record()
             else:
                 result.forward_seconds = time.perf_counter() - start
-
-            for rows in inputs.prompt_rows:
-                state = self.batch.state(rows.request_id)
-                k = state.params.prompt_logprobs or 0
-                n = len(rows.targets)
-                lp = torch.log_softmax(logits[rows.first_row : rows.first_row + n], dim=-1)
-                targets_t = torch.tensor(rows.targets, dtype=torch.int64, device=lp.device)
-                result.prompt_logprobs[rows.request_id] = to_token_logprobs(
-                    gather_logprobs(lp, targets_t, k), k, rows.targets, range(n)
-                )
-                state.next_prompt_logprob = rows.first_position + n
-
+            self._prompt_logprobs(logits, inputs, result)
             if inputs.sample_rows:
-                self._sample(logits, inputs, argmax_only, result)
+                self._sample_or_blame(logits, inputs, argmax_only, result)
             self._propose(scheduled, result)
         if events:
             events[1].synchronize()  # (done already where the step read its tokens)
             result.forward_seconds = events[0].elapsed_time(events[1]) / 1e3
         return result
+
+    def _join(self, scheduled: SchedulerOutput) -> dict[str, str]:
+        """Rows out for the finished requests, in for the new ones. A request whose row cannot be built
+        (its own processors refuse it) fails alone: {request id: why}."""
+        for request_id in scheduled.finished_request_ids:
+            self.batch.remove(request_id)
+        failed: dict[str, str] = {}
+        for new in scheduled.new_requests:
+            try:
+                self.batch.add(new)
+            except Exception as e:
+                logger.warning("request %s: its sampling state could not be set up", new.request_id, exc_info=True)
+                self.batch.remove(new.request_id)
+                failed[new.request_id] = describe("its sampling state could not be set up", e)
+        return failed
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop every per-request state of these requests (a failed step's): their rows, the draft's."""
+        for request_id in request_ids:
+            self.batch.remove(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
+
+    def _greedy_from_head(self, wanted: torch.Tensor, inputs: ModelInputs, result: StepOutput) -> bool:
+        """Greedy tokens from the hidden states [R, hidden] without logits (False where the head
+        cannot: the caller computes logits then). A row of NaN hidden states fails its request."""
+        tokens = self.model.greedy_tokens(wanted)
+        if tokens is None:
+            return False
+        tokens = torch.where(torch.isnan(wanted).any(dim=-1), NAN_TOKEN, tokens)  # [R]
+        self._accept(inputs.sample_rows, inputs.drafts, tokens.tolist(), None, result)
+        return True
+
+    def _prompt_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, result: StepOutput) -> None:
+        """The rows of prompt positions whose logprobs were asked for (logits [R, vocab])."""
+        for rows in inputs.prompt_rows:
+            state = self.batch.state(rows.request_id)
+            k = state.params.prompt_logprobs or 0
+            n = len(rows.targets)
+            lp = torch.log_softmax(logits[rows.first_row : rows.first_row + n], dim=-1)
+            targets_t = torch.tensor(rows.targets, dtype=torch.int64, device=lp.device)
+            result.prompt_logprobs[rows.request_id] = to_token_logprobs(
+                gather_logprobs(lp, targets_t, k), k, rows.targets, range(n)
+            )
+            state.next_prompt_logprob = rows.first_position + n
+
+    def _sample_or_blame(
+        self, logits: torch.Tensor, inputs: ModelInputs, argmax_only: bool, result: StepOutput
+    ) -> None:
+        """Sample; should that fail, the requests whose own logits processors fail on their row alone
+        are failed and the others sampled without them (an error no request owns fails the step)."""
+        try:
+            self._sample(logits, inputs, argmax_only, result)
+            return
+        except Exception:
+            blamed = self._blame(list(inputs.sample_rows))
+            if not blamed:
+                raise
+        result.failed.update(blamed)
+        rows = {i: r for i, r in inputs.sample_rows.items() if i not in blamed}
+        drafts = {i: d for i, d in inputs.drafts.items() if i not in blamed}
+        if rows:
+            self._sample(logits, dataclasses.replace(inputs, sample_rows=rows, drafts=drafts), argmax_only, result)
+
+    def _blame(self, request_ids: list[str]) -> dict[str, str]:
+        """The requests among these whose active logits processors fail on their row alone (a zero
+        row of logits): {request id: why}."""
+        probe = torch.zeros(1, self.batch.vocab_size, device=self.device)  # [1, V]
+        blamed: dict[str, str] = {}
+        for request_id in request_ids:
+            row = self.batch.row_of[request_id]
+            rows = torch.tensor([row], dtype=torch.int64, device=self.device)
+            for processor in [p for p in self.batch.processors if p.active]:
+                try:
+                    processor.apply(probe, rows, [row])
+                except Exception as e:
+                    logger.warning("request %s: %s failed", request_id, type(processor).__name__, exc_info=True)
+                    blamed[request_id] = describe(f"{type(processor).__name__} failed", e)
+                    break
+        return blamed
 
     def _propose(self, scheduled: SchedulerOutput, result: StepOutput) -> None:
         """The draft model's guesses after each request's newest token, for the next step."""
@@ -173,14 +248,15 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         firsts = dict(zip(ids, itertools.accumulate(counts, initial=0), strict=False))  # each one's first row now
         if argmax_only:  # nothing between the logits and their argmax: no sampling metadata to build
-            self._accept(firsts, inputs.drafts, self.sampler.argmax(logits).tolist(), None, result)
+            tokens = marking_nan(logits, self.sampler.argmax(logits))
+            self._accept(firsts, inputs.drafts, tokens.tolist(), None, result)
             return
         if self.batch.grammar is not None and self.batch.grammar.active and inputs.drafts:  # rows follow drafts
             self.batch.grammar.drafts = {self.batch.row_of[i]: d for i, d in inputs.drafts.items()}
         verifications = self._verifications(firsts, inputs.drafts)
         resample = partial(self.rejection.resample, verifications=verifications) if verifications else None
         out = self.sampler(logits, self.batch.sampling_metadata(ids, counts), resample)
-        self._accept(firsts, inputs.drafts, out.token_ids.tolist(), out.logprobs, result)
+        self._accept(firsts, inputs.drafts, marking_nan(logits, out.token_ids).tolist(), out.logprobs, result)
 
     def _verifications(self, firsts: dict[str, int], drafts: dict[str, list[int]]) -> list[Verification]:
         """The unseeded sampled requests with drafts: rejection sampling decides what they keep (a seeded
@@ -208,7 +284,7 @@ class ModelRunner:
         request those are its own tokens: what it would have sampled one a step, since a row's token
         is a function of its logits and (seed, position). An unseeded request's rows come rewritten by
         rejection sampling (spec_decode/rejection.py): its kept drafts, then the token drawn in place of
-        the first refused one."""
+        the first refused one. A NAN_TOKEN (a row of NaN logits) fails its request instead."""
         lists = LogprobLists.of(logprobs) if logprobs is not None else None  # one conversion a step
         kept_ids: list[str] = []
         kept_tokens: list[int] = []
@@ -218,13 +294,19 @@ class ModelRunner:
             while accepted < len(guess) and guess[accepted] == tokens[first + accepted]:
                 accepted += 1
             kept = tokens[first : first + accepted + 1]
+            if kept[-1] == NAN_TOKEN:  # (never a draft: the rows after it are not reached)
+                result.failed[request_id] = "the model's output for it was NaN"
+                continue
             result.sampled[request_id] = kept
             kept_ids += [request_id] * len(kept)
             kept_tokens += kept
             k = self.batch.state(request_id).params.logprobs if lists is not None else None
             if lists is not None and k is not None:
                 result.logprobs[request_id] = [lists.entry(first + j, t, k) for j, t in enumerate(kept)]
-        self.batch.append_tokens(kept_ids, kept_tokens)
+        for request_id, why in self.batch.append_tokens(kept_ids, kept_tokens).items():  # (its token stays unsent)
+            result.sampled.pop(request_id, None)
+            result.logprobs.pop(request_id, None)
+            result.failed[request_id] = why
 
     def _argmax_only(self, inputs: ModelInputs) -> bool:
         """This step needs nothing from the logits but each row's argmax: every sampling row greedy,
@@ -235,6 +317,13 @@ class ModelRunner:
         return all(s.params.greedy and s.params.logprobs is None for s in rows) and not any(
             p.active for p in self.batch.processors
         )
+
+
+def marking_nan(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [N] with NAN_TOKEN where the row's logit of its token is NaN (logits [N, V]: a row of NaN,
+    as a NaN in the hidden state makes it, gives NaN whatever token it picks). O(N): one gather."""
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [N]
+    return torch.where(torch.isnan(chosen), NAN_TOKEN, tokens)
 
 
 @dataclass

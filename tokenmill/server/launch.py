@@ -26,7 +26,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import ParallelConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.core_client import LocalCoreClient
+from tokenmill.engine.core_client import LocalCoreClient, Restart, restart_in_place
 from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
@@ -59,7 +59,7 @@ def build_server(
 ) -> Server:
     """The server's engine: one core on a thread of this process, or with `parallel` (more than one
     replica, or a Ray address) data-parallel replicas on Ray, or prefill and decode replicas."""
-    restart = None
+    restart: Restart | None = None
     if parallel is not None and parallel.uses_ray:
         from tokenmill.distributed.replica import start_replicas
 
@@ -68,6 +68,7 @@ def build_server(
         thread = EngineThread()  # the core is built on the thread that will step it (see engine_thread)
         core = thread.run(lambda: EngineCore(config))
         clients = [LocalCoreClient(core, thread)]
+        restart = restart_in_place([core], [thread])
     limits_of_core = clients[0].limits
     tokenizer = Tokenizer(config.model)
     processor = OutputProcessor(tokenizer, limits_of_core, seed=config.seed)

@@ -2,9 +2,11 @@
 stream. Completions and chat share the flow; they differ in how the prompt is made and in the shape
 of what comes back.
 
-A request with several prompts runs them concurrently as separate engine requests; choice indices
-follow OpenAI (prompt i, child j -> i * n + j). A streaming client that goes away closes the engine
-generators, which aborts their requests.
+A request with several prompts runs them concurrently as separate engine requests, started together
+or not at all (`AsyncEngine.submit`); choice indices follow OpenAI (prompt i, child j -> i * n + j).
+Whatever ends one of them early ends them all: a prompt refused or failed by the engine, a client gone
+(streaming or not: the engine streams are closed, which aborts their requests). A request the engine
+failed alone (`RequestFailed`) is a 500 in OpenAI's shape, or an error event mid-stream.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineUnavailable
+from tokenmill.engine.request_stream import RequestStream
 from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.errors import RequestFailed
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest
@@ -49,6 +53,8 @@ from tokenmill.server.tools import ToolMode, template_tools, tools_system_messag
 from tokenmill.server.validation import param_of
 
 logger = logging.getLogger("tokenmill")
+T = TypeVar("T")
+REQUEST_FAILED = "request_failed"  # the error code of a request the engine failed alone (500)
 
 
 @dataclass
@@ -184,19 +190,24 @@ class Server:
 
     # -- running -------------------------------------------------------------------------------
 
-    def _streams(self, job: Job, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
-        return [
-            self.engine.generate(f"{job.request_id}-{i}", p, job.params, job.cache_salt, kind)
-            for i, p in enumerate(job.prompts)
-        ]
+    def _start(self, job: Job, kind: OutputKind) -> list[RequestStream]:
+        """Every prompt of the job started together, or none (the refusal raised, nothing left running)."""
+        prompts = [(f"{job.request_id}-{i}", p) for i, p in enumerate(job.prompts)]
+        try:
+            return self.engine.submit(prompts, job.params, job.cache_salt, kind)
+        except ValueError as e:
+            raise request_error(e) from None
 
     async def complete(self, job: Job) -> dict[str, Any]:
-        """Run every prompt to the end; the whole response as JSON."""
-        streams = self._streams(job, OutputKind.FINAL_ONLY)
+        """Run every prompt to the end; the whole response as JSON. A prompt that fails (or the
+        caller cancelled) ends the others: none runs on for an answer nobody gets."""
+        streams = self._start(job, OutputKind.FINAL_ONLY)
         try:
-            finals = await asyncio.gather(*(_last(s) for s in streams))
-        except ValueError as e:
-            raise RequestError(str(e), param_of(e), "invalid_value") from None
+            finals = await _all_or_none([_last(s) for s in streams])
+        except (ValueError, RequestFailed) as e:
+            raise request_error(e) from None
+        finally:
+            _close_all(streams)
         usage = usage_info(finals)
         n = job.params.n
         if job.chat:
@@ -248,23 +259,23 @@ class Server:
         with tools is answered whole and then streamed (its calls are known only at the end)."""
         if job.tool_mode is not None:
             return self._tool_events(job, await self.complete(job))
-        streams = self._streams(job, OutputKind.DELTA)
+        streams = self._start(job, OutputKind.DELTA)
         try:  # the first item (or the refusal) of each prompt, all submitted at once
             results = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
         except BaseException:
-            await _close_all(streams)
+            _close_all(streams)
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await _close_all(streams)
-            if isinstance(errors[0], ValueError):
-                raise RequestError(str(errors[0]), param_of(errors[0]), "invalid_value") from None
+            _close_all(streams)
+            if isinstance(errors[0], ValueError | RequestFailed):
+                raise request_error(errors[0]) from None
             raise errors[0]
         firsts = [r for r in results if not isinstance(r, BaseException)]
         return self._events(job, streams, firsts)
 
     async def _events(
-        self, job: Job, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput | None]
+        self, job: Job, streams: list[RequestStream], firsts: list[RequestOutput | None]
     ) -> AsyncIterator[str]:
         merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -326,10 +337,9 @@ class Server:
         finally:
             for t in tasks:
                 t.cancel()
-            # wait for the pumps to stop before closing their generators (aclose on a generator a
-            # pump is still running raises)
+            # the pumps stopped (each abort its stream's request as it is cancelled), the rest closed
             await asyncio.gather(*tasks, return_exceptions=True)
-            await _close_all(streams)
+            _close_all(streams)
 
     async def _tool_events(self, job: Job, whole: dict[str, Any]) -> AsyncIterator[str]:
         """A finished chat answer with tools as OpenAI streams one: the role, the content or each call
@@ -381,16 +391,25 @@ def stream_error(e: BaseException) -> dict[str, Any]:
     """The body of an error event in a stream already under way (OpenAI's error shape)."""
     if isinstance(e, EngineUnavailable):
         kind, code = "service_unavailable", e.code
+    elif isinstance(e, RequestFailed):
+        kind, code = "internal_error", REQUEST_FAILED
     else:
         kind, code = "internal_error", None
     return {"error": {"message": f"The request did not finish: {e}.", "type": kind, "param": None, "code": code}}
+
+
+def request_error(e: ValueError | RequestFailed) -> RequestError:
+    """What a request refused by the engine (400, naming the field) or failed by it alone (500) answers."""
+    if isinstance(e, RequestFailed):
+        return RequestError(f"The request failed: {e}.", None, REQUEST_FAILED, 500, "internal_error")
+    return RequestError(str(e), param_of(e), "invalid_value")
 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _last(stream: RequestStream) -> RequestOutput:
     last = None
     async for out in stream:
         last = out
@@ -398,8 +417,19 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-async def _close_all(streams: list[AsyncIterator[RequestOutput]]) -> None:
+async def _all_or_none(aws: list[Awaitable[T]]) -> list[T]:
+    """Every result in order; on the first failure (or when cancelled) the others are cancelled
+    before it is raised (asyncio.gather alone leaves them running)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _close_all(streams: list[RequestStream]) -> None:
+    """Abort every stream's request that has not finished."""
     for s in streams:
-        aclose = getattr(s, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        s.close()

@@ -72,6 +72,12 @@ class DraftRunner:
         """Blocks beyond the target's that the draft's cache needs for `max_rows` proposing rows."""
         return max_rows * (-(-num_drafts // block_size) + 1)
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop what is kept for these requests (their step failed)."""
+        for request_id in request_ids:
+            self.synced.pop(request_id, None)
+            self._probs.pop(request_id, None)
+
     def begin_step(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
             self.synced.pop(request_id, None)
