@@ -433,7 +433,7 @@ def test_an_error_escaping_a_step_fails_open_requests_and_the_engine_serves_on(t
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert error["type"] == "internal_error" and "the engine failed" in error["message"]
-        assert whole[0].status_code == 500 and whole[0].json()["error"]["type"] == "server_error"
+        assert whole[0].status_code == 500 and whole[0].json()["error"]["type"] == "internal_error"
         assert "Traceback" not in whole[0].text
         stats = running.stats()  # the requests failed and their blocks were freed
         assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0 and stats.step_failures == 1
