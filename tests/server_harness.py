@@ -15,6 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import ParallelConfig
 from tokenmill.outputs import EngineStats
 from tokenmill.server.app import create_app
+from tokenmill.server.front_door import FrontDoor
 from tokenmill.server.launch import bind, build_server
 from tokenmill.server.protocol import Limits
 from tokenmill.server.serving import Server
@@ -55,6 +56,7 @@ def start_server(
     parallel: ParallelConfig | None = None,
     isolation: str = "api-key",
     prepare_app: Callable[[FastAPI], None] | None = None,
+    front: FrontDoor | None = None,
     **engine: object,
 ) -> RunningServer:
     settings: dict = {"max_model_len": 256, "kv_cache_memory": blocks * KV_BLOCK_BYTES, **engine}
@@ -70,7 +72,7 @@ def start_server(
     )
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    app = create_app(server, api_key=api_key)
+    app = create_app(server, api_key=api_key, front=front)
     if prepare_app is not None:  # (a test's own middleware, say)
         prepare_app(app)
     userver = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

@@ -8,12 +8,14 @@ from here."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenmill.bench.cli import add_bench_parser
 from tokenmill.config import EngineConfig, check_settings, setting
@@ -25,10 +27,20 @@ from tokenmill.engine_args import (
     add_flags,
     default_model,
     engine_config,
+    given,
     read_config_file,
     settings_from,
 )
 from tokenmill.models.make_model import ARCHS, SIZES
+from tokenmill.server.front_door import (
+    API_KEY_ENV_VAR,
+    AUTO_CONNECTIONS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_JSON_DEPTH,
+    ConnectionLimits,
+    FrontDoor,
+    parse_api_keys,
+)
 from tokenmill.server.tenancy import ISOLATIONS
 
 MODEL_HELP = (
@@ -43,7 +55,13 @@ class ServeSettings:
 
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(8000, "port (0: any free port, logged at start)", minimum=0)
-    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else none)")
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every endpoint but /health; several keys "
+        "comma-separated or by repeating the flag (default: $TOKENMILL_API_KEY, else none). A key on the command "
+        "line shows in ps: prefer the variable or --config",
+    )
+    metrics_public: bool = setting(False, "serve /metrics without the API key (for a scraper on a private network)")
     served_model_name: str | None = setting(
         None, "the model name clients send (default: the model folder's name, or the GGUF file's without .gguf)"
     )
@@ -64,6 +82,22 @@ class ServeSettings:
         False, "refuse (400) request fields the server does not know, instead of ignoring them as vLLM does"
     )
     drain_timeout: float = setting(30.0, "seconds in-flight requests get on SIGTERM")
+    max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (413 past it)", minimum=1)
+    max_json_depth: int = setting(
+        DEFAULT_MAX_JSON_DEPTH, "deepest nesting of arrays and objects a request body may have (400 past it)", minimum=1
+    )
+    header_timeout: float = setting(
+        10.0, "seconds a client has to send a request's line and headers (then a 408 and the connection closed)"
+    )
+    body_timeout: float = setting(60.0, "seconds a client has to send a request's body, after its headers")
+    keep_alive_timeout: float = setting(5.0, "seconds an idle keep-alive connection stays open between requests")
+    max_connections: int | None = setting(
+        None,
+        "most open client connections; past it the oldest idle one is closed, else the new one gets a 503 "
+        f"(default: {AUTO_CONNECTIONS}, or twice max_num_seqs + max_waiting if more; always below the open-file "
+        "limit, which is raised to its hard limit at start)",
+        minimum=1,
+    )
     prefix_cache_isolation: str = setting(
         "api-key",
         "which requests share prefix-cache entries (and see each other's cached_tokens): none (only "
@@ -92,6 +126,16 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+class _JoinedAction(argparse.Action):
+    """A repeatable flag: its values joined with commas (`--api-key A --api-key B` gives 'A,B')."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -172,6 +216,19 @@ def _serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=settings.max_prompt_tokens,
         strict_fields=settings.strict_fields,
     )
+    if "api_key" in given(args, ServeSettings):
+        logging.getLogger("tokenmill").warning(
+            "--api-key on the command line shows in ps; set %s or put api_key in --config instead", API_KEY_ENV_VAR
+        )
+    front = FrontDoor(
+        api_keys=parse_api_keys([settings.api_key or os.environ.get(API_KEY_ENV_VAR)]),
+        metrics_public=settings.metrics_public,
+        max_body_bytes=settings.max_body_bytes,
+        max_json_depth=settings.max_json_depth,
+    )
+    connections = ConnectionLimits(
+        settings.header_timeout, settings.body_timeout, settings.keep_alive_timeout, settings.max_connections
+    )
     if settings.disaggregate is not None:
         if settings.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not with disaggregate (give the replicas as prefill=P,decode=D)")
@@ -187,8 +244,8 @@ def _serve(args: argparse.Namespace) -> int:
         parallel,
         settings.prefix_cache_isolation,
     )
-    api_key = settings.api_key or os.environ.get("TOKENMILL_API_KEY")
-    serve(server, settings.host, settings.port, api_key, settings.drain_timeout)
+    busiest = config.max_num_seqs * settings.data_parallel_size + settings.max_waiting
+    serve(server, settings.host, settings.port, None, settings.drain_timeout, front, connections, busiest)
     return 0
 
 
@@ -293,7 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API (completions, chat, models, metrics)")
     srv.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    add_flags(srv.add_argument_group("server settings (also from --config)"), ServeSettings)
+    server_flags = srv.add_argument_group("server settings (also from --config)")
+    add_flags(server_flags, ServeSettings, exclude=("api_key",))
+    server_flags.add_argument(
+        "--api-key",
+        dest="ServeSettings.api_key",
+        action=_JoinedAction,
+        default=argparse.SUPPRESS,
+        metavar="API_KEY",
+        help=next(f for f in dataclasses.fields(ServeSettings) if f.name == "api_key").metadata["help"],
+    )
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 

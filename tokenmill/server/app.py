@@ -1,27 +1,33 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, overload refusal, lifespan.
+"""The FastAPI app: routes, OpenAI-shaped errors, overload refusal, lifespan.
 
-Owns HTTP concerns only. Bodies are read as raw JSON and validated by `protocol` (so every bad input
-is a 400 in OpenAI's shape, never FastAPI's 422), the work is done by `serving.Server`, and the
-AsyncEngine's thread is started and stopped with the app. `/openapi.json` documents the request and
-response schemas.
+Owns HTTP concerns only. Around the routes: the API-key check (auth.py), the body-size limit and the
+last-resort 500 (middleware.py). Bodies are read as raw JSON, checked (json_body.py) and validated by
+`protocol` (so every bad input is a 400 in OpenAI's shape, never FastAPI's 422), the work is done by
+`serving.Server`, and the AsyncEngine's thread is started and stopped with the app. The CPU work of a
+request before the engine (JSON, validation, chat template, tokenization) runs on a thread pool, so
+that a 20 MB prompt does not stall the event loop and the streams it serves. `/openapi.json`
+documents the request and response schemas.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from urllib.parse import quote
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from tokenmill.server.auth import ApiKeyCheck
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
+from tokenmill.server.front_door import FrontDoor, parse_api_keys
+from tokenmill.server.json_body import parse_json
+from tokenmill.server.middleware import BodyLimit, InternalErrors
 from tokenmill.server.openapi import constrain
 from tokenmill.server.protocol import (
     CompletionRequest,
@@ -43,12 +49,14 @@ from tokenmill.server.tokenize import (
     TokenizeRequest,
     TokenizeResponse,
     detokenize,
+    render,
     tokenize,
 )
 
 RETRY_AFTER_SECONDS = 1
 IGNORED_FIELDS_HEADER = "x-tokenmill-ignored-fields"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (never seen by it)
+PREPARE_THREADS = 8  # requests parsed and tokenized at once, off the event loop
 T = TypeVar("T")
 
 
@@ -121,7 +129,12 @@ def _documented(request_model: type, response_model: type, stream: bool = True) 
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}},
             },
-            "responses": {"200": {"description": "OK", "content": ok}, "400": _error_doc("Invalid request")},
+            "responses": {
+                "200": {"description": "OK", "content": ok},
+                "400": _error_doc("Invalid request"),
+                "401": _error_doc("Missing or wrong API key"),
+                "413": _error_doc("Request body too large"),
+            },
         }
     return {
         "requestBody": {
@@ -144,37 +157,13 @@ def _documented(request_model: type, response_model: type, stream: bool = True) 
                 for code, desc in (
                     ("400", "Invalid request"),
                     ("401", "Missing or wrong API key"),
+                    ("413", "Request body too large"),
                     ("429", "Too many requests waiting"),
                     ("503", "Shutting down"),
                 )
             },
         },
     }
-
-
-class ApiKeyCheck:
-    """Refuses /v1/ requests without 'Authorization: Bearer <key>' (401). A plain ASGI middleware:
-    it leaves `receive` alone, so a handler still hears its client disconnect (Starlette's
-    BaseHTTPMiddleware reports a disconnect to the app once the response has started)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if given != self.expected:
-                response = error_response(
-                    401,
-                    "Missing or wrong API key (send 'Authorization: Bearer <key>').",
-                    "authentication_error",
-                    None,
-                    "invalid_api_key",
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _error_doc(description: str) -> dict[str, Any]:
@@ -190,8 +179,13 @@ def tenant_of(request: Request) -> str | None:
     return getattr(request.state, "tenant", None)
 
 
-def create_app(server: Server, api_key: str | None = None) -> FastAPI:
+def create_app(server: Server, api_key: str | Sequence[str] | None = None, front: FrontDoor | None = None) -> FastAPI:
+    """The app serving `server`. `front`: its keys and input limits; `api_key` (one, or several) adds keys."""
+    front = front or FrontDoor()
+    extra_keys = [api_key] if isinstance(api_key, str) or api_key is None else list(api_key)
+    keys = parse_api_keys([*front.api_keys, *extra_keys])
     engine: AsyncEngine = server.engine
+    limiter = anyio.CapacityLimiter(PREPARE_THREADS)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,8 +197,10 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan)
 
-    if api_key is not None:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    # the last added runs first: errors around everything, then the key, then the body's size
+    app.add_middleware(BodyLimit, limit=front.max_body_bytes)
+    app.add_middleware(ApiKeyCheck, keys=keys, metrics_public=front.metrics_public)
+    app.add_middleware(InternalErrors)
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -237,16 +233,22 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
             {"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
 
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return error_response(500, f"Internal error ({type(e).__name__}).", "internal_error")
+    async def off_loop(work: Callable[[], T]) -> T:
+        """`work` on the thread pool; a RecursionError in it (a parser or validator meeting deep input
+        the depth limit let through) is the client's 400, not a 500."""
 
-    async def read_json(request: Request) -> Any:
+        def guarded() -> T:
+            try:
+                return work()
+            except RecursionError:
+                raise RequestError("The request nests too deep to process.", None, "nesting_too_deep") from None
+
+        return await anyio.to_thread.run_sync(guarded, limiter=limiter)
+
+    async def read_json(request: Request) -> Callable[[], Any]:
+        """The body, read on the loop (bounded by BodyLimit); its parse, to run off it."""
         body = await request.body()
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"The body is not valid JSON ({e}).", None, "invalid_json") from None
+        return lambda: parse_json(body, front.max_json_depth)
 
     async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, job: Job) -> Response:
         """Run a job until it answers or its client goes away (then every engine request it started is
@@ -265,23 +267,39 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", openapi_extra=_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
-        req = parse_completion_request(await read_json(request), server.limits)
-        return await respond(request, req, server.prepare_completion(req, tenant_of(request)))
+        parsed, tenant = await read_json(request), tenant_of(request)
+
+        def prepare() -> tuple[CompletionRequest, Job]:
+            req = parse_completion_request(parsed(), server.limits)
+            return req, server.prepare_completion(req, tenant)
+
+        return await respond(request, *await off_loop(prepare))
 
     @app.post("/v1/chat/completions", openapi_extra=_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat_request(await read_json(request), server.limits)
-        return await respond(request, req, server.prepare_chat(req, tenant_of(request)))
+        parsed, tenant = await read_json(request), tenant_of(request)
+
+        def prepare() -> tuple[ChatCompletionRequest, Job]:
+            req = parse_chat_request(parsed(), server.limits)
+            return req, server.prepare_chat(req, tenant)
+
+        return await respond(request, *await off_loop(prepare))
 
     @app.post("/tokenize", openapi_extra=_documented(TokenizeRequest, TokenizeResponse, stream=False))
     async def tokenize_route(request: Request) -> Response:
-        req = parse_model(TokenizeRequest, await read_json(request))
-        return JSONResponse(tokenize(req, server.tokenizer, server.max_model_len))
+        parsed = await read_json(request)
+
+        def answer() -> bytes:  # (rendered off the loop too: it can hold millions of ids)
+            return render(tokenize(parse_model(TokenizeRequest, parsed()), server.tokenizer, server.max_model_len))
+
+        return Response(await off_loop(answer), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=_documented(DetokenizeRequest, DetokenizeResponse, stream=False))
     async def detokenize_route(request: Request) -> Response:
-        req = parse_model(DetokenizeRequest, await read_json(request))
-        return JSONResponse(detokenize(req, server.tokenizer, server.engine.processor.limits.vocab_size))
+        parsed, vocab_size = await read_json(request), server.engine.processor.limits.vocab_size
+        return await off_loop(
+            lambda: JSONResponse(detokenize(parse_model(DetokenizeRequest, parsed()), server.tokenizer, vocab_size))
+        )
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

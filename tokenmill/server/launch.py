@@ -5,6 +5,9 @@ SIGTERM (or Ctrl-C) drains: the server keeps answering, but new requests and /he
 (so a load balancer moves away and a client is told, not refused a connection) while the requests
 in flight run to their end, for up to `drain_timeout` seconds; then the engine aborts what is left
 (a stream gets an error event) and the process exits 0. A second Ctrl-C exits at once.
+
+Connections run under header and body deadlines and a cap (connections.py), with the open-file limit
+raised to its hard limit first; uvicorn's own concurrency limit sits just above that cap.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.models.gguf_checkpoint import is_gguf
 from tokenmill.server.app import create_app
+from tokenmill.server.connections import LISTEN_BACKLOG, connection_cap, guarded_protocol, raise_open_file_limit
+from tokenmill.server.front_door import ConnectionLimits, FrontDoor
 from tokenmill.server.protocol import Limits
 from tokenmill.server.serving import Server
 
@@ -90,7 +95,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     return sock
 
 
@@ -128,18 +133,44 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(server: Server, host: str, port: int, api_key: str | None, drain_timeout: float) -> None:
+def serve(
+    server: Server,
+    host: str,
+    port: int,
+    api_key: str | None,
+    drain_timeout: float,
+    front: FrontDoor | None = None,
+    connections: ConnectionLimits | None = None,
+    busiest: int = 0,
+) -> None:
+    """Serve until a signal (see the module docstring). `busiest`: the most requests the engine can
+    hold (running + waiting), which the automatic connection cap stays above."""
+    front = front or FrontDoor()
+    connections = connections or ConnectionLimits()
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    app = create_app(server, api_key=api_key)
+    app = create_app(server, api_key=api_key, front=front)
+    open_files = raise_open_file_limit()
+    cap = connection_cap(connections.max_connections, busiest, open_files)
     # the drain happens before uvicorn's own shutdown; it then only waits for the last bytes to go
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False)
+    config = uvicorn.Config(
+        app,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        access_log=False,
+        http=guarded_protocol(connections, cap),
+        timeout_keep_alive=connections.keep_alive_timeout,  # type: ignore[arg-type]
+        limit_concurrency=cap + 1,  # (the cap closes or refuses connections before uvicorn's 503)
+        backlog=LISTEN_BACKLOG,  # (uvicorn's 2048 would let one burst of accepts pass the cap)
+    )
     logger.info(
-        "serving %s on http://%s:%d (API key %s)",
+        "serving %s on http://%s:%d (API key %s; at most %d connections, open-file limit %d)",
         server.model_name,
         bound_host,
         bound_port,
-        "required" if api_key else "not required",
+        "required" if api_key or front.api_keys else "not required",
+        cap,
+        open_files,
     )
     # uvicorn re-raises a signal that made it exit (a second Ctrl-C) under the handler in place
     # before it started. Make that handler a no-op, so the server exits 0 instead of dying of it.

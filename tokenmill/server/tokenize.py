@@ -1,8 +1,14 @@
 """`/tokenize` and `/detokenize`, in vLLM's shapes: text (or chat messages) to the model's token ids
-and back, with the count and the model's maximum length, so that a client can budget a prompt."""
+and back, with the count and the model's maximum length, so that a client can budget a prompt.
+
+Both run on the app's thread pool. A 20 MB prompt is millions of ids: the answer is rendered in
+chunks (`render`), so that the event loop's thread, waiting for the GIL meanwhile, gets it between
+them rather than after one long `json.dumps`.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
@@ -57,7 +63,7 @@ def tokenize(req: TokenizeRequest, tokenizer: Tokenizer, max_model_len: int) -> 
     else:
         ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
     strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump()
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(req: DetokenizeRequest, tokenizer: Tokenizer, vocab_size: int) -> dict[str, Any]:
@@ -69,3 +75,23 @@ def detokenize(req: DetokenizeRequest, tokenizer: Tokenizer, vocab_size: int) ->
             "invalid_value",
         )
     return DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False)).model_dump()
+
+
+RENDER_CHUNK = 16384  # list items per json.dumps call: a few milliseconds holding the GIL
+
+
+def render(payload: dict[str, Any]) -> bytes:
+    """`payload` as compact JSON (as a JSONResponse renders it), its long lists a chunk at a time."""
+    parts = []
+    for key, value in payload.items():
+        if isinstance(value, list) and len(value) > RENDER_CHUNK:
+            chunks = (_dumps(value[i : i + RENDER_CHUNK])[1:-1] for i in range(0, len(value), RENDER_CHUNK))
+            text = "[" + ",".join(chunks) + "]"
+        else:
+            text = _dumps(value)
+        parts.append(f"{_dumps(key)}:{text}")
+    return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
