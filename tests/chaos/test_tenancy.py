@@ -85,3 +85,22 @@ def test_salt_required_refuses_a_request_without_cache_salt(serve):
     assert cached(ask(srv, "a", salt="s")) == 0
     assert cached(ask(srv, "b", salt="s")) == 0  # the same salt from another key: still its own entries
     assert cached(ask(srv, "a", salt="s")) >= 32
+
+
+def test_two_api_keys_are_two_tenants_end_to_end(tiny_model_dir):
+    srv = start_server(str(tiny_model_dir("llama")), api_key=["key-of-a", "key-of-b"])
+    try:
+
+        def as_(key: str) -> int:
+            body = {"model": "tiny", "prompt": SECRET, "max_tokens": 1}
+            r = httpx.post(
+                f"{srv.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            )
+            return cached(r)
+
+        assert as_("key-of-a") == 0
+        assert as_("key-of-b") == 0  # B's guess at A's prompt: no hit
+        assert as_("key-of-a") >= 32
+    finally:
+        assert srv.wait_all_free().kv_blocks_free == srv.stats().kv_blocks_total
+        srv.stop()
