@@ -128,6 +128,7 @@ def test_each_flag_sets_its_field():
         "cpu_huge_pages": False,
         "fused_decode": False,
         "kv_cache_dtype": "int8",
+        "grammar_compile_timeout": 2.5,
         "quantization": "int4",
         "quantization_group_size": 64,
         "quantization_group_fallback": True,

@@ -331,6 +331,7 @@ def test_the_doctor_runs_on_the_bundled_demo_model(tmp_path, capsys):
     assert len(report["findings"]) == 6
 
 
+@pytest.mark.slow  # (tens of seconds: `make test-all` runs it)
 def test_the_doctor_command_probes_and_writes_a_loadable_config(tiny_model_dir, tmp_path, capsys):
     rng = random.Random(11)
     trace = tmp_path / "trace.jsonl"
@@ -437,6 +438,7 @@ def test_a_shared_system_prompt_with_the_cache_off_gets_it_on(tiny_model_dir):
     assert "recommended" in d.runs and len(d.runs["recommended"]) == 32
 
 
+@pytest.mark.slow  # (tens of seconds: `make test-all` runs it)
 def test_weight_only_quantization_is_timed_at_the_traces_batch_and_its_quality_measured(tiny_model_dir, engine):
     """In use (int8 weights now): timed against 16-bit weights at the trace's batch, and named a pitfall
     exactly when it brings no speed-up there. Recommended (a budget only int8 fits): timed against the

@@ -41,6 +41,7 @@ def test_the_window_is_the_longest_start_of_the_trace_that_fits_the_budget():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # (tens of seconds: `make test-all` runs it)
 def test_continuous_batching_is_kept_by_measurement(tiny_model_dir):
     model = str(tiny_model_dir("llama"))
     static = LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", max_num_seqs=8, scheduling="static"))
@@ -59,6 +60,7 @@ def test_continuous_batching_is_kept_by_measurement(tiny_model_dir):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # (tens of seconds: `make test-all` runs it)
 def test_a_useless_recommendation_is_withdrawn_by_measurement(tiny_model_dir):
     """A larger batch limit for a trace that never has two requests in flight: both engines run the same
     schedule, so whatever the runs differ by is noise."""
@@ -169,6 +171,7 @@ def test_a_clean_traces_nothing_to_change_is_checked_against_the_simulator_on_a_
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # (tens of seconds: `make test-all` runs it)
 def test_prompt_lookup_for_a_code_edit_trace_at_batch_1_is_kept_by_its_tpot():
     """One request at a time: the arrivals pace tokens/s and speculation leaves TTFT alone, so only
     the time between tokens can show its gain. On the bundled demo model (trained: its outputs copy
