@@ -433,6 +433,42 @@ def test_limits() -> None:
     assert rejected("completion", completion(stop=[str(i) for i in range(17)]), LIMITS).param == "stop"
 
 
+def test_request_caps() -> None:
+    limits = Limits(max_prompts=2, max_choices=4, max_logit_bias=1, max_bad_words=1, max_tools=1, max_schema_depth=2)
+    assert rejected("completion", completion(prompt=["a", "b", "c"]), limits).param == "prompt"
+    assert rejected("completion", completion(prompt=["a", "b"], n=3), limits).param == "n"
+    assert parse_completion_request(completion(prompt=["a", "b"], n=2), limits).n == 2
+    assert rejected("chat", chat(logit_bias={"1": 1, "2": 1}), limits).param == "logit_bias"
+    assert rejected("completion", completion(bad_words=["a", "b"]), limits).param == "bad_words"
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(2)]
+    assert rejected("chat", chat(tools=tools), limits).param == "tools"
+    error = rejected("completion", completion(guided_json={"a": {"b": {}}}), limits)
+    assert error.param == "guided_json" and "(2 levels)" in error.message
+    assert parse_completion_request(completion(guided_json={"a": {}}), limits).structured_field == "guided_json"
+
+
+def test_a_tool_message_may_have_null_content() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": None},
+    ]
+    request = parse_chat_request(chat(messages=messages), LIMITS)
+    assert [m.text for m in request.messages] == ["Hi", "", ""]
+    assert rejected("chat", chat(messages=[{"role": "user", "content": None}])).param == "messages[0]"
+
+
+def test_refusals_show_a_bounded_value() -> None:
+    huge = list(range(1_000_000))
+    error = rejected("completion", completion(n=huge))  # (its repr would be 7 MB)
+    assert error.param == "n" and "[0, 1, 2," in error.message and len(error.message) < 200
+    deep: list[Any] = []
+    for _ in range(5000):
+        deep = [deep]
+    assert rejected("completion", completion(seed=deep)).param == "seed"  # no RecursionError
+
+
 def test_max_tokens_beyond_the_model() -> None:
     with pytest.raises(RequestError) as info:
         parse_completion_request(completion(max_tokens=200), LIMITS).to_sampling_params(128, None)
@@ -717,6 +753,9 @@ def test_vllm_extension_fields(endpoint: str) -> None:
         ({"min_tokens": -1}, "min_tokens"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"bad_words": [""]}, "bad_words[0]"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
+        ({"logit_bias": {"٣": 1}}, "logit_bias"),  # token ids are ASCII decimal
+        ({"logit_bias": {"1" * 11: 1}}, "logit_bias"),
     ):
         assert rejected(endpoint, body(endpoint, **bad)).param == param
     with pytest.raises(RequestError) as info:

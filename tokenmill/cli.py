@@ -78,6 +78,27 @@ class ServeSettings:
     max_prompt_tokens: int | None = setting(
         None, "longest prompt accepted, in tokens (default: only the model's length limits it)", minimum=1
     )
+    # caps on one request (a 400 naming the field past them; /openapi.json states them): well above what
+    # OpenAI or vLLM clients send, low enough that no request costs everyone else much
+    max_stop: int = setting(16, "most stop strings in a request (OpenAI allows 4)", minimum=1)
+    max_prompts: int = setting(64, "most prompts in one completions request", minimum=1)
+    max_choices: int = setting(128, "most sequences one request starts: n x its prompts", minimum=1)
+    max_stop_token_ids: int = setting(1024, "most stop_token_ids in a request", minimum=1)
+    max_allowed_token_ids: int = setting(16384, "most allowed_token_ids in a request", minimum=1)
+    max_logit_bias: int = setting(1024, "most logit_bias entries in a request (OpenAI allows 300)", minimum=1)
+    max_bad_words: int = setting(1024, "most bad_words in a request", minimum=1)
+    max_bad_words_chars: int = setting(32768, "most characters in all of a request's bad_words", minimum=1)
+    max_tools: int = setting(128, "most tools in a chat request (as OpenAI)", minimum=1)
+    max_tools_chars: int = setting(262144, "most characters in all of a request's tools, as JSON", minimum=1)
+    max_schema_chars: int = setting(
+        131072,
+        "longest structured-output spec (guided_json / _regex / _grammar / _choice, structured_outputs, "
+        "response_format's schema) or tool parameters, in characters of its JSON text",
+        minimum=1,
+    )
+    max_schema_depth: int = setting(
+        64, "deepest nesting of a JSON schema in a request (guided_json, response_format, tool parameters)", minimum=1
+    )
     strict_fields: bool = setting(
         False, "refuse (400) request fields the server does not know, instead of ignoring them as vLLM does"
     )
@@ -136,6 +157,22 @@ class _JoinedAction(argparse.Action):
     ) -> None:
         before = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, values if before is None else f"{before},{values}")
+
+
+CAPS = (  # ServeSettings fields that are `Limits` fields of the same name
+    "max_stop",
+    "max_prompts",
+    "max_choices",
+    "max_stop_token_ids",
+    "max_allowed_token_ids",
+    "max_logit_bias",
+    "max_bad_words",
+    "max_bad_words_chars",
+    "max_tools",
+    "max_tools_chars",
+    "max_schema_chars",
+    "max_schema_depth",
+)
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -214,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_n=settings.max_n,
         max_tokens=settings.max_tokens_limit,
         max_prompt_tokens=settings.max_prompt_tokens,
+        **{name: getattr(settings, name) for name in CAPS},
         strict_fields=settings.strict_fields,
     )
     if "api_key" in given(args, ServeSettings):

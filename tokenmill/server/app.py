@@ -347,16 +347,8 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
-            limits = server.limits
-            constrain(
-                components,
-                server.model_name,
-                server.max_model_len,
-                limits.max_n,
-                limits.max_tokens,
-                limits.strict_fields,
-                server.engine.processor.limits.vocab_size,
-            )
+            vocab_size = server.engine.processor.limits.vocab_size
+            constrain(components, server.model_name, server.max_model_len, server.limits, vocab_size)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -7,12 +7,12 @@ request or a `RequestError` (400 naming the parameter).
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.caps import check_count, parse_json
 from tokenmill.server.protocol import (
     CONTENT_PART_SEPARATOR,
     Logprobs,
@@ -24,7 +24,7 @@ from tokenmill.server.protocol import (
     _Strict,
 )
 from tokenmill.server.tools import NamedToolChoice, ToolCall, ToolChoice, ToolMode, ToolParam, tool_mode
-from tokenmill.server.validation import Limits, check_unsupported, custom_error, show
+from tokenmill.server.validation import Limits, check_unsupported, custom_error, show, unsupported_schema
 
 
 class TextContentPart(_Strict):
@@ -32,8 +32,53 @@ class TextContentPart(_Strict):
     text: str
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The rules of `ChatMessageParam._roles` in JSON Schema, one case per role (written positively, so
+    that a schema-driven generator can enumerate them), so that `/openapi.json` promises no message the
+    server refuses: content left out only beside an assistant's tool calls, null also for a tool's
+    answer; `tool_call_id` (non-empty) on tool messages only; `tool_calls` on assistant ones."""
+    text = {"type": ["string", "array"]}
+    no_calls = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+    schema["required"] = ["role"]
+    schema["anyOf"] = [
+        {
+            "required": ["content"],
+            "properties": {
+                "role": {"enum": ["system", "developer", "user"]},
+                "content": text,
+                "tool_call_id": {"type": "null"},
+                "tool_calls": no_calls,
+            },
+        },
+        {
+            "required": ["content"],
+            "properties": {"role": {"const": "assistant"}, "content": text, "tool_call_id": {"type": "null"}},
+        },
+        {
+            "required": ["tool_calls"],
+            "properties": {
+                "role": {"const": "assistant"},
+                "tool_calls": {"type": "array", "minItems": 1},
+                "tool_call_id": {"type": "null"},
+            },
+        },
+        {
+            "required": ["content", "tool_call_id"],
+            "properties": {
+                "role": {"const": "tool"},
+                "tool_call_id": {"type": "string", "minLength": 1},
+                "tool_calls": no_calls,
+            },
+        },
+    ]
+    for name in ChatMessageParam.UNSUPPORTED:  # accepted with their default only
+        schema["properties"][name] = unsupported_schema(name)
+
+
 class ChatMessageParam(_Strict):
     """One message of a chat request. Content is a string or a list of text parts (joined by `text`)."""
+
+    model_config = ConfigDict(json_schema_extra=_message_schema)
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
         "function_call",
@@ -43,15 +88,16 @@ class ChatMessageParam(_Strict):
     )
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None  # None (or left out) only for an assistant's tool calls
+    # None: an empty tool answer (as OpenAI and vLLM read it), or an assistant's tool calls (then it may be left out)
+    content: str | list[TextContentPart] | None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
 
     @model_validator(mode="after")
     def _roles(self) -> ChatMessageParam:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise custom_error("'content' is required (null only for an assistant message with tool_calls).")
+        if self.content is None and not (self.role == "tool" or (self.role == "assistant" and self.tool_calls)):
+            raise custom_error("'content' is required (null only for a tool message or an assistant's tool_calls).")
         if self.role == "tool" and not self.tool_call_id:
             raise custom_error("a 'tool' message needs the 'tool_call_id' it answers.")
         if self.role != "tool" and self.tool_call_id is not None:
@@ -193,9 +239,11 @@ def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
 
 
 def _args(call: ToolCall) -> Any:
+    """An earlier call's arguments as an object; as the text it is when that is not JSON, or nests
+    too deep to parse (caps.parse_json)."""
     try:
-        return json.loads(call.function.arguments)
-    except json.JSONDecodeError:
+        return parse_json(call.function.arguments)
+    except ValueError:
         return call.function.arguments
 
 
@@ -203,5 +251,9 @@ def parse_chat_request(raw: Any, limits: Limits) -> ChatCompletionRequest:
     """The parsed JSON body of POST /v1/chat/completions -> a valid request, or a RequestError (400)."""
     request = _parse(ChatCompletionRequest, raw, limits)
     _common_limits(request, limits)
+    if request.tools:
+        check_count("tools", len(request.tools), limits.max_tools, "tools")
+        chars = sum(len(t.model_dump_json(exclude_none=True)) for t in request.tools)
+        check_count("tools", chars, limits.max_tools_chars, "characters of JSON in all")
     _max_tokens_limit(request.requested_max_tokens, request.max_tokens_param, limits)
     return request

@@ -12,6 +12,7 @@ writes what they return.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, TypeVar, get_args
 
 from pydantic import (
@@ -28,7 +29,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tokenmill.server.caps import check_count, check_specs
 from tokenmill.server.structured_fields import ResponseFormat, StructuredOutputsField, structured_spec
 from tokenmill.server.validation import (
     Limits,
@@ -41,9 +43,11 @@ from tokenmill.server.validation import (
     param_of,
     show,
     split_unknown,
+    unsupported_schema,
 )
 
 CONTENT_PART_SEPARATOR = "\n"  # text parts of one message are joined with this (as vLLM does)
+LOGIT_BIAS_KEY = re.compile(r"[0-9]{1,10}")  # a token id, in ASCII decimal (no vocabulary is 10^10)
 
 # ------------------------------------------------------------------------------------ request pieces
 
@@ -52,7 +56,7 @@ Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 MinP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=FLOAT32_MAX, allow_inf_nan=False)]  # (the sampler's float32)
 # Integers take 7 and 7.0 alike (both integers to JSON Schema); one flat Annotated each, so that the
 # JSON schema keeps its bounds.
 JsonInt = Annotated[int, BeforeValidator(integral)]
@@ -179,6 +183,8 @@ class _Request(_Strict):
                 continue
             keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
             properties[name] = {"anyOf": [prop, {"type": "null"}], **keep}
+        for name in cls.UNSUPPORTED:  # accepted with their default only, which the schema says
+            properties[name] = unsupported_schema(name)
         return json_schema
 
     @field_validator("top_k", mode="before")
@@ -191,7 +197,7 @@ class _Request(_Strict):
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit():
+            if not LOGIT_BIAS_KEY.fullmatch(key):
                 raise custom_error(f"keys must be token ids (decimal integers as strings), got {show(key)}.")
         return value
 
@@ -279,19 +285,22 @@ def _max_tokens_limit(value: int | None, param: str, limits: Limits) -> None:
 
 
 def _common_limits(request: _Request, limits: Limits) -> None:
+    """The caps of `limits` on the fields both endpoints share (caps.py; the schema's sizes are checked
+    before validation)."""
     if request.n > limits.max_n:
         raise RequestError(
             f"Invalid value for 'n': {request.n} is more than this server allows ({limits.max_n}).",
             "n",
             "invalid_value",
         )
-    if isinstance(request.stop, list) and len(request.stop) > limits.max_stop:
-        raise RequestError(
-            f"Invalid value for 'stop': {len(request.stop)} stop strings, this server allows at most "
-            f"{limits.max_stop}.",
-            "stop",
-            "invalid_value",
-        )
+    if isinstance(request.stop, list):
+        check_count("stop", len(request.stop), limits.max_stop, "stop strings")
+    check_count("stop_token_ids", len(request.stop_token_ids), limits.max_stop_token_ids, "token ids")
+    check_count("allowed_token_ids", len(request.allowed_token_ids or ()), limits.max_allowed_token_ids, "token ids")
+    check_count("logit_bias", len(request.logit_bias or {}), limits.max_logit_bias, "entries")
+    words = request.bad_words or []
+    check_count("bad_words", len(words), limits.max_bad_words, "words")
+    check_count("bad_words", sum(map(len, words)), limits.max_bad_words_chars, "characters in all")
 
 
 # ---------------------------------------------------------------------------------------- completions
@@ -367,6 +376,15 @@ def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
     """The parsed JSON body of POST /v1/completions -> a valid request, or a RequestError (400)."""
     request = _parse(CompletionRequest, raw, limits)
     _common_limits(request, limits)
+    prompts = len(request.prompts())
+    check_count("prompt", prompts, limits.max_prompts, "prompts")
+    if prompts * request.n > limits.max_choices:
+        raise RequestError(
+            f"Invalid value for 'n': n ({request.n}) x {prompts} prompts is {prompts * request.n} sequences, "
+            f"this server allows at most {limits.max_choices}.",
+            "n",
+            "invalid_value",
+        )
     _max_tokens_limit(request.max_tokens, "max_tokens", limits)
     if limits.max_prompt_tokens is not None:
         for i, prompt in enumerate(request.prompts()):
@@ -417,6 +435,7 @@ def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
     ignored: list[str] = []
     if not limits.strict_fields:
         raw, ignored = split_unknown(raw, {*cls.model_fields, *cls.UNSUPPORTED})
+    check_specs(raw, limits)  # depth and size of schemas, before anything recurses into them
     try:
         request = cls.model_validate(raw)
     except ValidationError as exc:

@@ -50,7 +50,7 @@ from tokenmill.server.responses import (
 )
 from tokenmill.server.tenancy import cache_salt
 from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
-from tokenmill.server.validation import param_of
+from tokenmill.server.validation import ignored_fields_warning, param_of
 
 logger = logging.getLogger("tokenmill")
 T = TypeVar("T")
@@ -83,14 +83,13 @@ class Server:
     max_model_len: int
     limits: Limits
     isolation: str = "api-key"  # which requests share prefix-cache entries (server/tenancy.py)
-    warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged
+    warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged (bounded)
 
     def note_ignored(self, names: list[str]) -> None:
         """Log each unknown request field once per server (it is ignored, as vLLM ignores it)."""
-        new = [n for n in names if n not in self.warned_fields]
-        if new:
-            self.warned_fields.update(new)
-            logger.warning("ignored unknown request fields %s (send --strict-fields to refuse them)", ", ".join(new))
+        line = ignored_fields_warning(names, self.warned_fields)  # (bounded: names, their length, the set)
+        if line is not None:
+            logger.warning("%s", line)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

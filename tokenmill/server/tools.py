@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.caps import parse_json
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -107,15 +108,15 @@ class ToolMode:
             return None, [_call(self.name, _arguments_text(text))], "tool_calls"
         if self.choice == "required":
             try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
+                calls = parse_json(text)
+            except ValueError:
                 return text, [], finish_reason
             return None, [_call(c["name"], json.dumps(c["arguments"])) for c in calls], "tool_calls"
         found = []
         for block in TOOL_CALL.findall(text):
             try:
-                call = json.loads(block)
-            except json.JSONDecodeError:
+                call = parse_json(block)
+            except ValueError:
                 continue
             if isinstance(call, dict) and isinstance(call.get("name"), str):
                 args = call.get("arguments", call.get("parameters", {}))
@@ -157,8 +158,8 @@ def _parameters(tool: ToolParam) -> dict[str, Any]:
 
 def _arguments_text(text: str) -> str:
     try:
-        return json.dumps(json.loads(text))
-    except json.JSONDecodeError:
+        return json.dumps(parse_json(text))
+    except ValueError:
         return text
 
 

@@ -7,6 +7,7 @@ Every refusal is a `RequestError`: an HTTP status and OpenAI's error body naming
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +53,28 @@ def param_of(exc: ValueError) -> str | None:
 
 @dataclass(frozen=True)
 class Limits:
-    """Server-side caps on what one request may ask for (beyond what the schema allows)."""
+    """Server-side caps on what one request may ask for (beyond what the schema allows). The defaults
+    sit well above what OpenAI or vLLM clients send (OpenAI itself allows 4 stop strings, 300
+    logit_bias entries and 128 tools) and bound what one request can cost everyone else; each
+    refusal is a 400 naming the field and the limit, and `/openapi.json` states the same caps."""
 
     max_n: int = 16
     max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: no extra cap
     max_prompt_tokens: int | None = None  # None: only the model's length limits the prompt
     max_stop: int = 16  # OpenAI allows 4
+    max_prompts: int = 64  # prompts in one completions request (each an engine request)
+    max_choices: int = 128  # n x prompts: the sequences one request starts
+    max_stop_token_ids: int = 1024
+    max_allowed_token_ids: int = 16384
+    max_logit_bias: int = 1024  # OpenAI allows 300
+    max_bad_words: int = 1024
+    max_bad_words_chars: int = 32768  # all bad words together
+    max_tools: int = 128  # as OpenAI
+    max_tools_chars: int = 262144  # all tools' definitions together, as JSON text
+    # each guided_json / guided_regex / guided_grammar / guided_choice, structured_outputs field,
+    # response_format schema and tool's parameters: characters of its JSON text (a string: its length)
+    max_schema_chars: int = 131072
+    max_schema_depth: int = 64  # nesting of a JSON schema (guided_json, response_format, tool parameters)
     strict_fields: bool = False  # refuse (400) unknown fields instead of ignoring them
 
 
@@ -66,6 +83,36 @@ def split_unknown(raw: dict[str, Any], known: set[str]) -> tuple[dict[str, Any],
     ignored, as vLLM does, unless the server is strict about fields."""
     unknown = [k for k in raw if k not in known]
     return ({k: v for k, v in raw.items() if k in known} if unknown else raw), unknown
+
+
+MAX_WARNED_FIELDS = 256  # distinct unknown field names a server remembers having logged
+MAX_LOGGED_NAME = 64  # characters of a name in the log
+MAX_LOGGED_NAMES = 10  # names listed in one log line (then "and N more")
+
+
+def ignored_fields_warning(names: list[str], warned: set[str]) -> str | None:
+    """The log line for those of a request's unknown field names not logged before (None if none).
+    `warned` (updated in place) remembers at most MAX_WARNED_FIELDS names, each cut to MAX_LOGGED_NAME
+    characters; once it is full nothing more is logged (the line that fills it says so), so that
+    clients sending ever new names grow neither the memory nor the log."""
+    if len(warned) >= MAX_WARNED_FIELDS:
+        return None
+    new: dict[str, None] = {}  # (ordered, distinct)
+    for name in names:
+        short = name if len(name) <= MAX_LOGGED_NAME else name[: MAX_LOGGED_NAME - 3] + "..."
+        if short not in warned:
+            new[short] = None
+    if not new:
+        return None
+    fresh = list(new)
+    warned.update(fresh[: MAX_WARNED_FIELDS - len(warned)])
+    listed = ", ".join(ascii(n) for n in fresh[:MAX_LOGGED_NAMES])
+    if len(fresh) > MAX_LOGGED_NAMES:
+        listed += f" and {len(fresh) - MAX_LOGGED_NAMES} more"
+    line = f"ignored unknown request fields {listed} (send --strict-fields to refuse them)"
+    if len(warned) >= MAX_WARNED_FIELDS:
+        line += f"; {MAX_WARNED_FIELDS} distinct names logged, later ones are not"
+    return line
 
 
 def custom_error(
@@ -100,8 +147,15 @@ TYPE_MESSAGES = {
 }
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 60, 60, 60
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 8
+
+
 def show(value: Any) -> str:
-    text = repr(value)
+    """A short repr of a client's value for a message: bounded in depth and items (a deep or huge
+    value costs no more than a small one), at most 60 characters."""
+    text = _SHOW.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -136,12 +190,15 @@ def from_validation_error(exc: ValidationError) -> RequestError:
 
 def integral(value: Any) -> Any:
     """JSON Schema's integers include 1.0: an integral float is read as that int (strict parsing still
-    refuses other floats, numeric strings and booleans)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
+    refuses other floats, numeric strings and booleans). Inside a list and a list of lists (token
+    ids, prompts of token ids); deeper values are left as they are (for the schema to refuse)."""
     if isinstance(value, list):
-        return [integral(v) for v in value]
-    return value
+        return [[_integral(v) for v in item] if isinstance(item, list) else _integral(item) for item in value]
+    return _integral(value)
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def is_int(value: Any) -> bool:
@@ -161,8 +218,9 @@ def unsupported_default(name: str, value: Any, raw: dict[str, Any]) -> str | Non
         case "suffix":
             ok, allowed = value == "", 'null or ""'
         case "best_of":
-            n = raw.get("n")
+            n = integral(raw.get("n"))
             n = 1 if n is None else n
+            value = integral(value)
             ok, allowed = is_int(value) and is_int(n) and value == n, "null or equal to n"
         case "modalities":
             ok, allowed = value == ["text"], 'null or ["text"]'
@@ -175,6 +233,27 @@ def unsupported_default(name: str, value: Any, raw: dict[str, Any]) -> str | Non
         case _:
             ok, allowed = False, "null"
     return None if ok else allowed
+
+
+# what `unsupported_default` accepts besides null, in JSON Schema (for /openapi.json)
+UNSUPPORTED_ACCEPTED: dict[str, list[dict[str, Any]]] = {
+    "metadata": [{"type": "object", "maxProperties": 0}],
+    "suffix": [{"const": ""}],
+    "best_of": [{"type": "integer", "minimum": 1, "description": "equal to n"}],
+    "modalities": [{"const": ["text"]}],
+    "store": [{"const": False}],
+    "service_tier": [{"enum": ["auto", "default"]}],
+    "tool_calls": [{"type": "array", "maxItems": 0}],
+    "annotations": [{"type": "array", "maxItems": 0}],
+}
+
+
+def unsupported_schema(name: str) -> dict[str, Any]:
+    """The JSON schema of unsupported field `name`: only its default (see `unsupported_default`)."""
+    return {
+        "anyOf": [{"type": "null"}, *UNSUPPORTED_ACCEPTED.get(name, [])],
+        "description": "Not supported by tokenmill yet: only its default is accepted.",
+    }
 
 
 def check_unsupported(raw: Any, fields: tuple[str, ...]) -> Any:
