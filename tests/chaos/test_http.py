@@ -117,6 +117,11 @@ def test_brackets_inside_strings_do_not_count_as_depth(srv):
     assert post(srv, "/tokenize", json.dumps(body).encode()).status_code == 200
 
 
+def test_a_number_of_thousands_of_digits_is_a_400(srv):
+    body = b'{"model": "tiny", "prompt": "x", "seed": ' + b"9" * 5000 + b"}"  # (past Python's int digits cap)
+    assert error_of(post(srv, "/v1/completions", body), 400)["code"] == "invalid_json"
+
+
 def test_a_recursion_error_while_preparing_is_a_400(srv, monkeypatch):
     def recurse(req: object, tenant: object = None) -> None:
         raise RecursionError("maximum recursion depth exceeded")

@@ -105,5 +105,7 @@ def parse_json(body: bytes, max_depth: int) -> Any:
         raise RequestError(f"The body is not valid JSON ({e}).", None, "invalid_json") from None
     except RecursionError:  # (the depth check stops this first; kept as the last line of defence)
         raise RequestError("The body nests arrays and objects too deep.", None, "nesting_too_deep") from None
+    except ValueError as e:  # (Python's cap on an integer's digits: a number of thousands of digits)
+        raise RequestError(f"The body holds a number JSON cannot be read as ({e}).", None, "invalid_json") from None
     check_text(value, body)
     return value
