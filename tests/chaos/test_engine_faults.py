@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.chaos.harness import assert_idle, slow_steps
 from tests.server_harness import RunningServer, start_server
 from tokenmill.engine.output_processor import OutputProcessor
 
@@ -32,22 +33,13 @@ def serve(tiny_model_dir):
     def start(model: Path | None = None, step_sleep: float = 0.0, **kw: object) -> RunningServer:
         running = start_server(str(model or tiny_model_dir("llama")), greedy_head="logits", **kw)
         started.append(running)
-        if step_sleep:  # a request still runs when the next arrives, whatever the machine's speed
-            worker = running.server.engine.clients[0].core.worker
-            execute = worker.execute
-
-            def slow(scheduled):
-                time.sleep(step_sleep)
-                return execute(scheduled)
-
-            worker.execute = slow
+        if step_sleep:
+            slow_steps(running, step_sleep)
         return running
 
     yield start
     for running in started:
-        stats = running.wait_all_free(timeout=10)
-        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0, stats
-        assert running.server.engine.num_open == 0 and not running.server.engine.processor.has_unfinished()
+        assert_idle(running)
         assert httpx.get(f"{running.base_url}/health", timeout=TIMEOUT).status_code == 200
         running.stop()
 

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.chaos.harness import assert_idle, slow_steps
 from tests.server_harness import RunningServer, start_server
 from tokenmill.errors import ParamError
 
@@ -29,21 +30,12 @@ def serve(tiny_model_dir):
         running = start_server(str(tiny_model_dir("llama")), **kw)
         started.append(running)
         if step_sleep:
-            worker = running.server.engine.clients[0].core.worker
-            execute = worker.execute
-
-            def slow(scheduled):
-                time.sleep(step_sleep)
-                return execute(scheduled)
-
-            worker.execute = slow
+            slow_steps(running, step_sleep)
         return running
 
     yield start
     for running in started:
-        stats = running.wait_all_free(timeout=10)
-        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0, stats
-        assert running.server.engine.num_open == 0 and not running.server.engine.processor.has_unfinished()
+        assert_idle(running)
         running.stop()
 
 
