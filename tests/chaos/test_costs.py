@@ -2,7 +2,9 @@
 
 A structured-output spec compiles on the grammar compiler's own threads under a deadline: a schema
 past it is refused (and refused at once when sent again), callers of one spec share one compile, and a
-bad spec is refused naming its field.
+bad spec is refused naming its field. Through the server: `/health` answers while a schema compiles,
+and the schema's 400 comes at the deadline. A token-constraint step costs the same with 50,000 bad
+words as with 100.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
 
+from tests.server_harness import start_server
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.layers.token_constraints import BadWordsProcessor
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.grammar import GrammarCompiler
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo"
@@ -76,3 +82,61 @@ def test_a_bad_spec_names_its_field(tokenizer):
     with pytest.raises(ParamError) as info:
         compiler.check(StructuredOutputsParams(json="{not json"))
     assert info.value.param == "structured_outputs.json"
+
+
+def test_health_answers_while_a_schema_compiles_and_its_400_comes_at_the_deadline(tiny_model_dir):
+    deadline = 0.8
+    running = start_server(str(tiny_model_dir("llama")), grammar_compile_timeout=deadline)
+    url = f"{running.base_url}/v1/completions"
+
+    def ask(properties: int) -> httpx.Response:
+        schema = {"type": "object", "properties": {f"p{i}": {} for i in range(properties)}}
+        return httpx.post(url, json={"prompt": "x", "max_tokens": 4, "guided_json": schema}, timeout=30)
+
+    try:
+        assert ask(3).status_code == 200  # (the LLTokenizer built, not counted below)
+        done, health = threading.Event(), []
+
+        def poll() -> None:
+            while not done.is_set():
+                start = time.perf_counter()
+                assert httpx.get(f"{running.base_url}/health", timeout=30).status_code == 200
+                health.append(time.perf_counter() - start)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            start = time.perf_counter()
+            refused = ask(6000)  # (65 KB, under the size cap: compiles for seconds, which go on after the 400)
+            took = time.perf_counter() - start
+        finally:
+            done.set()
+            poller.join()
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "guided_json" and "took longer" in error["message"]
+        assert took < deadline + 1.5, took  # the deadline, not the compile
+        assert len(health) >= 5 and max(health) < deadline / 2, (took, health)  # not held by the compile
+        start = time.perf_counter()
+        assert ask(6000).status_code == 400 and time.perf_counter() - start < deadline / 2  # remembered
+        assert ask(4).status_code == 200  # others still compile
+        stats = running.wait_all_free()
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0, stats
+    finally:
+        running.stop()
+
+
+def test_a_bad_words_step_costs_the_same_with_50000_words_as_with_100():
+    def per_step(count: int) -> float:
+        words = [(a, b) for a in range(250) for b in range(200)][:count]  # two-token words: 200 after each a
+        p = BadWordsProcessor()
+        p.add_row(0, SamplingParams(bad_words_token_ids=words), [], ())
+        p.append_token(0, 0)  # the output ends with 0: the 200 words (0, b) are one token from done
+        logits, rows = torch.zeros(1, 256), torch.tensor([0])
+        start = time.perf_counter()
+        for _ in range(100):
+            out = p.apply(logits, rows, [0])
+        assert int(torch.isinf(out).sum()) == min(count, 200)
+        return (time.perf_counter() - start) / 100
+
+    small, large = per_step(100), per_step(50_000)
+    assert large < max(5 * small, 2e-3), (small, large)  # a step over each word: ~10 ms
