@@ -74,6 +74,7 @@ class GrammarCompiler:
         or if its compile takes longer than the limit)."""
         key = _key(spec)
         field = f"structured_outputs.{spec.kind}"
+        _ = self.tokenizer  # (built here, once, outside the compile's deadline: it is no spec's cost)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
