@@ -132,6 +132,7 @@ def test_settings_that_pay_only_together_are_kept_by_leaving_each_out():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # (a measured verification: noise on a busy 2-core machine can withdraw it)
 def test_a_shared_system_prompt_gets_the_prefix_cache_kept_by_measurement(tiny_model_dir):
     model = str(tiny_model_dir("llama"))
     off = LLMEngine(EngineConfig.from_kwargs(model, dtype="float32", enable_prefix_caching=False))

@@ -45,10 +45,10 @@ def test_a_schema_past_the_compile_deadline_is_refused_and_remembered(tokenizer)
     waited = time.perf_counter() - start
     assert info.value.param == "structured_outputs.json" and "took longer" in str(info.value)
     assert waited < 0.2 + 1.0  # the caller waited for the deadline, not for the compile
-    start = time.perf_counter()
+    started = compiler.compiles_started
     with pytest.raises(ParamError):
         compiler.check(schema(3000))  # remembered: refused without a second compile
-    assert time.perf_counter() - start < 0.2
+    assert compiler.compiles_started == started
     compiler.check(schema(4))  # others still compile
 
 
@@ -113,9 +113,10 @@ def test_health_answers_while_a_schema_compiles_and_its_400_comes_at_the_deadlin
         error = refused.json()["error"]
         assert refused.status_code == 400 and error["param"] == "guided_json" and "took longer" in error["message"]
         assert took < deadline + 1.5, took  # the deadline, not the compile
-        assert len(health) >= 5 and max(health) < 0.75 * deadline, (took, health)  # not held by the compile
-        start = time.perf_counter()
-        assert ask(6000).status_code == 400 and time.perf_counter() - start < deadline / 2  # remembered
+        assert len(health) >= 5 and max(health) < deadline, (took, health)  # not held by the compile
+        started = running.server.engine.processor.grammar.compiles_started
+        assert ask(6000).status_code == 400  # remembered: refused without a second compile
+        assert running.server.engine.processor.grammar.compiles_started == started
         assert ask(4).status_code == 200  # others still compile
         stats = running.wait_all_free()
         assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == stats.waiting == 0, stats

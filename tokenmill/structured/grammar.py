@@ -10,7 +10,7 @@ forever with spaces and newlines.
 One compiler per process and tokenizer (its `LLTokenizer`, built on first use, takes ~0.3 s for a 50k
 vocabulary); specs compile once each (an LRU of template matchers, copied per request: a copy is
 microseconds, a compile milliseconds to seconds). A bad spec is a ValueError naming the field.
-Counters: compiles, their seconds, and cache hits.
+Counters: compiles started and finished, their seconds, and cache hits.
 
 A compile is bounded: it runs on one of the compiler's own threads (two), and a caller waits at most
 `compile_timeout` seconds for it. A schema that takes longer (a 10,000-property object does) is
@@ -55,6 +55,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._lock = threading.RLock()  # (a done compile's callback may run inside matcher's hold)
         self.compiles = 0
+        self.compiles_started = 0
         self.compile_seconds = 0.0
         self.cache_hits = 0
 
@@ -86,6 +87,7 @@ class GrammarCompiler:
             future = self._inflight.get(key)
             if future is None:
                 future = self._pool.submit(self._compile, spec)
+                self.compiles_started += 1
                 self._inflight[key] = future
                 future.add_done_callback(lambda done: self._store(key, done))
         try:
