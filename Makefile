@@ -18,7 +18,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check tokenmill tests benchmarks scripts compat
 	$(BIN)/ruff format --check tokenmill tests benchmarks scripts compat
-	$(BIN)/mypy tokenmill/core
+	$(BIN)/mypy tokenmill/sched
 
 format: $(STAMP)
 	$(BIN)/ruff format tokenmill tests benchmarks scripts compat

@@ -13,12 +13,12 @@ if [ "${DRY_RUN:-0}" != "1" ]; then
   OUT="${OUT:-benchmarks/results}"
   mkdir -p "$OUT"
   if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 90 "$PY" -m pytest -q -rA -m "gpu or not slow" -p no:cacheprovider tests/test_triton_attention.py \
-      tests/test_cuda_graphs.py tests/test_sampler.py tests/test_sparse24.py 2>&1 | tee "$OUT/gpu_tests.txt" \
+    timeout 90 "$PY" -m pytest -q -rA -m "gpu or not slow" -p no:cacheprovider tests/layers/test_triton_attention.py \
+      tests/runner/test_cuda_graphs.py tests/layers/test_sampler.py tests/quant/test_sparse24.py 2>&1 | tee "$OUT/gpu_tests.txt" \
       || echo "gpu tests failed"
     if command -v compute-sanitizer >/dev/null; then  # races and out-of-bounds reads the interpreter hides
       timeout 45 compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" -m pytest -q -x -p no:cacheprovider \
-        tests/test_triton_attention.py -k "query_lens0 or query_lens5" 2>&1 | tail -20 | tee "$OUT/memcheck.txt" \
+        tests/layers/test_triton_attention.py -k "query_lens0 or query_lens5" 2>&1 | tail -20 | tee "$OUT/memcheck.txt" \
         || echo "memcheck: errors or out of time (see memcheck.txt)"
     fi
   else

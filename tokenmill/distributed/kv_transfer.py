@@ -20,10 +20,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tokenmill.core.kv_connector import KVLoad, KVSave
 from tokenmill.layers.attention import KVCache
 from tokenmill.request import Request, RequestStatus
 from tokenmill.runner.kv_blocks import KVBlocks, check, read_blocks, write_blocks
+from tokenmill.sched.kv_connector import KVLoad, KVSave
 
 logger = logging.getLogger("tokenmill")
 

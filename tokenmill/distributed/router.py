@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.core.block_hash import chain_hashes
+from tokenmill.sched.block_hash import chain_hashes
 
 ROUTING = ("least_loaded", "prefix")
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.block_hash import chain_hashes
-from tokenmill.core.kv_manager import KVManager
+from tokenmill.sched.block_hash import chain_hashes
+from tokenmill.sched.kv_manager import KVManager
 
 COMPARE_WINDOW = 256  # earlier prompts a prompt is compared with, to find where it diverges
 CONTEXT_TOKENS = 8  # tokens shown on each side of a divergence

@@ -17,9 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_manager import KVManager
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
-from tokenmill.core.static import StaticScheduler
 from tokenmill.doctor.step_cost import CostModel, step_chunks
 from tokenmill.outputs import (
     CompletionOutput,
@@ -32,6 +29,9 @@ from tokenmill.outputs import (
 )
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.sched.kv_manager import KVManager
+from tokenmill.sched.scheduler import Scheduler, SchedulerConfig
+from tokenmill.sched.static import StaticScheduler
 
 
 @dataclass

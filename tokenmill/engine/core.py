@@ -20,15 +20,15 @@ import logging
 import time
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_manager import KVManager
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
-from tokenmill.core.static import StaticScheduler
 from tokenmill.distributed.kv_transfer import TransferConnector
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.errors import ParamError, describe
 from tokenmill.outputs import EngineStats, SchedulerOutput, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.worker import Worker
+from tokenmill.sched.kv_manager import KVManager
+from tokenmill.sched.scheduler import Scheduler, SchedulerConfig
+from tokenmill.sched.static import StaticScheduler
 from tokenmill.spec_decode import SpeculativeConfig, make_proposer
 from tokenmill.spec_decode.speculation import Speculation
 
