@@ -59,96 +59,127 @@ def run_offline(
     """One pass of `workload` through `engine` (which must be idle); every request ends finished or failed."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; a benchmark run needs an idle engine")
-    reqs = workload.requests
-    due = send_times(reqs, request_rate, workload.spec.seed)
-    pending = deque(sorted((i for i, t in enumerate(due) if t is not None), key=lambda i: (due[i], i)))
-    dependents: dict[int, list[int]] = {}
-    for r in reqs:
-        if r.after is not None:
-            dependents.setdefault(r.after, []).append(r.index)
-    ready: deque[tuple[int, float]] = deque()  # (dependent, when its previous turn finished)
-    records: dict[int, RequestRecord] = {}
-    in_flight: dict[str, RequestRecord] = {}
-    last_token: dict[str, float] = {}
+    due = send_times(workload.requests, request_rate, workload.spec.seed)
+    run = _Pass(engine, workload.requests, due, repeat, max_concurrency, ignore_eos)
     before = engine.stats()
-    live = allocated = 0
-    full_steps: list[tuple[float, float]] = []  # (total, outside the forward) with a full batch decoding
-    full = engine.config.max_num_seqs
-    slot_free_at = 0.0  # with a concurrency cap: when a slot last opened
     t0 = clock()
+    while run.pending or run.ready or run.in_flight:
+        run.admit(clock() - t0)
+        if not run.in_flight:
+            if run.pending:
+                sleep(max(0.0, run.next_due() - (clock() - t0)))
+            continue
+        outputs = engine.step()
+        run.account(engine.last_step, outputs, clock() - t0)
+    duration = clock() - t0
+    extras = _extras(before, engine.stats(), run)
+    ordered = [run.records[i] for i in sorted(run.records)]
+    return Run(label, repeat, dict(settings or {}), duration, ordered, extras=extras)
 
-    def add(index: int, arrived: float) -> None:
+
+class _Pass:
+    """The state of one run: requests due, waiting on a previous turn, in flight, and their records."""
+
+    def __init__(
+        self,
+        engine: SteppedEngine,
+        reqs: list[BenchRequest],
+        due: list[float | None],
+        repeat: int,
+        max_concurrency: int | None,
+        ignore_eos: bool,
+    ) -> None:
+        self.engine, self.reqs, self.due, self.repeat = engine, reqs, due, repeat
+        self.max_concurrency, self.ignore_eos = max_concurrency, ignore_eos
+        self.pending = deque(sorted((i for i, t in enumerate(due) if t is not None), key=lambda i: (due[i], i)))
+        self.dependents: dict[int, list[int]] = {}
+        for r in reqs:
+            if r.after is not None:
+                self.dependents.setdefault(r.after, []).append(r.index)
+        self.ready: deque[tuple[int, float]] = deque()  # (dependent, when its previous turn finished)
+        self.records: dict[int, RequestRecord] = {}
+        self.in_flight: dict[str, RequestRecord] = {}
+        self.last_token: dict[str, float] = {}
+        self.live = self.allocated = 0
+        self.full_steps: list[tuple[float, float]] = []  # (total, outside the forward) with a full batch decoding
+        self.slot_free_at = 0.0  # with a concurrency cap: when a slot last opened
+
+    def next_due(self) -> float:
+        due = self.due[self.pending[0]]
+        assert due is not None
+        return due
+
+    def admit(self, now: float) -> None:
+        """Add every request that is due (or whose previous turn finished) while a slot is free."""
+        while (self.ready or (self.pending and self.next_due() <= now)) and (
+            self.max_concurrency is None or len(self.in_flight) < self.max_concurrency
+        ):
+            if self.ready:
+                self._add(*self.ready.popleft())
+            else:
+                self._add(self.pending[0], self.next_due())
+                self.pending.popleft()
+
+    def _add(self, index: int, arrived: float) -> None:
         # A request starts when it arrived (and, under a cap, a slot was free), as a server would have
         # received it, even if the engine was mid-step then: that wait is part of its latency.
-        start = arrived if max_concurrency is None else max(arrived, slot_free_at)
+        start = arrived if self.max_concurrency is None else max(arrived, self.slot_free_at)
         record = RequestRecord(index=index, ok=False, start_s=start)
-        records[index] = record
-        request_id = f"bench-{repeat}-{index}"
+        self.records[index] = record
+        request_id = f"bench-{self.repeat}-{index}"
         try:
-            engine.add_request(
+            self.engine.add_request(
                 request_id,
-                reqs[index].token_ids(engine.tokenizer),
-                _params(reqs[index], ignore_eos),
+                self.reqs[index].token_ids(self.engine.tokenizer),
+                _params(self.reqs[index], self.ignore_eos),
                 output_kind=OutputKind.DELTA,  # new tokens only: no copy of the whole output each step
             )
         except ValueError as e:
             record.error = f"refused: {e}"
-            ready.extend((d, start) for d in dependents.get(index, []))
+            self.ready.extend((d, start) for d in self.dependents.get(index, []))
             return
-        in_flight[request_id] = record
+        self.in_flight[request_id] = record
 
-    while pending or ready or in_flight:
-        now = clock() - t0
-        while (ready or (pending and due[pending[0]] <= now)) and (  # type: ignore[operator]
-            max_concurrency is None or len(in_flight) < max_concurrency
-        ):
-            if ready:
-                add(*ready.popleft())
-            else:
-                index = pending.popleft()
-                add(index, due[index])  # type: ignore[arg-type]
-        if not in_flight:
-            if pending:
-                sleep(max(0.0, due[pending[0]] - (clock() - t0)))  # type: ignore[operator]
-            continue
-        outputs = engine.step()
-        now = clock() - t0
-        step = engine.last_step
-        live += step.kv_live_tokens
-        allocated += step.kv_allocated_slots
+    def account(self, step: StepStats, outputs: list[RequestOutput], now: float) -> None:
+        """Record one step: its KV use, its time with a full batch, and every token and finish it produced."""
+        self.live += step.kv_live_tokens
+        self.allocated += step.kv_allocated_slots
+        full = self.engine.config.max_num_seqs
         if step.num_running == full and step.num_batched_tokens == full:
-            full_steps.append((step.total_seconds, step.total_seconds - step.forward_seconds))
+            self.full_steps.append((step.total_seconds, step.total_seconds - step.forward_seconds))
         for out in outputs:
-            record = in_flight[out.request_id]
+            record = self.in_flight[out.request_id]
             completion = out.outputs[0] if out.outputs else None
             if completion is not None and completion.token_ids:  # one arrival, however many tokens
                 if record.ttft_s is None:
                     record.ttft_s = now - record.start_s
                 else:
-                    record.itl_s.append(now - last_token[out.request_id])
-                last_token[out.request_id] = now
+                    record.itl_s.append(now - self.last_token[out.request_id])
+                self.last_token[out.request_id] = now
                 record.output_tokens += len(completion.token_ids)
             if out.finished:
-                del in_flight[out.request_id]
-                last_token.pop(out.request_id, None)
+                del self.in_flight[out.request_id]
+                self.last_token.pop(out.request_id, None)
                 record.ok = completion is not None and completion.finish_reason != "abort"
                 record.error = None if record.ok else "aborted"
                 record.e2e_s = now - record.start_s
                 record.prompt_tokens = len(out.prompt_token_ids)
                 record.cached_tokens = out.num_cached_tokens
-                ready.extend((d, now) for d in dependents.get(record.index, []))
-                slot_free_at = now
-    duration = clock() - t0
-    after = engine.stats()
+                self.ready.extend((d, now) for d in self.dependents.get(record.index, []))
+                self.slot_free_at = now
+
+
+def _extras(before: EngineStats, after: EngineStats, run: _Pass) -> dict[str, Any]:
+    """What only the engine knows about the run: KV use, preemptions, prefix hits, drafts, full-batch steps."""
     extras: dict[str, Any] = {
-        "kv_live_share": live / allocated if allocated else None,
+        "kv_live_share": run.live / run.allocated if run.allocated else None,
         "preemptions": after.preemptions - before.preemptions,
         "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
         **{
             name: getattr(after, name) - getattr(before, name)
             for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
         },
-        "full_decode_steps": len(full_steps),
+        "full_decode_steps": len(run.full_steps),
     }
     if extras["spec_decode_num_draft_tokens"]:  # speculative decoding ran: how well its drafts did
         extras["spec_decode_acceptance_rate"] = (
@@ -157,12 +188,11 @@ def run_offline(
         extras["spec_decode_mean_accepted_length"] = (
             1 + extras["spec_decode_num_accepted_tokens"] / extras["spec_decode_num_drafts"]
         )
-    if full_steps:
-        extras["full_decode_step_ms"] = statistics.median(s for s, _ in full_steps) * 1e3
-        extras["full_decode_overhead_ms"] = statistics.median(o for _, o in full_steps) * 1e3
+    if run.full_steps:
+        extras["full_decode_step_ms"] = statistics.median(s for s, _ in run.full_steps) * 1e3
+        extras["full_decode_overhead_ms"] = statistics.median(o for _, o in run.full_steps) * 1e3
         extras["full_decode_overhead_share"] = extras["full_decode_overhead_ms"] / extras["full_decode_step_ms"]
-    ordered = [records[i] for i in sorted(records)]
-    return Run(label, repeat, dict(settings or {}), duration, ordered, extras={k: v for k, v in extras.items()})
+    return extras
 
 
 def _params(request: BenchRequest, ignore_eos: bool) -> SamplingParams:
