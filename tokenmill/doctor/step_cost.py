@@ -203,92 +203,29 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     p = Prober(engine, seed)
     p.add(min(32, budget), 4)  # warm-up
     p.drain()
-    # one-request prompts, the grid in a new order each round and each round one token shorter: every
-    # step a length the engine has not run and another length just before it, as a server meets them
-    # (a length met again, right after itself, runs faster: benchmarks/prompt_lengths.py; oneDNN's kernel
-    # for that row count built, the caches warm with its shapes)
-    prompt_points = fine_grid(budget)
-    times: dict[int, list[float]] = {tokens: [] for tokens in prompt_points}
-    for shorter in range(repeats):
-        for tokens in p.rng.sample(prompt_points, len(prompt_points)):
-            p.add(max(1, tokens - shorter), 1)
-            times[tokens].append(p.drain()[0][0])
-    prompt_raw = [statistics.median(times[tokens]) for tokens in prompt_points]
+    prompt_points, prompt_raw = _prompt_curve(p, budget, repeats)
     short = 16
-
-    def decode(batch: int, context: int) -> float:
-        return p.decode(batch, context, budget, repeats)
-
-    measured = [(b, decode(b, short)) for b in grid(config.max_num_seqs)]
+    measured = [(b, p.decode(b, short, budget, repeats)) for b in grid(config.max_num_seqs)]
     batches = [b for b, t in measured if t == t]  # (a batch whose steps never all decoded: dropped)
     decode_raw = [t for _, t in measured if t == t]
-    notes = []
+    notes: list[str] = []
     # decode attention: a few requests decoding at a long context against the same at the short one
     per_key = 0.0
     b = min(8, config.max_num_seqs)
     long_context = fit_context(engine.max_model_len, long_context, b, budget, 2 + 2 * repeats)
     if long_context > 4 * short:
-        slow, fast = decode(b, long_context), interpolate(batches, decode_raw, b)
+        slow, fast = p.decode(b, long_context, budget, repeats), interpolate(batches, decode_raw, b)
         per_key = max(0.0, (slow - fast) / (b * (long_context - short))) if slow == slow else 0.0
     else:
         notes.append(f"no long-context probe (max_model_len {engine.max_model_len}): decode attention taken as 0")
-    # prompt attention: a long prompt's second chunk (start = budget) against its first (start 0)
-    per_pair = 0.0
-    if 3 * budget < engine.max_model_len and budget >= 64:
-        extra = []
-        for _ in range(repeats):
-            p.add(3 * budget, 1)
-            steps = p.drain()
-            extra.append(steps[1][0] - steps[0][0])
-        per_pair = max(0.0, statistics.median(extra) / (budget * budget))
-    else:
-        notes.append(f"no long-prompt probe (max_model_len {engine.max_model_len}): prompt attention taken as 0")
+    per_pair = _prompt_attention(p, budget, repeats, engine.max_model_len, notes)
     prompt_seconds = [
         max(0.0, t - per_pair * prompt_pairs([(n, 0)])) for n, t in zip(prompt_points, prompt_raw, strict=True)
     ]
     decode_seconds = [max(0.0, t - per_key * n * (short + repeats)) for n, t in zip(batches, decode_raw, strict=True)]
-    # mixed steps (a prompt chunk beside B decoding requests: the general path, not the decode one):
-    # what they cost beyond P(T) and the chunk's attention, at a short and at a long context: the
-    # decoding rows' attention per key there, and a cost per request
-    per_request, per_mixed_key = 0.0, per_key
-    b = min(8, config.max_num_seqs - 1)
-    chunk = min(256, budget - b)
-
-    def mixed(context: int) -> float:
-        """What a mixed step costs beyond the same chunk alone and the curve's price of b more rows: the
-        chunk alone is timed just before (paired, so the chunk's attention and the machine's mood of
-        the moment cancel), then beside b requests decoding at about `context` tokens."""
-        alone = []
-        for shorter in range(repeats):
-            p.add(chunk - shorter, 1)
-            alone.append(p.drain()[0][0])
-        prompt_steps = -(-b * context // budget)
-        for _ in range(b):
-            p.add(context, prompt_steps + 4 + 4 * repeats)
-        while True:
-            _, running, tokens = p.step()
-            if running == b and tokens == b:
-                break
-        rows = interpolate(prompt_points, prompt_seconds, chunk + b) - interpolate(prompt_points, prompt_seconds, chunk)
-        residuals = []
-        for shorter in range(repeats):
-            p.add(chunk - shorter, 1)
-            seconds, running, tokens = p.step()
-            if running == b + 1 and tokens == b + chunk - shorter:
-                residuals.append(seconds - statistics.median(alone) - rows)
-            p.step()
-        p.drain()
-        return statistics.median(residuals) if residuals else float("nan")
-
-    mixed_context = fit_context(engine.max_model_len, long_context, b, budget, 4 + 4 * repeats)
-    if b >= 1 and chunk >= 16:
-        near = mixed(short)
-        if mixed_context > 4 * short:
-            far = mixed(mixed_context)
-            if far == far and near == near:
-                per_mixed_key = max(0.0, (far - near) / (b * (mixed_context - short)))
-        if near == near:
-            per_request = max(0.0, (near - per_mixed_key * b * (short + 2 * repeats)) / b)
+    mixed = _Mixed(p, min(8, config.max_num_seqs - 1), budget, repeats, prompt_points, prompt_seconds)
+    mixed_context = fit_context(engine.max_model_len, long_context, mixed.b, budget, 4 + 4 * repeats)
+    per_request, per_mixed_key = mixed.costs(short, mixed_context, per_key)
     return StepCost(
         prompt_points,
         monotone(prompt_seconds),
@@ -301,3 +238,87 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
         time.perf_counter() - t0,
         notes,
     )
+
+
+def _prompt_curve(p: Prober, budget: int, repeats: int) -> tuple[list[int], list[float]]:
+    """One-request prompts over a fine grid of lengths: (lengths, median step seconds).
+
+    The grid runs in a new order each round and each round one token shorter: every step a length the
+    engine has not run and another length just before it, as a server meets them (a length met again,
+    right after itself, runs faster: benchmarks/prompt_lengths.py; oneDNN's kernel for that row count
+    built, the caches warm with its shapes)."""
+    prompt_points = fine_grid(budget)
+    times: dict[int, list[float]] = {tokens: [] for tokens in prompt_points}
+    for shorter in range(repeats):
+        for tokens in p.rng.sample(prompt_points, len(prompt_points)):
+            p.add(max(1, tokens - shorter), 1)
+            times[tokens].append(p.drain()[0][0])
+    return prompt_points, [statistics.median(times[tokens]) for tokens in prompt_points]
+
+
+def _prompt_attention(p: Prober, budget: int, repeats: int, max_model_len: int, notes: list[str]) -> float:
+    """Prompt attention per (query, key) pair: a long prompt's second chunk (start = budget) against its
+    first (start 0); 0, with a note, where the context is too short to measure it."""
+    if not (3 * budget < max_model_len and budget >= 64):
+        notes.append(f"no long-prompt probe (max_model_len {max_model_len}): prompt attention taken as 0")
+        return 0.0
+    extra = []
+    for _ in range(repeats):
+        p.add(3 * budget, 1)
+        steps = p.drain()
+        extra.append(steps[1][0] - steps[0][0])
+    return max(0.0, statistics.median(extra) / (budget * budget))
+
+
+class _Mixed:
+    """Mixed steps (a prompt chunk beside b decoding requests: the general path, not the decode one):
+    what they cost beyond P(T) and the chunk's attention, at a short and at a long context: the
+    decoding rows' attention per key there, and a cost per request."""
+
+    def __init__(
+        self, p: Prober, b: int, budget: int, repeats: int, prompt_points: list[int], prompt_seconds: list[float]
+    ) -> None:
+        self.p, self.b, self.budget, self.repeats = p, b, budget, repeats
+        self.chunk = min(256, budget - b)
+        self.prompt_points, self.prompt_seconds = prompt_points, prompt_seconds
+
+    def costs(self, short: int, long_context: int, per_key: float) -> tuple[float, float]:
+        """(cost per request, attention per key) of the decoding rows in a mixed step."""
+        per_request, per_mixed_key = 0.0, per_key
+        if self.b >= 1 and self.chunk >= 16:
+            near = self.residual(short)
+            if long_context > 4 * short:
+                far = self.residual(long_context)
+                if far == far and near == near:
+                    per_mixed_key = max(0.0, (far - near) / (self.b * (long_context - short)))
+            if near == near:
+                per_request = max(0.0, (near - per_mixed_key * self.b * (short + 2 * self.repeats)) / self.b)
+        return per_request, per_mixed_key
+
+    def residual(self, context: int) -> float:
+        """What a mixed step costs beyond the same chunk alone and the curve's price of b more rows: the
+        chunk alone is timed just before (paired, so the chunk's attention and the machine's mood of
+        the moment cancel), then beside b requests decoding at about `context` tokens."""
+        p, b, chunk, repeats = self.p, self.b, self.chunk, self.repeats
+        alone = []
+        for shorter in range(repeats):
+            p.add(chunk - shorter, 1)
+            alone.append(p.drain()[0][0])
+        prompt_steps = -(-b * context // self.budget)
+        for _ in range(b):
+            p.add(context, prompt_steps + 4 + 4 * repeats)
+        while True:
+            _, running, tokens = p.step()
+            if running == b and tokens == b:
+                break
+        rows = interpolate(self.prompt_points, self.prompt_seconds, chunk + b)
+        rows -= interpolate(self.prompt_points, self.prompt_seconds, chunk)
+        residuals = []
+        for shorter in range(repeats):
+            p.add(chunk - shorter, 1)
+            seconds, running, tokens = p.step()
+            if running == b + 1 and tokens == b + chunk - shorter:
+                residuals.append(seconds - statistics.median(alone) - rows)
+            p.step()
+        p.drain()
+        return statistics.median(residuals) if residuals else float("nan")
