@@ -196,21 +196,17 @@ def diagnose(
     trace = [TraceRequest(r.token_ids(engine.tokenizer), None, r.max_tokens) for r in requests]
     prompts = [len(t.token_ids) for t in trace]
     outputs = [r.max_tokens for r in requests]
-    agreement = None
-    if draft is not None:
-        agreement = draft_agreement(engine, draft, [t.token_ids for t in trace], cost.decode_batch)
+    ids = [t.token_ids for t in trace]
+    agreement = draft_agreement(engine, draft, ids, cost.decode_batch) if draft is not None else None
     replayed = replays.engine({}).record
     busy = [b for b in replayed.batch_sizes if b > 0]
     batch = int(statistics.median(busy)) if busy else 1  # the trace's decode batch: the replay's median step
     totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
-    ample = sum(-(-t // config.block_size) for t in totals) + 1
-    peak = replays.engine({}, num_blocks=ample).record.peak_blocks * config.block_size
-    stall = None
-    if measure_stalls:  # as many prompts arriving as the replay's steps carried
-        share = 1 - replayed.decode_only_steps / max(1, replayed.steps)
-        stall = measure_stall(engine, prompts, batch, share, int(statistics.median(prompts)))
-    storage = config.quantization if config.quantization in ("int8", "int4") else str(worker.dtype).split(".")[-1]
-    storage = storage if storage in ("float32", "bfloat16", "int8", "int4") else "bfloat16"
+    peak = _peak_tokens(replays, totals, config.block_size)
+    # as many prompts arriving as the replay's steps carried
+    share = 1 - replayed.decode_only_steps / max(1, replayed.steps)
+    stall = measure_stall(engine, prompts, batch, share, int(statistics.median(prompts))) if measure_stalls else None
+    storage = _storage(config, str(worker.dtype))
     findings = [
         fit_finding(
             cfg, storage, budget, value_bytes, config.max_num_batched_tokens, max(totals), peak, config.max_num_seqs
@@ -226,15 +222,7 @@ def diagnose(
         ),
         length_finding(prompts, outputs, config.scheduling, replays),
         fragmentation_finding(prompts, outputs, engine.max_model_len, config.block_size, current["kv_live_share"]),
-        latency_finding(
-            [t.token_ids for t in trace],
-            current,
-            batch,
-            cost,
-            slos or {},
-            config.speculative_config,
-            agreement,
-        ),
+        latency_finding(ids, current, batch, cost, slos or {}, config.speculative_config, agreement),
         _scale(
             replays, workload, prompts, outputs, token_bytes, link_gbps, request_rate, slos or {}, cost_per_hour, stall
         ),
@@ -244,6 +232,36 @@ def diagnose(
     if current["failed"]:
         errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
         findings[0].pitfalls.append(f"{current['failed']} of {len(requests)} requests cannot run here: {errors}")
+    _predict_gains(findings, replays, current)
+    curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts))
+    runs = _runs(replays, recommended_settings(findings))
+    return Diagnosis(
+        config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs
+    )
+
+
+def _runs(replays: Replays, settings: dict[str, Any]) -> dict[str, list[RequestRecord]]:
+    """The replayed requests with the current settings, and with the recommended ones where the replay can run them."""
+    runs = {"current": replays.records_of({})}
+    if settings and "kv_cache_memory" not in settings:
+        runs["recommended"] = replays.records_of(settings)
+    return runs
+
+
+def _peak_tokens(replays: Replays, totals: list[int], block_size: int) -> int:
+    """The most KV tokens the trace holds at once, replayed with blocks for every request (none evicted)."""
+    ample = sum(-(-t // block_size) for t in totals) + 1
+    return replays.engine({}, num_blocks=ample).record.peak_blocks * block_size
+
+
+def _storage(config: EngineConfig, dtype: str) -> str:
+    """How the weights are stored, in the names question 1 weighs."""
+    storage = config.quantization if config.quantization in ("int8", "int4") else dtype.split(".")[-1]
+    return storage if storage in ("float32", "bfloat16", "int8", "int4") else "bfloat16"
+
+
+def _predict_gains(findings: list[Finding], replays: Replays, current: dict[str, Any]) -> None:
+    """A simulated gain for each finding whose settings the replay can run (not a KV cache size)."""
     for f in findings:
         if f.settings and f.predicted_gain is None and "kv_cache_memory" not in f.settings:
             after = replays(f.settings)
@@ -251,15 +269,14 @@ def diagnose(
                 f"output tokens/s {current['output_throughput']:.1f} -> {after['output_throughput']:.1f}, TTFT p50 "
                 f"{p50(current, 'ttft'):.0f} -> {p50(after, 'ttft'):.0f} ms (simulated)"
             )
+
+
+def _hit_curve(
+    trace: list[TraceRequest], block_size: int, num_blocks: int, prompt_tokens: int
+) -> list[tuple[int, float]]:
+    """The prefix-cache hit share of the trace's prompt tokens at fractions of the current cache."""
     sizes = sorted({max(1, int(num_blocks * f)) for f in (1 / 256, 1 / 64, 1 / 16, 1 / 4, 1 / 2, 1)})
-    curve = [(n, replay_kv_cache(trace, config.block_size, n)[0] / max(1, sum(prompts))) for n in sizes]
-    settings = recommended_settings(findings)
-    runs = {"current": replays.records_of({})}
-    if settings and "kv_cache_memory" not in settings:
-        runs["recommended"] = replays.records_of(settings)
-    return Diagnosis(
-        config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs
-    )
+    return [(n, replay_kv_cache(trace, block_size, n)[0] / max(1, prompt_tokens)) for n in sizes]
 
 
 def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch: int) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenmill.doctor.findings import Finding, p50
-from tokenmill.doctor.prefix_report import TextTokenizer, TraceRequest, analyse, common_prefix
+from tokenmill.doctor.prefix_report import PrefixReport, TextTokenizer, TraceRequest, analyse, common_prefix
 
 QUESTION = "2. Prompt redundancy"
 
@@ -42,41 +42,70 @@ def redundancy_finding(
             f"{d.count} prompts part from the closest earlier one at token {d.position}: "
             f"...{d.before!r} | {d.after!r}..."
         )
-    pitfalls: list[str] = []
-    settings: dict[str, Any] = {}
-    if any(r.cache_salt for r in requests):
-        unsalted = analyse([TraceRequest(r.token_ids, None, r.max_tokens) for r in requests], block_size)
-        if unsalted.achievable_hit_rate > report.achievable_hit_rate + 0.05:
-            pitfalls.append(
-                f"cache salts split the tenants: {unsalted.achievable_hit_rate:.0%} of prompt tokens would hit without "
-                f"them, {report.achievable_hit_rate:.0%} with (keep salts only where tenants must not share)"
-            )
+    pitfalls = _salt_pitfalls(requests, block_size, report)
     shared, realigned = _sharing(requests, block_size)
     early = bool(report.divergences) and report.divergences[0].position < 4 * block_size
     if early and realigned * 2 >= report.prompts - 1 > 0 and report.achievable_hit_rate < 0.5:
-        d = report.divergences[0]
-        pitfalls.append(
-            f"{'zero' if report.achievable_hit_rate < 0.02 else 'few'} prefix hits: prompts part at token "
-            f"{d.position}, where something changes per request (...{d.before!r} | {d.after!r}...), and agree "
-            "again after it: a timestamp, id or name early in the prompt breaks the cache for everything after it"
-        )
-        verdict = (
-            f"a per-request value at token {d.position} ({d.after!r}...) breaks prefix caching "
-            f"({report.achievable_hit_rate:.0%} of prompt tokens can hit): move it after the shared part of the prompt"
-        )
-        return Finding(QUESTION, verdict, evidence, pitfalls=pitfalls)
+        return _broken_prefix(report, evidence, pitfalls)
     if report.achievable_hit_rate < 0.02:
-        if 8 <= shared < block_size and report.prompts > 1:
-            smaller = 1 << (shared.bit_length() - 1)  # the largest power of two within the shared prefix
-            pitfalls.append(
-                f"zero prefix hits: prompts share at most {shared} tokens, less than one block of {block_size}: "
-                "only whole blocks are cached"
-            )
-            settings = {"block_size": smaller, "enable_prefix_caching": True}
-            verdict = f"the shared prefix ({shared} tokens) is shorter than a block: blocks of {smaller} let it hit"
-        else:
-            verdict = "the prompts share nothing worth caching"
-        return Finding(QUESTION, verdict, evidence, settings, pitfalls=pitfalls)
+        return _nothing_shared(report, shared, block_size, evidence, pitfalls)
+    return _cache_gain(report, simulate, caching_on, evidence, pitfalls)
+
+
+def _salt_pitfalls(requests: Sequence[TraceRequest], block_size: int, report: PrefixReport) -> list[str]:
+    """A pitfall where cache salts keep tenants from sharing much of what they would."""
+    if not any(r.cache_salt for r in requests):
+        return []
+    unsalted = analyse([TraceRequest(r.token_ids, None, r.max_tokens) for r in requests], block_size)
+    if unsalted.achievable_hit_rate <= report.achievable_hit_rate + 0.05:
+        return []
+    return [
+        f"cache salts split the tenants: {unsalted.achievable_hit_rate:.0%} of prompt tokens would hit without "
+        f"them, {report.achievable_hit_rate:.0%} with (keep salts only where tenants must not share)"
+    ]
+
+
+def _broken_prefix(report: PrefixReport, evidence: list[str], pitfalls: list[str]) -> Finding:
+    """Prompts that part early and agree again: a per-request value breaks the cache for what follows."""
+    d = report.divergences[0]
+    pitfalls.append(
+        f"{'zero' if report.achievable_hit_rate < 0.02 else 'few'} prefix hits: prompts part at token "
+        f"{d.position}, where something changes per request (...{d.before!r} | {d.after!r}...), and agree "
+        "again after it: a timestamp, id or name early in the prompt breaks the cache for everything after it"
+    )
+    verdict = (
+        f"a per-request value at token {d.position} ({d.after!r}...) breaks prefix caching "
+        f"({report.achievable_hit_rate:.0%} of prompt tokens can hit): move it after the shared part of the prompt"
+    )
+    return Finding(QUESTION, verdict, evidence, pitfalls=pitfalls)
+
+
+def _nothing_shared(
+    report: PrefixReport, shared: int, block_size: int, evidence: list[str], pitfalls: list[str]
+) -> Finding:
+    """No prefix hits: a shared prefix shorter than a block (smaller blocks let it hit), or nothing shared."""
+    settings: dict[str, Any] = {}
+    if 8 <= shared < block_size and report.prompts > 1:
+        smaller = 1 << (shared.bit_length() - 1)  # the largest power of two within the shared prefix
+        pitfalls.append(
+            f"zero prefix hits: prompts share at most {shared} tokens, less than one block of {block_size}: "
+            "only whole blocks are cached"
+        )
+        settings = {"block_size": smaller, "enable_prefix_caching": True}
+        verdict = f"the shared prefix ({shared} tokens) is shorter than a block: blocks of {smaller} let it hit"
+    else:
+        verdict = "the prompts share nothing worth caching"
+    return Finding(QUESTION, verdict, evidence, settings, pitfalls=pitfalls)
+
+
+def _cache_gain(
+    report: PrefixReport,
+    simulate: Callable[[dict[str, Any]], dict[str, Any]],
+    caching_on: bool,
+    evidence: list[str],
+    pitfalls: list[str],
+) -> Finding:
+    """What the prefix cache saves on this trace (simulated on and off), and whether it is big enough."""
     on = simulate({"enable_prefix_caching": True})
     off = simulate({"enable_prefix_caching": False})
     saving = 1 - p50(on, "ttft") / max(p50(off, "ttft"), 1e-9)
