@@ -63,8 +63,19 @@ class EngineMetrics:
         `num_replicas`: data-parallel engine cores whose steps `observe_step` gets."""
         self._clock = clock
         self.registry = CollectorRegistry()
+        self._define_series(self.registry)
+        self.model_name = model_name
+        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # the totals
+        self._zero = self._last
+        self._by_replica: dict[int, EngineStats] = {}  # each live replica's latest stats
+        self._retired = self._zero  # the running totals of replicas lost since the start
+        self._replica_series = _ReplicaSeries(self.registry, model_name) if num_replicas > 1 else None
+        self._log_mark = (self._clock(), self._last)
+        self._label_step_series(model_name)
+
+    def _define_series(self, r: CollectorRegistry) -> None:
+        """Every series of the engine, in registry `r` (labelled by model name)."""
         labels = ["model_name"]
-        r = self.registry
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
@@ -124,16 +135,10 @@ class EngineMetrics:
         self.step_failures, self.request_faults, self.restarts = (
             Counter(PREFIX + name, doc, labels, registry=r) for name, doc in FAULT_COUNTERS
         )
-        self.model_name = model_name
-        self._last = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # the totals
-        self._zero = self._last
-        self._by_replica: dict[int, EngineStats] = {}  # each live replica's latest stats
-        self._retired = self._zero  # the running totals of replicas lost since the start
-        self._replica_series = _ReplicaSeries(r, model_name) if num_replicas > 1 else None
-        self._log_mark = (self._clock(), self._last)
-        # The per-step series, labelled once: a `labels()` lookup per series per step cost more than
-        # the rest of a step's bookkeeping on the event loop.
-        m = model_name
+
+    def _label_step_series(self, m: str) -> None:
+        """The series every step updates, labelled once: a `labels()` lookup per series per step cost
+        more than the rest of a step's bookkeeping on the event loop."""
         self._gauges = [(self.running.labels(m), "running"), (self.waiting.labels(m), "waiting")]
         self._gauges.append((self.kv_usage.labels(m), "kv_cache_usage"))
         self._counters = [
