@@ -44,12 +44,12 @@ from tokenmill.bench.metrics import spread
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.cpu_linear import get_dense_linear_method
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
+from tokenmill.quant.cpu_dense import get_dense_linear_method
 from tokenmill.runner.cpu_memory import keep_freed_memory
-from tokenmill.runner.worker import prepare_native
+from tokenmill.runner.model_builder import prepare_native
 
 BLOCK = 16
 PROMPT = 512

@@ -72,7 +72,7 @@ def speed(model: Path, dtype: str, repeats: int, tag: str) -> dict[str, Any]:
 
 def quality(model: Path) -> dict[str, Any]:
     from tokenmill.eval.quant_eval import evaluate
-    from tokenmill.layers.quantize import QuantSpec
+    from tokenmill.quant.quantize import QuantSpec
 
     out = {}
     specs = {m: QuantSpec(m) for m in METHODS[1:]} | {"int4_head_int8": QuantSpec("int4", head="int8")}
@@ -89,7 +89,7 @@ def int4_grid_error(model: Path) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
-    from tokenmill.layers.quantize import dequantize_int4, quantize_int4
+    from tokenmill.quant.quantize import dequantize_int4, quantize_int4
 
     out: dict[str, Any] = {}
     with safe_open(str(model / "model.safetensors"), "pt") as f:

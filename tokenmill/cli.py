@@ -299,7 +299,7 @@ def _prefix_report(args: argparse.Namespace) -> int:
 
 def _eval_quant(args: argparse.Namespace) -> int:
     from tokenmill.eval.quant_eval import evaluate
-    from tokenmill.layers.quantize import QuantSpec
+    from tokenmill.quant.quantize import QuantSpec
 
     if args.windows < 1 or args.window_len < 2:
         raise ValueError("windows: at least one window of at least 2 tokens")

@@ -44,10 +44,10 @@ from tokenmill.layers.attention import allocate_kv_cache  # noqa: E402
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend  # noqa: E402
 from tokenmill.layers.backends.triton_paged import TritonPagedBackend  # noqa: E402
 from tokenmill.layers.rotary import RopeConfig  # noqa: E402
-from tokenmill.layers.sparse24 import keep_mask_2_4  # noqa: E402
 from tokenmill.models.config import ModelConfig  # noqa: E402
 from tokenmill.models.llama import LlamaForCausalLM  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
+from tokenmill.quant.sparse24 import keep_mask_2_4  # noqa: E402
 from tokenmill.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 
 BLOCK = 16

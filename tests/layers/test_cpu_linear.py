@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.cpu_linear import (
+from tokenmill.layers.ops import get_layer_ops
+from tokenmill.models.loader import load_model
+from tokenmill.quant.cpu_dense import (
     CpuLinearMethod,
     dense_weight_shapes,
     get_dense_linear_method,
     tune_linear,
 )
-from tokenmill.layers.ops import get_layer_ops
-from tokenmill.models.loader import load_model
 from tokenmill.runner.dtype_choice import probe_logits
 
 KERNELS = load_cpu_kernels()

@@ -14,7 +14,7 @@ from tokenmill import LLM
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.quantize import int8_rows_symmetric
+from tokenmill.quant.quantize import int8_rows_symmetric
 
 BACKENDS = ["torch"] + (["cpu"] if load_cpu_kernels() is not None else [])
 BLOCK = 16

@@ -18,11 +18,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tests.helpers import PagedRunner, assert_logits_close
-from tokenmill.layers.linear import (
-    Linear,
-    LinearBase,
+from tokenmill.layers.linear import Linear, LinearBase, MergedLinear, weight_loader_of
+from tokenmill.models import loader
+from tokenmill.models.llama import STACKED_PROJECTIONS, WeightTarget
+from tokenmill.models.loader import load_model, load_weights
+from tokenmill.quant.method import (
     LinearMethod,
-    MergedLinear,
     ShardId,
     ShardLoader,
     UnquantizedLinearMethod,
@@ -30,11 +31,7 @@ from tokenmill.layers.linear import (
     WeightShapeError,
     register_bias,
     set_weight_loader,
-    weight_loader_of,
 )
-from tokenmill.models import loader
-from tokenmill.models.llama import STACKED_PROJECTIONS, WeightTarget
-from tokenmill.models.loader import load_model, load_weights
 
 # Torch calls that make a new copy of a tensor's data; a load must call none of them besides copy_.
 COPYING = {"clone", "contiguous", "to", "cat", "stack", "float", "half", "bfloat16", "type", "__mul__", "mul"}

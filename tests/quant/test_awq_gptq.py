@@ -1,4 +1,4 @@
-"""AWQ and GPTQ checkpoints loaded as they are stored (layers/awq_gptq.py).
+"""AWQ and GPTQ checkpoints loaded as they are stored (quant/awq_gptq.py).
 
 Each test folder is a tiny random model whose projections are quantized here and packed by this
 file's own packers, written from the formats' descriptions (AWQ: along the output, nibble i of a
@@ -27,9 +27,9 @@ from tests.helpers import (
 )
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.linear import LinearBase
-from tokenmill.layers.quantize import Int4Weight, Int8Weight, dequantize_int4
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
+from tokenmill.quant.quantize import Int4Weight, Int8Weight, dequantize_int4
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 IDS = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(2))

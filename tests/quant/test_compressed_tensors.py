@@ -1,4 +1,4 @@
-"""compressed-tensors pack-quantized checkpoints loaded as stored (layers/compressed_checkpoints.py).
+"""compressed-tensors pack-quantized checkpoints loaded as stored (quant/compressed.py).
 
 The checkpoints are written by the `compressed-tensors` library itself (its quantization parameters,
 its compressor), not by tokenmill's code; the reference is the library's own decompression written
@@ -14,9 +14,9 @@ import torch
 
 from tests.helpers import PagedRunner, assert_logits_close, write_quantized_copies
 from tokenmill.layers.linear import LinearBase
-from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
+from tokenmill.quant.quantize import Int4Weight, Int8Weight
 
 IDS = torch.randint(0, 4096, (29,), generator=torch.Generator().manual_seed(4))
 SCHEMES = {  # name -> (bits, symmetric, strategy, group size)
@@ -113,9 +113,9 @@ def test_quantize_int8_writes_the_in_memory_int8_model(tiny_model_dir, tmp_path,
     from transformers import AutoModelForCausalLM
 
     from tokenmill.cli import main
-    from tokenmill.layers.linear import UnquantizedLinearMethod
-    from tokenmill.layers.quant_linear import Int8LinearMethod
-    from tokenmill.layers.quantize import QuantSpec
+    from tokenmill.quant.int_methods import Int8LinearMethod
+    from tokenmill.quant.method import UnquantizedLinearMethod
+    from tokenmill.quant.quantize import QuantSpec
 
     folder = tiny_model_dir("llama")
     out = tmp_path / "int8"

@@ -19,11 +19,13 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine_args import DEMO_MODEL
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.linear import LinearBase
-from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod
-from tokenmill.layers.quantize import Int4Weight, Int8Weight, QuantSpec, dequantize_int4, dequantize_int8
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.gguf_blocks import decode, pack
 from tokenmill.models.loader import load_model
+from tokenmill.quant.config import QuantConfig
+from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod
+from tokenmill.quant.method import UnquantizedLinearMethod
+from tokenmill.quant.quantize import Int4Weight, Int8Weight, QuantSpec, dequantize_int4, dequantize_int8
 
 KEPT = {"Q8_0": Int8Weight, "Q4_0": Int4Weight, "Q4_1": Int4Weight}
 IDS = torch.randint(0, 8192, (40,), generator=torch.Generator().manual_seed(5))
@@ -49,6 +51,11 @@ def methods(kernels, pin: str | None = None):
     if pin:
         int8.default_kernel = int4.default_kernel = pin
     return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
+
+
+def kept(gguf) -> QuantConfig:
+    """Dense layers, save those whose GGUF type `gguf` maps (the loader reads the file's types)."""
+    return QuantConfig(UnquantizedLinearMethod(), gguf=gguf)
 
 
 def logits(model) -> torch.Tensor:
@@ -81,13 +88,13 @@ def test_a_kept_model_computes_what_its_dequantized_weights_do(gguf_file, type_n
     rounding, through the native kernels within their activation rounding (int4: int8 in runs of 32)."""
     path = gguf_file(type_name)
     dense = logits(load_model(path, dtype="float32"))
-    exact = load_model(path, dtype="float32", checkpoint_methods=methods(None, pin="dequant"))
+    exact = load_model(path, dtype="float32", quant=kept(methods(None, pin="dequant")))
     layers = [m for name, m in exact.named_modules() if isinstance(m, LinearBase) and name != "lm_head"]
     assert len(layers) == 16 and all(isinstance(getattr(m, "quantized", None), KEPT[type_name]) for m in layers)
     assert not any(n.endswith("weight") and p.numel() == 0 for n, p in exact.named_parameters())  # no placeholders
     assert_logits_close(logits(exact), dense, rel=1e-5)
     if load_cpu_kernels() is not None:
-        native = load_model(path, dtype="float32", checkpoint_methods=methods(load_cpu_kernels()))
+        native = load_model(path, dtype="float32", quant=kept(methods(load_cpu_kernels())))
         # int8: 16-bit activations; int4: int8 activations in runs of 32 (llama.cpp's Q4 path rounds them
         # alike), 4 layers deep: within 4% of the logit scale (measured: 2.7%), and the same top token
         ours = logits(native)
@@ -97,7 +104,7 @@ def test_a_kept_model_computes_what_its_dequantized_weights_do(gguf_file, type_n
 
 def test_k_quants_and_mixed_layers_are_dequantized_with_a_log_line(gguf_file, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill"):
-        model = load_model(gguf_file("Q4_K"), dtype="float32", checkpoint_methods=methods(None))
+        model = load_model(gguf_file("Q4_K"), dtype="float32", quant=kept(methods(None)))
     assert not any(hasattr(m, "quantized") for m in model.modules())
     assert "GGUF matrices kept quantized: none; dequantized at load to float32: " in caplog.text
     assert "Q4_K" in caplog.text.split("dequantized at load")[1]
@@ -106,7 +113,7 @@ def test_k_quants_and_mixed_layers_are_dequantized_with_a_log_line(gguf_file, ca
 def test_a_kept_tensor_that_does_not_fit_names_it(tmp_path):
     path = write_gguf(DEMO_MODEL, tmp_path / "ffn.gguf", "Q8_0", set_keys={"llama.feed_forward_length": 512})
     with pytest.raises(ModelLoadError, match=r"ffn\.gguf: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape"):
-        load_model(path, dtype="float32", checkpoint_methods=methods(None))
+        load_model(path, dtype="float32", quant=kept(methods(None)))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])

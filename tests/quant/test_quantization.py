@@ -20,8 +20,9 @@ from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.layers.quant_linear import QuantizedLinearMethod, get_quant_method
-from tokenmill.layers.quantize import (
+from tokenmill.models.loader import load_model
+from tokenmill.quant.int_methods import QuantizedLinearMethod, get_quant_method
+from tokenmill.quant.quantize import (
     Int4PackWeight,
     Int4Weight,
     QuantSpec,
@@ -37,7 +38,6 @@ from tokenmill.layers.quantize import (
     unpack_int4,
     unpack_int4pack,
 )
-from tokenmill.models.loader import load_model
 
 KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels did not build here")
@@ -343,7 +343,7 @@ def test_the_default_kv_budget_grows_by_the_bytes_quantized_weights_free(tiny_mo
 @pytest.mark.parametrize("fmt", ["int8", "int8g32", "int4", "int4pack"])
 def test_rows_of_a_quantized_head_are_its_dequantized_rows(fmt):
     """What a tied embedding table reads once only its quantized head is kept."""
-    from tokenmill.layers.quantize import int4_rows, int4pack_rows, int8_rows
+    from tokenmill.quant.quantize import int4_rows, int4pack_rows, int8_rows
 
     w = weights(128, 96)
     ids = torch.tensor([0, 5, 63, 64, 127, 5])

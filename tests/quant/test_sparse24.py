@@ -1,4 +1,4 @@
-"""2:4 weights (layers/sparse24.py): sparse-24-bitmask storage round-trips and loads as the dense
+"""2:4 weights (quant/sparse24.py): sparse-24-bitmask storage round-trips and loads as the dense
 folder does, broken checkpoints are refused by name, and on a GPU (`gpu`) the projections run on
 torch's semi-structured sparse kernels with the dense product's results. Imports nothing of the
 server (the device script runs the gpu tests here)."""
@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tokenmill.layers.sparse24 import compress_2_4, decompress_2_4
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
 from tokenmill.models.sparsify import prune_2_4, sparsify_folder
+from tokenmill.quant.sparse24 import compress_2_4, decompress_2_4
 
 
 def test_sparse_24_bitmask_storage_loads_as_the_dense_folder(tiny_model_dir, tmp_path):

@@ -36,7 +36,7 @@ def test_graph_batch_sizes():
 
 def test_on_a_cuda_device_auto_means_triton_and_a_float32_checkpoint_runs_in_bfloat16(tiny_model_dir):
     from tokenmill.models.loader import read_model_config
-    from tokenmill.runner.worker import attention_backend_name, default_dtype
+    from tokenmill.runner.model_builder import attention_backend_name, default_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = read_model_config(tiny_model_dir("llama"))  # a float32 checkpoint

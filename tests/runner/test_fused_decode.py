@@ -13,10 +13,10 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.cpu_linear import get_dense_linear_method
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
+from tokenmill.quant.cpu_dense import get_dense_linear_method
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels did not build here")

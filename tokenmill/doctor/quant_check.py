@@ -40,7 +40,7 @@ def speed_lines(config: EngineConfig, storages: dict[str, dict[str, Any]], batch
 def quality_line(model: str, method: str, windows: int = 4, length: int = 256) -> str:
     """eval-quant's verdict on `method` for `model`, in one line."""
     from tokenmill.eval.quant_eval import evaluate
-    from tokenmill.layers.quantize import QuantSpec
+    from tokenmill.quant.quantize import QuantSpec
 
     report = evaluate(model, QuantSpec(method), "auto", None, windows, length)
     return (

@@ -26,14 +26,14 @@ from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import AttentionBackend, allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.cpu_linear import get_dense_linear_method
 from tokenmill.layers.ops import get_layer_ops
-from tokenmill.layers.quant_linear import get_head_method, get_quant_method
-from tokenmill.layers.quantize import QuantSpec
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
+from tokenmill.quant.cpu_dense import get_dense_linear_method
+from tokenmill.quant.int_methods import get_head_method, get_quant_method
+from tokenmill.quant.quantize import QuantSpec
 from tokenmill.runner.kv_cache import kv_bytes_per_block
-from tokenmill.runner.worker import prepare_native
+from tokenmill.runner.model_builder import prepare_native
 
 BLOCK = 16
 

@@ -14,39 +14,26 @@ Anything else runs the modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
+from torch import nn
 
 from tokenmill.kernels.cpu_build import CpuKernels
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.backends.cpu_paged import CpuMetadata, CpuPagedBackend
-from tokenmill.layers.cpu_linear import CpuLinearMethod
 from tokenmill.layers.cpu_ops import CpuOps
-from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
-from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod, W8A8LinearMethod
-from tokenmill.layers.quantize import Int4PackWeight, Int4Weight, Int8Weight
-
-if TYPE_CHECKING:
-    from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
+from tokenmill.layers.linear import LinearBase
 
 
-# the kernel names of each method -> decode_layer.cpp's projection kinds
-TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX = range(11)
-# (by the method's name: a checkpoint's int4 / int8 layers, AWQ, GPTQ or compressed-tensors, are the same
-# formats once loaded)
-QUANTIZED_KINDS = {
-    ("int8", "native"): INT8,
-    ("w8a8", "native"): W8A8,
-    ("int4", "int4pack"): INT4PACK,
-    ("int4", "native"): INT4,
-    ("int8", "tiled"): INT8_TILED,
-    ("w8a8", "tiled"): W8A8_TILED,
-    ("w8a8", "amx"): W8A8_AMX,
-    ("int8", "amx"): INT8_AMX,
-    ("int4", "amx"): INT4_AMX,
-}
-FUSABLE_METHODS = (CpuLinearMethod, UnquantizedLinearMethod, Int8LinearMethod, W8A8LinearMethod, Int4LinearMethod)
+class DecoderStack(Protocol):
+    """What the fused decode reads of a model (models/llama.py's `LlamaForCausalLM`): its decoder
+    layers (each with `input_layernorm`, `self_attn` (`qkv_proj`, `o_proj`, heads, `backend`),
+    `post_attention_layernorm` and `mlp` (`gate_up_proj`, `down_proj`)), its config and its layer ops."""
+
+    layers: nn.ModuleList
+    config: object
+    ops: object
 
 
 class FusedDecode:
@@ -54,20 +41,18 @@ class FusedDecode:
     tensors gathered once here, so a step passes only what changes (hidden states, rotary inputs,
     caches, attention metadata). Build it once the weights are final: it keeps references to them."""
 
-    def __init__(self, kernels: CpuKernels, model: LlamaForCausalLM) -> None:
+    def __init__(self, kernels: CpuKernels, model: DecoderStack) -> None:
         self._op = kernels.ops.decode_stack.default
-        layers = cast("list[DecoderLayer]", list(model.layers))
+        layers = list(model.layers)
         self._norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self._first = _projections(layers[0])  # every layer's kernel choices are the first's
         projections = [p for layer in layers for p in _projections(layer)]
-        self._weights, self._scales, self._wsums = [], [], []
-        for p in projections:
-            weight, scales, wsums = _tensors(p)
-            self._weights.append(weight)
-            self._scales.append(scales)
-            self._wsums.append(wsums)
+        tensors = [p.linear_method.fused_tensors(p) for p in projections]  # (weight, scales, wsums, group)
+        self._weights = [t[0] for t in tensors]
+        self._scales = [t[1] for t in tensors]
+        self._wsums = [t[2] for t in tensors]
         self._biases = [p.bias for p in projections]
-        self._groups = [_group(p) for p in self._first]
+        self._groups = [t[3] for t in tensors[: len(self._first)]]
         self._out_features = [p.output_size for p in self._first]
         self._windows = [layer.self_attn.sliding_window for layer in layers]
         attn = layers[0].self_attn
@@ -77,17 +62,21 @@ class FusedDecode:
         self._caches: tuple[list[KVCache], list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
     @staticmethod
-    def supports(model: LlamaForCausalLM) -> bool:
-        """Whether `model` runs entirely on the pieces the fused layers chain."""
-        layers = cast("list[DecoderLayer]", list(model.layers))
-        if not layers or model.config.qk_norm or not isinstance(model.ops, CpuOps):
+    def supports(model: DecoderStack) -> bool:
+        """Whether `model` runs entirely on the pieces the fused layers chain (each projection's
+        method says whether it can be chained: `LinearMethod.fusable`)."""
+        layers = list(model.layers)
+        if not layers or getattr(model.config, "qk_norm", False) or not isinstance(model.ops, CpuOps):
             return False
         attn = layers[0].self_attn
         if not isinstance(attn.backend, CpuPagedBackend):
             return False
-        # (a projection that gathers its inputs in another order first, GPTQ's activation order: the modules)
-        return all(isinstance(p.linear_method, FUSABLE_METHODS) for p in _projections(layers[0])) and not any(
-            "input_order" in p._buffers for layer in layers for p in _projections(layer)
+        # (every layer runs the first's kernel choices: each projection's method must be the first's)
+        first = _projections(layers[0])
+        return all(
+            p.linear_method.fusable(p) and p.linear_method is f.linear_method
+            for layer in layers
+            for p, f in zip(_projections(layer), first, strict=True)
         )
 
     def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[int] | None:
@@ -98,7 +87,7 @@ class FusedDecode:
         if not isinstance(md, CpuMetadata) or md.prefills or md.num_actual_tokens != x.shape[0]:
             return None
         rows = x.shape[0]
-        kinds = [_kind(p, rows) for p in self._first]
+        kinds = [p.linear_method.fused_kind(p, rows) for p in self._first]
         return None if None in kinds else cast(list[int], kinds)
 
     def __call__(
@@ -128,33 +117,6 @@ class FusedDecode:
         return out, res
 
 
-def _projections(layer: DecoderLayer) -> tuple[LinearBase, LinearBase, LinearBase, LinearBase]:
+def _projections(layer: nn.Module) -> tuple[LinearBase, LinearBase, LinearBase, LinearBase]:
     attn, mlp = layer.self_attn, layer.mlp
-    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-
-
-def _tensors(p: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(weight, scales, wsums) as decode_layer.cpp takes them for this projection's method."""
-    quantized = getattr(p, "quantized", None)
-    if isinstance(quantized, Int8Weight):
-        scales = quantized.scales.view(-1) if isinstance(p.linear_method, W8A8LinearMethod) else quantized.scales
-        return quantized.q, scales, quantized.wsums
-    if isinstance(quantized, Int4PackWeight):
-        return quantized.packed, quantized.scales_zeros, None
-    if isinstance(quantized, Int4Weight):  # its mins where the W8A8 kernel takes the row sums
-        return quantized.packed, quantized.scales, quantized.mins
-    return cast(torch.Tensor, p.weight), None, None
-
-
-def _group(p: LinearBase) -> int:
-    quantized = getattr(p, "quantized", None)
-    return cast(int, quantized.group) if quantized is not None else p.input_size
-
-
-def _kind(projection: LinearBase, rows: int) -> int | None:
-    method = projection.linear_method
-    if isinstance(method, QuantizedLinearMethod):
-        kernel = method.kernel_for((projection.output_size, projection.input_size), rows)
-        return QUANTIZED_KINDS.get((method.name, kernel))
-    weight = cast(torch.Tensor, projection.weight)
-    return NATIVE if isinstance(method, CpuLinearMethod) and method.takes_native(weight, rows) else TORCH
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj  # type: ignore[return-value]

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+from tokenmill.quant.checkpoint import (
+    CHECKPOINT_QUANTIZATIONS,
+    SPARSITY_FORMATS,
+    CheckpointQuantization,
+    CheckpointSparsity,
+)
 
 
 class ModelLoadError(ValueError):
@@ -55,33 +61,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-
-@dataclass(frozen=True)
-class CheckpointQuantization:
-    """How a checkpoint's linear layers are stored quantized (config.json's `quantization_config`):
-    AWQ (GEMM packing, 4 bits), GPTQ (4 or 8 bits), or compressed-tensors' pack-quantized int4 / int8; groups of
-    `group_size` inputs (None: the whole input width, one scale per output channel)."""
-
-    method: str  # "awq" | "gptq" | "compressed-tensors"
-    bits: int
-    group_size: int | None
-    gptq_v2: bool = False  # GPTQ's checkpoint_format gptq_v2 stores the true zero points (v1: zero - 1)
-    desc_act: bool = False  # GPTQ's activation order: g_idx a permutation of the groups
-    symmetric: bool = False  # compressed-tensors: no zero points stored
-
-
-CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
-SPARSITY_FORMATS = ("sparse-24-bitmask", "dense")
-
-
-@dataclass(frozen=True)
-class CheckpointSparsity:
-    """compressed-tensors' `sparsity_config` for 2:4 weights: stored `sparse-24-bitmask`
-    (layers/sparse24.py) or `dense` (zeros in place); the decoder projections follow 2:4."""
-
-    format: str  # one of SPARSITY_FORMATS
-    structure: str = "2:4"
 
 
 class _Fields:

@@ -2,7 +2,7 @@
 
 Owns the byte layout of those three block types (ggml's `block_q8_0`, `block_q4_0`, `block_q4_1`:
 32 weights a block, a float16 scale first) and its mapping onto `Int8Weight` / `Int4Weight`
-(layers/quantize.py), which hold the same grids exactly:
+(quant/quantize.py), which hold the same grids exactly:
 - Q8_0 (34 bytes: scale d, 32 int8 q): W = d * q -> int8 in groups of 32, scale d;
 - Q4_0 (18 bytes: d, 16 bytes of nibbles): W = d * (q - 8) -> int4, scale d, minimum -8 d (exact:
   a power-of-two multiple of a float16);
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.layers.quantize import Int4Weight, Int8Weight, int8_weight, pack_int4
+from tokenmill.quant.quantize import Int4Weight, Int8Weight, int8_weight, pack_int4
 
 BLOCK = 32  # weights a block
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.layers.quantize import Int4Weight, Int8Weight
 from tokenmill.models.config import ModelConfig, ModelLoadError, parse_config
 from tokenmill.models.gguf_blocks import decode, pack
+from tokenmill.quant.quantize import Int4Weight, Int8Weight
 
 # general.architecture -> the Hugging Face architecture it is (llama.cpp writes Mistral as llama).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

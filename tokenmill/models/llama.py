@@ -3,39 +3,31 @@
 Owns the modules (fused QKV and gate/up projections, RMSNorm, RoPE, SwiGLU MLP, GQA/MQA attention
 through an injected `AttentionBackend`, elementwise ops through injected `LayerOps`) and the map
 from Hugging Face checkpoint tensor names to tokenmill's parameters and their shards. Every
-projection (and an untied lm_head) is a `layers.linear` layer whose `LinearMethod` is injected too
-(default: unquantized). The forward takes a flat batch of several sequences' tokens and a paged KV
-cache per layer; all attention metadata comes in as an argument. The residual stream is carried
-beside the hidden states: each layer's residual add happens inside the next RMSNorm
-(`RMSNorm.add`), one fused op where the ops allow.
+projection (and an untied lm_head) is a `layers.linear` layer whose `LinearMethod` the injected
+`QuantConfig` names for its prefix (quant/config.py; default: unquantized). The forward takes a
+flat batch of several sequences' tokens and a paged KV cache per layer; all attention metadata
+comes in as an argument. The residual stream is carried beside the hidden states: each layer's
+residual add happens inside the next RMSNorm (`RMSNorm.add`), one fused op where the ops allow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from tokenmill.layers.linear import (
-    Linear,
-    LinearBase,
-    LinearMethod,
-    MergedLinear,
-    ShardId,
-    UnquantizedLinearMethod,
-    weight_loader_of,
-)
+from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.linear import Linear, LinearBase, MergedLinear, weight_loader_of
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
-from tokenmill.layers.quant_linear import HeadRows, QuantizedLinearMethod
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.quant.config import QuantConfig
+from tokenmill.quant.int_methods import HeadRows, QuantizedLinearMethod
+from tokenmill.quant.method import ShardId, UnquantizedLinearMethod
 
 # tokenmill's fused projections -> the checkpoint projections stacked in them, in output order, each
 # with the shard id its weight loader takes
@@ -43,6 +35,20 @@ STACKED_PROJECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     "gate_up_proj": (("gate_proj", "gate"), ("up_proj", "up")),
 }
+
+
+# the checkpoint's projection -> (tokenmill's layer holding it, its shard there)
+STACKED_IN = {source: (fused, shard) for fused, parts in STACKED_PROJECTIONS.items() for source, shard in parts}
+
+
+def layer_prefix(hf_name: str) -> str:
+    """The prefix of the tokenmill module a Hugging Face tensor name fills (`model.layers.0.self_attn.
+    q_proj.weight` -> `layers.0.self_attn.qkv_proj`; `lm_head.weight` -> `lm_head`)."""
+    module = hf_name.rpartition(".")[0].removeprefix("model.")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in STACKED_IN:
+        return f"{parent}.{STACKED_IN[leaf][0]}"
+    return module
 
 
 # Logits per chunk of `greedy_tokens`: 64K float32 values (256 KB, e.g. [32, 2048]) stay in L2.
@@ -67,7 +73,7 @@ class Attention(nn.Module):
         cfg: ModelConfig,
         layer: int,
         backend: AttentionBackend,
-        method: LinearMethod,
+        quant: QuantConfig,
         dtype: torch.dtype,
         ops: LayerOps,
     ) -> None:
@@ -75,8 +81,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         shards = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
-        self.qkv_proj = MergedLinear(cfg.hidden_size, shards, bias=cfg.qkv_bias, linear_method=method, dtype=dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, linear_method=method, dtype=dtype)
+        h, prefix = cfg.hidden_size, f"layers.{layer}.self_attn"
+        qkv = quant.method_for(f"{prefix}.qkv_proj", (sum(shards.values()), h))
+        self.qkv_proj = MergedLinear(h, shards, bias=cfg.qkv_bias, linear_method=qkv, dtype=dtype)
+        o = quant.method_for(f"{prefix}.o_proj", (h, cfg.q_size))
+        self.o_proj = Linear(cfg.q_size, h, bias=cfg.o_bias, linear_method=o, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = rms_norm(cfg.head_dim, cfg.rms_norm_eps, dtype, ops)
@@ -106,13 +115,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, method: LinearMethod, dtype: torch.dtype, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: QuantConfig, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.intermediate_size = inter
         shards = {"gate": inter, "up": inter}
-        self.gate_up_proj = MergedLinear(h, shards, bias=cfg.mlp_bias, linear_method=method, dtype=dtype)
-        self.down_proj = Linear(inter, h, bias=cfg.mlp_bias, linear_method=method, dtype=dtype)
+        gate_up = quant.method_for(f"layers.{layer}.mlp.gate_up_proj", (2 * inter, h))
+        self.gate_up_proj = MergedLinear(h, shards, bias=cfg.mlp_bias, linear_method=gate_up, dtype=dtype)
+        down = quant.method_for(f"layers.{layer}.mlp.down_proj", (h, inter))
+        self.down_proj = Linear(inter, h, bias=cfg.mlp_bias, linear_method=down, dtype=dtype)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -125,15 +136,15 @@ class DecoderLayer(nn.Module):
         cfg: ModelConfig,
         layer: int,
         backend: AttentionBackend,
-        method: LinearMethod,
+        quant: QuantConfig,
         dtype: torch.dtype,
         ops: LayerOps,
     ) -> None:
         super().__init__()
         self.input_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(cfg, layer, backend, method, dtype, ops)
+        self.self_attn = Attention(cfg, layer, backend, quant, dtype, ops)
         self.post_attention_layernorm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(cfg, method, dtype, ops)
+        self.mlp = MLP(cfg, layer, quant, dtype, ops)
 
     def forward(
         self,
@@ -155,40 +166,38 @@ class LlamaForCausalLM(nn.Module):
     """Token ids of a flat batch -> hidden states; hidden states -> float32 logits.
 
     Parameters are created uninitialized (the loader fills them) in `dtype`, on the ambient device
-    (build it under `with torch.device(...)`); `linear_method` holds and applies every projection's
-    and the lm_head's weights (None: unquantized), `head_method` the lm_head's when it differs."""
+    (build it under `with torch.device(...)`); each projection's and the lm_head's weights are held
+    and applied by the method `quant` names for it (None: unquantized)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         backend: AttentionBackend,
         *,
-        linear_method: LinearMethod | None = None,
-        head_method: LinearMethod | None = None,
+        quant: QuantConfig | None = None,
         dtype: torch.dtype = torch.float32,
         ops: LayerOps | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype  # of the weights that are not quantized, and of the activations
-        method = linear_method or UnquantizedLinearMethod()
-        # products with dense weights outside a layer (a tied head, slices of the head): the same
-        # method when it is a dense one (the CPU plan applies), plain torch otherwise
-        self.dense = method if isinstance(method, UnquantizedLinearMethod) else UnquantizedLinearMethod()
+        quant = quant or QuantConfig.uniform()
+        # products with dense weights outside a layer (a tied head, slices of the head)
+        self.dense = quant.dense
         # the decoder layers as one native call a step where it applies (set by the worker; None: the modules)
         self.fused_decode: FusedDecode | None = None
         self.ops = ops = ops or TorchOps()
         table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
         # the table, or (tied and quantized, once loaded: `finish_loading`) rows read from the quantized head
         self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, method, dtype, ops) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, quant, dtype, ops) for i in range(cfg.num_layers))
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # a tied output projection is the embedding table itself, but for a quantized method: then the
         # head is a layer of its own, filled from the table once loaded (`fill_tied_head`), so its
         # products read the quantized bytes (a fifth of a step's for SmolLM2); once quantized, lookups
         # read its rows and the table goes (`finish_loading`)
-        # (`head_method`: the output projection's own method, e.g. int8 under int4 layers; None: the layers')
-        head = head_method or method
+        # (the output projection's method may be its own, e.g. int8 under int4 layers)
+        head = quant.method_for("lm_head", (cfg.vocab_size, cfg.hidden_size))
         self.head_from_table = cfg.tie_word_embeddings and isinstance(head, UnquantizedLinearMethod)
         if not self.head_from_table:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, linear_method=head, dtype=dtype)

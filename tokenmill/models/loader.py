@@ -6,17 +6,17 @@ and streaming each tensor, memory-mapped, to its parameter's `weight_loader` (la
 which checks its shape against the config before reading it and copies it once, straight into its
 slice of the final (fused, converted) parameter. Then each linear layer's method gets its
 `process_weights_after_loading` call. A GGUF file (`models/gguf_checkpoint.py`) gives its config
-and its tensors, dequantized one at a time, through the same checks; with `checkpoint_methods`, its
-Q8_0 / Q4_0 / Q4_1 matrices stay quantized as stored (`keep_quantized`). Pickle checkpoints (`*.bin`,
-`*.pt`) are refused, never loaded.
+and its tensors, dequantized one at a time, through the same checks; the layers whose method takes
+them as stored (`QuantConfig.gguf`: Q8_0 / Q4_0 / Q4_1) get them quantized
+(`kept_quantized`). Pickle checkpoints (`*.bin`, `*.pt`) are refused, never loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
@@ -25,20 +25,15 @@ from safetensors import SafetensorError, safe_open
 
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
-from tokenmill.layers.linear import (
-    LinearBase,
-    LinearMethod,
-    UnquantizedLinearMethod,
-    WeightLoadError,
-    WeightShapeError,
-    weight_loader_of,
-)
+from tokenmill.layers.linear import LinearBase, weight_loader_of
 from tokenmill.layers.ops import LayerOps
-from tokenmill.layers.quantize import Int4Weight, Int8Weight
-from tokenmill.layers.sparse24 import SEMI_STRUCTURED_DTYPES, SPARSE_24_SUFFIXES, decompress_2_4, to_semi_structured
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
-from tokenmill.models.llama import LlamaForCausalLM, WeightTarget
+from tokenmill.models.llama import LlamaForCausalLM, WeightTarget, layer_prefix
+from tokenmill.quant.config import GGUF_TABLE, QuantConfig
+from tokenmill.quant.method import LinearMethod, WeightLoadError, WeightShapeError
+from tokenmill.quant.quantize import Int4Weight, Int8Weight
+from tokenmill.quant.sparse24 import SEMI_STRUCTURED_DTYPES, SPARSE_24_SUFFIXES, decompress_2_4, to_semi_structured
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -131,7 +126,7 @@ def _check_complete(model: LlamaForCausalLM, seen: set[str], where: str) -> None
 
 def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     """Fill every parameter of `model` from the folder's safetensors, checking names and shapes. A
-    `sparse-24-bitmask` checkpoint's weights arrive as three tensors each (layers/sparse24.py), made
+    `sparse-24-bitmask` checkpoint's weights arrive as three tensors each (quant/sparse24.py), made
     dense here as the third comes in."""
     params = dict(model.named_parameters())
     targets = model.checkpoint_map()
@@ -175,27 +170,32 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     _check_complete(model, seen, f"{folder}")
 
 
-def keep_quantized(
-    model: LlamaForCausalLM, checkpoint: GGUFCheckpoint, methods: Mapping[str, LinearMethod], dtype: torch.dtype
-) -> frozenset[str]:
-    """Switch every linear layer whose GGUF matrices share one type that `methods` maps (Q8_0, Q4_0,
-    Q4_1) to that method, which takes them as stored; the checkpoint names read that way. The other
-    matrices (the K-quants, a fused layer of mixed types, the embedding table) are dequantized at load,
-    and the log says which."""
+def gguf_layer_types(checkpoint: GGUFCheckpoint) -> dict[str, str]:
+    """A GGUF file's linear layers (tokenmill's prefixes) -> the one type of their matrices ("mixed"
+    for a fused layer of several), and for a tied output projection its table's type (`GGUF_TABLE`)."""
+    types: dict[str, set[str]] = {}
+    for info in checkpoint.infos:
+        if info.hf_name.endswith(".weight") and len(info.shape) == 2:
+            types.setdefault(layer_prefix(info.hf_name), set()).add(info.type_name)
+    table = types.pop("embed_tokens", set())
+    if checkpoint.config.tie_word_embeddings and table:
+        types[GGUF_TABLE] = table
+    return {prefix: next(iter(kinds)) if len(kinds) == 1 else "mixed" for prefix, kinds in types.items()}
+
+
+def kept_quantized(model: LlamaForCausalLM, checkpoint: GGUFCheckpoint, dtype: torch.dtype) -> frozenset[str]:
+    """The checkpoint names of the matrices whose layer's method takes them as stored (a prequantized
+    method: GGUF's Q8_0, Q4_0, Q4_1 blocks); the log says which types stay quantized and which (the
+    K-quants, a fused layer of mixed types, the embedding table) are dequantized at load."""
     types = {i.hf_name: i.type_name for i in checkpoint.infos}
     layers = dict(model.named_modules())
-    by_layer: dict[str, list[str]] = {}
+    keep: set[str] = set()
     for name, target in model.checkpoint_map().items():
         module, _, suffix = target.param.rpartition(".")
-        if suffix == "weight" and isinstance(layers.get(module), LinearBase) and name in types:
-            by_layer.setdefault(module, []).append(name)
-    keep: set[str] = set()
-    for module, names in by_layer.items():
-        kinds = {types[n] for n in names}
-        method = methods.get(next(iter(kinds))) if len(kinds) == 1 else None
-        if method is not None:
-            cast(LinearBase, layers[module]).use_method(method, dtype)
-            keep.update(names)
+        layer = layers.get(module)
+        stored = isinstance(layer, LinearBase) and getattr(layer.linear_method, "prequantized", False)
+        if suffix == "weight" and stored and name in types:
+            keep.add(name)
     dequantized = Counter(i.type_name for i in checkpoint.infos if len(i.shape) == 2 and i.hf_name not in keep)
     logger.info(
         "GGUF matrices kept quantized: %s; dequantized at load to %s: %s",
@@ -239,9 +239,9 @@ def _run_2_4(model: LlamaForCausalLM, device: torch.device) -> None:
             model.dtype,
         )
         return
-    names = {n for n, m in model.layers.named_modules(prefix="layers") if isinstance(m, LinearBase)}
-    done, refused = to_semi_structured(model, names)
-    logger.info("2:4 sparse weights: %d of %d decoder projections on the sparse tensor cores", len(done), len(names))
+    layers = {n: m for n, m in model.layers.named_modules(prefix="layers") if isinstance(m, LinearBase)}
+    done, refused = to_semi_structured(layers)
+    logger.info("2:4 sparse weights: %d of %d decoder projections on the sparse tensor cores", len(done), len(layers))
     if refused:
         name, why = next(iter(refused.items()))
         logger.info("2:4 sparse weights: %d layers stay dense (%s: %s)", len(refused), name, why)
@@ -255,13 +255,13 @@ def load_model(
     linear_method: LinearMethod | None = None,
     ops: LayerOps | None = None,
     head_method: LinearMethod | None = None,
-    checkpoint_methods: Mapping[str, LinearMethod] | None = None,
+    quant: QuantConfig | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model folder or GGUF file (a path, or an opened `GGUFCheckpoint`) for
-    inference (eval mode, no gradients). `linear_method`
-    holds and applies the projections' weights (None: unquantized, in `dtype`); `ops` runs the
-    norms, activations and rotary embeddings (None: the torch reference); `checkpoint_methods`: a GGUF
-    tensor type -> the method that keeps such matrices quantized as stored (`keep_quantized`)."""
+    inference (eval mode, no gradients). `quant` names each layer's linear method (None: what the
+    checkpoint stores, else dense; `linear_method` / `head_method` are shorthand for one method for
+    every projection and the output projection's own); `ops` runs the norms, activations and rotary
+    embeddings (None: the torch reference)."""
     if isinstance(folder, GGUFCheckpoint):
         checkpoint: GGUFCheckpoint | None = folder
         folder = folder.path
@@ -269,22 +269,31 @@ def load_model(
         folder = Path(folder)
         checkpoint = GGUFCheckpoint(folder) if is_gguf(folder) else None
     cfg = checkpoint.config if checkpoint else load_config(folder)
-    if cfg.quantization is not None and linear_method is None:  # an AWQ / GPTQ folder: its layers as stored
-        from tokenmill.layers.awq_gptq import checkpoint_method
-
-        linear_method, head_method = checkpoint_method(cfg.quantization, None), head_method or UnquantizedLinearMethod()
+    if quant is None:
+        if linear_method is None and cfg.quantization is not None:  # an AWQ / GPTQ folder: its layers as stored
+            stored = QuantConfig.for_checkpoint(cfg.quantization)
+            quant = QuantConfig(stored.layers, head_method or stored.head, name=stored.name)
+        else:
+            quant = QuantConfig.uniform(linear_method, head_method)
+    if checkpoint and quant.gguf and not quant.gguf_types:
+        quant = dataclasses.replace(quant, gguf_types=gguf_layer_types(checkpoint))
     torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
     attention: AttentionBackend = backend or TorchReferenceBackend()
     with device:  # parameters are allocated uninitialized, in their final dtype, on their device
-        model = LlamaForCausalLM(
-            cfg, attention, linear_method=linear_method, head_method=head_method, dtype=torch_dtype, ops=ops
-        )
+        model = LlamaForCausalLM(cfg, attention, quant=quant, dtype=torch_dtype, ops=ops)
     if checkpoint:
-        keep = keep_quantized(model, checkpoint, checkpoint_methods, torch_dtype) if checkpoint_methods else frozenset()
+        keep = kept_quantized(model, checkpoint, torch_dtype) if quant.gguf else frozenset()
         load_gguf_weights(model, checkpoint, keep)
     else:
         load_weights(model, folder)
+    _finish(model, cfg, device)
+    return model.eval()
+
+
+def _finish(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:
+    """After every tensor is in: each layer repacked or quantized, a tied head settled, 2:4 weights
+    moved to the sparse tensor cores, the rotary tables built."""
     model.fill_tied_head()
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
@@ -297,4 +306,3 @@ def load_model(
         _run_2_4(model, device)
     model.init_rotary(device)
     model.requires_grad_(False)
-    return model.eval()

@@ -8,7 +8,7 @@ scale = max |w| / 127), or int4 in groups (default 32; scale = max |w| / 7, valu
 W4A16 scheme that transformers loads without zero points), packed with the library's
 `pack_to_int32` into `weight_packed`, with `weight_scale` (float32) and `weight_shape`; the config
 gains the library's `QuantizationConfig` (pack-quantized, compressed). tokenmill loads the folder as
-stored (layers/compressed_checkpoints.py). Everything else in the folder (tokenizer, chat template,
+stored (quant/compressed.py). Everything else in the folder (tokenizer, chat template,
 generation config) is copied. Written beside its destination and renamed into place.
 """
 
@@ -23,10 +23,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tokenmill.layers.quantize import MIN_GROUP
 from tokenmill.models.config import load_config
 from tokenmill.models.folder_write import write_folder
 from tokenmill.models.loader import weight_files
+from tokenmill.quant.quantize import MIN_GROUP
 
 PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 METHODS = {"int8": 8, "int4": 4}

@@ -11,7 +11,7 @@ sparse kernels, cuSPARSELt) run at up to twice the dense rate. Scores:
 
 The folder is written as llm-compressor writes its 2:4 models: config.json's `quantization_config`
 names compressed-tensors with a `sparsity_config` (2:4, targets Linear, ignore lm_head), the pruned
-weights stored `sparse-24-bitmask` (half the values and a bitmask: layers/sparse24.py), or `dense`
+weights stored `sparse-24-bitmask` (half the values and a bitmask: quant/sparse24.py), or `dense`
 (zeros in place). It loads here (and in vLLM); on a GPU in float16 / bfloat16 the projections then run
 on the sparse tensor cores, on a CPU dense (torch's semi-structured kernels are CUDA-only), and the
 log says which. The quality cost is `eval-quant`'s measures, against the dense model.
@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tokenmill.layers.sparse24 import compress_2_4, keep_mask_2_4
 from tokenmill.models.folder_write import write_folder
 from tokenmill.models.loader import weight_files
+from tokenmill.quant.sparse24 import compress_2_4, keep_mask_2_4
 
 PROJECTION = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 METHODS = ("magnitude", "wanda")

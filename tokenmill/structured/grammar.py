@@ -59,6 +59,11 @@ class GrammarCompiler:
         self.compile_seconds = 0.0
         self.cache_hits = 0
 
+    @classmethod
+    def for_model(cls, model: str, vocab_size: int, compile_timeout: float = COMPILE_TIMEOUT_S) -> GrammarCompiler:
+        """The compiler over the tokenizer of the model at `model` (a folder or GGUF file)."""
+        return cls(Tokenizer(model), vocab_size, compile_timeout)
+
     @property
     def tokenizer(self) -> Any:
         with self._lock:

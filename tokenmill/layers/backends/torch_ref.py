@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention import KVCache, check_batch
-from tokenmill.layers.quantize import int8_rows_symmetric
+from tokenmill.quant.quantize import int8_rows_symmetric
 
 # Decodes are attended in groups of this many sequences of similar context length: a few more
 # kernel calls, in exchange for not padding every context to the longest one in the step.

@@ -25,7 +25,7 @@ from torch import nn
 
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, choose, native_choices
-from tokenmill.layers.linear import LinearBase, Shape, UnquantizedLinearMethod
+from tokenmill.quant.method import FusedKind, Layer, Shape, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
 
@@ -56,7 +56,7 @@ class CpuLinearMethod(UnquantizedLinearMethod):
         self._linear = kernels.ops.linear.default  # the overload itself: no lookup per call
         self.native: dict[Shape, tuple[bool, ...]] = {}
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = cast(torch.Tensor, layer.weight)
         if x.dim() == 2:  # [M, in]: the common case, no reshaping
             return self.product(x, weight, bias)
@@ -78,6 +78,9 @@ class CpuLinearMethod(UnquantizedLinearMethod):
             return False
         plan = self.native.get(shape or cast(Shape, weight.shape))  # torch.Size hashes as the tuple it is
         return plan is None or plan[min(rows, len(plan) - 1)]
+
+    def fused_kind(self, layer: Layer, rows: int) -> int | None:
+        return FusedKind.NATIVE if self.takes_native(cast(torch.Tensor, layer.weight), rows) else FusedKind.TORCH
 
     def native_product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
@@ -221,7 +224,7 @@ def dense_weight_shapes(model: nn.Module, tied_head: torch.Tensor | None) -> dic
     projection (the embedding table) under its own shape."""
     shapes: dict[Shape, list[torch.Tensor]] = {}
     for module in model.modules():
-        if isinstance(module, LinearBase) and isinstance(module.linear_method, UnquantizedLinearMethod):
+        if isinstance(getattr(module, "linear_method", None), UnquantizedLinearMethod):  # a dense linear layer
             weight = cast(torch.Tensor, module.weight)
             shapes.setdefault((weight.shape[0], weight.shape[1]), []).append(weight)
     if tied_head is not None:

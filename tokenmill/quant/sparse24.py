@@ -16,11 +16,13 @@ semi-structured kernels are CUDA-only) the layers stay dense, and the log says t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+from tokenmill.quant.method import UnquantizedLinearMethod
 
 SPARSE_24_SUFFIXES = (".shape", ".compressed", ".bitmask")
 SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
@@ -74,17 +76,15 @@ def decompress_2_4(shape: torch.Tensor, compressed: torch.Tensor, bitmask: torch
     return dense
 
 
-def to_semi_structured(model: nn.Module, names: set[str]) -> tuple[list[str], dict[str, str]]:
-    """Hold the dense linear layers of `names` (module names) whose weights follow 2:4 as torch's
+def to_semi_structured(layers: Mapping[str, nn.Module]) -> tuple[list[str], dict[str, str]]:
+    """Hold the dense linear layers `layers` (module name -> layer) whose weights follow 2:4 as torch's
     semi-structured sparse tensors (CUDA, float16 / bfloat16); returns the ones converted, and the ones
     torch refused with its reason (a shape its kernels do not take)."""
     from torch.sparse import to_sparse_semi_structured
 
     done: list[str] = []
     refused: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if name not in names or not isinstance(module, LinearBase):
-            continue
+    for name, module in layers.items():
         if type(module.linear_method) is not UnquantizedLinearMethod:
             continue
         weight = module.weight

@@ -1,7 +1,7 @@
 """Quantized linear methods: int8 and int4 weight-only, and W8A8, behind the linear seam.
 
 Each method loads the checkpoint's dense weight as `UnquantizedLinearMethod` does (same parameter,
-same weight loader), then quantizes it in `process_weights_after_loading` (layers/quantize.py) and
+same weight loader), then quantizes it in `process_weights_after_loading` (quant/quantize.py) and
 drops the dense copy: the layer keeps `layer.quantized` (an `Int8Weight`, `Int4Weight` or
 `Int4PackWeight`). A product
 runs one of the method's kernels, chosen per weight shape and row count (`plan`, filled by
@@ -41,12 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import QUANTIZATION_HEADS, QUANTIZATIONS
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import CpuKernels
-from tokenmill.layers.cpu_linear import each_shape, tune_row_classes
-from tokenmill.layers.linear import (
-    LinearBase,
+from tokenmill.quant.cpu_dense import each_shape, tune_row_classes
+from tokenmill.quant.method import (
+    FusedKind,
+    Layer,
     LinearMethod,
     Shape,
     Shard,
@@ -57,7 +57,7 @@ from tokenmill.layers.linear import (
     register_bias,
     set_weight_loader,
 )
-from tokenmill.layers.quantize import (
+from tokenmill.quant.quantize import (
     Int4PackWeight,
     Int4Weight,
     Int8Weight,
@@ -79,13 +79,28 @@ from tokenmill.layers.quantize import (
 logger = logging.getLogger("tokenmill")
 
 Kernel = Callable[[object, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (weight, x [M, K], bias) -> [M, N]
+FusedTensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]  # weight, scales, wsums, group
+
+# (method name, kernel name) -> decode_layer.cpp's projection kind (a checkpoint's int4 / int8 layers,
+# AWQ, GPTQ or compressed-tensors, are the same formats once loaded, under the same names)
+FUSED_KINDS = {
+    ("int8", "native"): FusedKind.INT8,
+    ("w8a8", "native"): FusedKind.W8A8,
+    ("int4", "int4pack"): FusedKind.INT4PACK,
+    ("int4", "native"): FusedKind.INT4,
+    ("int8", "tiled"): FusedKind.INT8_TILED,
+    ("w8a8", "tiled"): FusedKind.W8A8_TILED,
+    ("w8a8", "amx"): FusedKind.W8A8_AMX,
+    ("int8", "amx"): FusedKind.INT8_AMX,
+    ("int4", "amx"): FusedKind.INT4_AMX,
+}
 
 
 class HeadRows(nn.Module):
     """An embedding table read from a tied output projection's quantized weights (the dense table
     dropped): each looked-up row dequantized."""
 
-    def __init__(self, head: LinearBase, dtype: torch.dtype) -> None:
+    def __init__(self, head: Layer, dtype: torch.dtype) -> None:
         super().__init__()
         self.head = [head]  # not a submodule: the head stays where it is
         self.dtype = dtype
@@ -139,7 +154,7 @@ class QuantizedLinearMethod(LinearMethod):
 
     # --- loading ---
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+        self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         if self.prequantized:  # a placeholder whose loader collects the shards' quantized weights
             pieces: dict[ShardId, object] = {}
@@ -155,7 +170,7 @@ class QuantizedLinearMethod(LinearMethod):
         if bias:
             register_bias(layer, dtype)
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         if self.prequantized:
             pieces = cast(dict[ShardId, Int8Weight | Int4Weight], layer.quantized_pieces)
             layer.quantized = concat_rows([pieces[sid] for sid in layer.shards])  # type: ignore[arg-type, assignment]
@@ -189,15 +204,32 @@ class QuantizedLinearMethod(LinearMethod):
             return plan[min(rows, len(plan) - 1)]
         return self.default_kernel if rows <= self.row_limits.get(self.default_kernel, rows) else "dequant"
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = (layer.output_size, layer.input_size)
         rows = x.reshape(-1, x.shape[-1])  # [M, in]
         kernel = self.kernels(x.dtype)[self.kernel_for(shape, rows.shape[0])]
         out = kernel(layer.quantized, rows, bias)  # type: ignore[attr-defined]
         return out if x.dim() == 2 else out.view(*x.shape[:-1], shape[0])
 
+    # --- the fused decode ---
+    def fusable(self, layer: Layer) -> bool:
+        # (a layer that gathers its inputs in another order first, GPTQ's activation order: the modules)
+        return "input_order" not in layer._buffers
+
+    def fused_kind(self, layer: Layer, rows: int) -> int | None:
+        # (a dequantize-then-GEMM or torch integer GEMM product is not chained: None)
+        return FUSED_KINDS.get((self.name, self.kernel_for((layer.output_size, layer.input_size), rows)))
+
+    def fused_tensors(self, layer: Layer) -> FusedTensors:
+        w = layer.quantized
+        if isinstance(w, Int8Weight):
+            return w.q, w.scales, w.wsums, w.group
+        if isinstance(w, Int4PackWeight):
+            return w.packed, w.scales_zeros, None, w.group
+        return w.packed, w.scales, w.mins, w.group  # Int4Weight: its mins where the W8A8 kernel takes row sums
+
     @staticmethod
-    def rows(layer: LinearBase, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # ids [T] -> [T, in]
+    def rows(layer: Layer, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # ids [T] -> [T, in]
         """Rows `ids` of the layer's weights, dequantized: a tied embedding table read from its head."""
         w = layer.quantized  # type: ignore[attr-defined]
         if isinstance(w, Int8Weight):
@@ -257,6 +289,10 @@ class W8A8LinearMethod(QuantizedLinearMethod):
 
     def quantize(self, weight: torch.Tensor, group: int) -> Int8Weight:
         return quantize_int8(weight, group)  # group: the input width (choose_group refuses others)
+
+    def fused_tensors(self, layer: Layer) -> FusedTensors:
+        w = cast(Int8Weight, layer.quantized)
+        return w.q, w.scales.view(-1), w.wsums, w.group
 
     def make_kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
         out: dict[str, Kernel] = {"int_mm": self._int_mm}
@@ -353,7 +389,8 @@ def get_quant_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLi
     """The method `spec` names (`quantization`); a ValueError lists the names there are."""
     cls = _METHODS.get(spec.method)
     if cls is None:
-        raise ValueError(f"quantization: expected one of {', '.join(QUANTIZATIONS)}, got {spec.method!r}")
+        names = ", ".join(("auto", "none", *_METHODS))
+        raise ValueError(f"quantization: expected one of {names}, got {spec.method!r}")
     return cls(spec, kernels)
 
 
@@ -362,11 +399,11 @@ def get_head_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLin
     if spec.head == "same" or spec.head == spec.method:
         return None
     if spec.head != "int8":
-        raise ValueError(f"quantization_head: expected one of {', '.join(QUANTIZATION_HEADS)}, got {spec.head!r}")
+        raise ValueError(f"quantization_head: expected one of same, int8, got {spec.head!r}")
     return Int8LinearMethod(QuantSpec("int8"), kernels)
 
 
-def weights_by_shape(layers: Iterable[LinearBase]) -> dict[Shape, list[object]]:
+def weights_by_shape(layers: Iterable[Layer]) -> dict[Shape, list[object]]:
     """The quantized weights of `layers`, grouped by (out, in), in order."""
     shapes: dict[Shape, list[object]] = {}
     for layer in layers:

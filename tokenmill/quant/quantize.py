@@ -1,6 +1,6 @@
 """Weight quantization math: dense weights to int8 / int4 and back, and how group sizes are chosen.
 
-Owns the formats the quantized linear methods (layers/quant_linear.py) hold, as plain dataclasses:
+Owns the formats the quantized linear methods (quant/int_methods.py) hold, as plain dataclasses:
 - `Int8Weight`: symmetric int8, q in [-127, 127], W[n, k] ~ q[n, k] * scales[n, k // group]; `group`
   is the input width (one scale per output row, "per channel") or a power of two from 32 (per group:
   llama.cpp's Q8_0 grid is group 32). `wsums` (each row's sum of q) serves the W8A8 kernel.

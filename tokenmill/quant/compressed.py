@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.cpu_build import CpuKernels
-from tokenmill.layers.linear import (
-    LinearBase,
+from tokenmill.quant.checkpoint import CheckpointQuantization
+from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod
+from tokenmill.quant.method import (
+    Layer,
     Shard,
     ShardId,
     ShardLoader,
@@ -27,9 +29,7 @@ from tokenmill.layers.linear import (
     register_bias,
     set_weight_loader,
 )
-from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod
-from tokenmill.layers.quantize import MIN_GROUP, QuantSpec, int8_weight, pack_int4
-from tokenmill.models.config import CheckpointQuantization
+from tokenmill.quant.quantize import MIN_GROUP, QuantSpec, int8_weight, pack_int4
 
 
 class ShapeCheck:
@@ -45,7 +45,7 @@ class ShapeCheck:
             raise WeightShapeError(got, (shard.size, self.input_size), shard_id)
 
 
-def _create(layer: LinearBase, quant: CheckpointQuantization, input_size: int, bias: bool, dtype: torch.dtype) -> None:
+def _create(layer: Layer, quant: CheckpointQuantization, input_size: int, bias: bool, dtype: torch.dtype) -> None:
     n, k, bits = layer.output_size, input_size, quant.bits
     group = quant.group_size or k
     if k % group or (k * bits) % 32:
@@ -69,7 +69,7 @@ def _create(layer: LinearBase, quant: CheckpointQuantization, input_size: int, b
         register_bias(layer, dtype)
 
 
-def _unpacked(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _unpacked(layer: Layer, quant: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(q [N, K] signed, scales [N, G] float32, zero points [N, G] signed, group) of the loaded layer."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
@@ -95,7 +95,7 @@ class StoredCompressed(QuantizedLinearMethod):
         self.quant = quant
 
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+        self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         _create(layer, self.quant, input_size, bias, dtype)
 
@@ -103,7 +103,7 @@ class StoredCompressed(QuantizedLinearMethod):
 class CompressedInt4Method(StoredCompressed, Int4LinearMethod):
     """compressed-tensors' pack-quantized int4 layers, as stored."""
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         q, scales, zeros, group = _unpacked(layer, self.quant)
         if group < MIN_GROUP or group & (group - 1):
             raise ValueError(f"quantization_config: one scale per channel of width {group} (not a power of two)")
@@ -114,7 +114,7 @@ class CompressedInt4Method(StoredCompressed, Int4LinearMethod):
 class CompressedInt8Method(StoredCompressed, Int8LinearMethod):
     """compressed-tensors' pack-quantized symmetric int8 layers, as stored."""
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         q, scales, _, group = _unpacked(layer, self.quant)
         layer.quantized = int8_weight(q.to(torch.int8), scales, group)  # type: ignore[assignment]
 

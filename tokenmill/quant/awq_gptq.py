@@ -2,7 +2,8 @@
 int8 formats without dequantizing.
 
 Owns the two formats' tensors and packings (config.json's `quantization_config`, parsed into
-`CheckpointQuantization` by models/config.py) and the linear methods that take them:
+`CheckpointQuantization`, quant/checkpoint.py, by models/config.py) and the linear methods that
+take them:
 - AWQ (GEMM version): `qweight` int32 [K, N / 8], eight 4-bit values a word packed along the output
   dimension in the order [0, 2, 4, 6, 1, 3, 5, 7] (word nibble i holds output column 8 j + ORDER[i]);
   `qzeros` int32 [K / g, N / 8] packed alike; `scales` [K / g, N]. W[n, k] = (q - z) * s.
@@ -24,8 +25,10 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.cpu_build import CpuKernels
-from tokenmill.layers.linear import (
-    LinearBase,
+from tokenmill.quant.checkpoint import CheckpointQuantization
+from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod
+from tokenmill.quant.method import (
+    Layer,
     Shard,
     ShardId,
     ShardLoader,
@@ -34,9 +37,7 @@ from tokenmill.layers.linear import (
     register_bias,
     set_weight_loader,
 )
-from tokenmill.layers.quant_linear import Int4LinearMethod, Int8LinearMethod, QuantizedLinearMethod
-from tokenmill.layers.quantize import MIN_GROUP, QuantSpec, int8_weight, pack_int4
-from tokenmill.models.config import CheckpointQuantization
+from tokenmill.quant.quantize import MIN_GROUP, QuantSpec, int8_weight, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble i holds output column ORDER[i] of its eight
 
@@ -68,7 +69,7 @@ def _packed_shards(shards: dict[ShardId, Shard], by: int) -> dict[ShardId, Shard
     return {sid: Shard(s.start // by, s.size // by) for sid, s in shards.items()}
 
 
-def _create(layer: LinearBase, quant: CheckpointQuantization, input_size: int, bias: bool, dtype: torch.dtype) -> None:
+def _create(layer: Layer, quant: CheckpointQuantization, input_size: int, bias: bool, dtype: torch.dtype) -> None:
     """The checkpoint's tensors as the layer's parameters, each placed along its output dimension."""
     n, k, per = layer.output_size, input_size, 32 // quant.bits
     group = quant.group_size or k
@@ -91,7 +92,7 @@ def _create(layer: LinearBase, quant: CheckpointQuantization, input_size: int, b
         register_bias(layer, dtype)
 
 
-def _unpack(layer: LinearBase, quant: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _unpack(layer: Layer, quant: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(q [K, N] unsigned, zero points [K / g, N], scales [K / g, N], group) of the loaded layer, its
     inputs in the kernel's order (GPTQ's activation order applied: the `input_order` buffer); the
     packed parameters dropped."""
@@ -127,11 +128,11 @@ class StoredLayers(QuantizedLinearMethod):
         self.quant = quant
 
     def create_weights(
-        self, layer: LinearBase, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+        self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         _create(layer, self.quant, input_size, bias, dtype)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         order = layer._buffers.get("input_order")
         return super().apply(layer, x if order is None else x.index_select(-1, order), bias)
 
@@ -139,7 +140,7 @@ class StoredLayers(QuantizedLinearMethod):
 class CheckpointInt4Method(StoredLayers, Int4LinearMethod):
     """AWQ's and GPTQ's 4-bit layers: int4, W = q * s - z * s (the minimum float32: exact)."""
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         q, zeros, scales, group = _unpack(layer, self.quant)
         mins = -zeros.float() * scales.float()
         layer.quantized = pack_int4(q.t(), scales.t().contiguous(), mins.t().contiguous(), group)  # type: ignore[assignment]
@@ -148,7 +149,7 @@ class CheckpointInt4Method(StoredLayers, Int4LinearMethod):
 class CheckpointInt8Method(StoredLayers, Int8LinearMethod):
     """GPTQ's 8-bit layers: symmetric ones (every zero point 128), as int8 q - 128."""
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: Layer) -> None:
         q, zeros, scales, group = _unpack(layer, self.quant)
         if not bool((zeros == 128).all()):
             raise ValueError("qzeros: 8-bit zero points other than 128 (asymmetric int8) are not supported")
@@ -184,7 +185,7 @@ class GroupIndexLoader:
 def checkpoint_method(quant: CheckpointQuantization, kernels: CpuKernels | None) -> QuantizedLinearMethod:
     """The method that loads a checkpoint's AWQ, GPTQ or compressed-tensors layers as they are."""
     if quant.method == "compressed-tensors":
-        from tokenmill.layers.compressed_checkpoints import compressed_method
+        from tokenmill.quant.compressed import compressed_method
 
         return compressed_method(quant, kernels)
     return CheckpointInt4Method(quant, kernels) if quant.bits == 4 else CheckpointInt8Method(quant, kernels)

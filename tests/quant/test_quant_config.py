@@ -1,0 +1,124 @@
+"""Which linear method each layer gets (quant/config.py), decided without loading a model: by the
+settings, the device, what the checkpoint stores (AWQ / GPTQ / compressed-tensors, GGUF tensor types)
+and the layer's prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.quant.awq_gptq import CheckpointInt4Method, CheckpointInt8Method
+from tokenmill.quant.checkpoint import CheckpointQuantization
+from tokenmill.quant.compressed import CompressedInt4Method
+from tokenmill.quant.config import GGUF_TABLE, QuantConfig, QuantSettings, build_quant_config
+from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, W8A8LinearMethod
+from tokenmill.quant.method import UnquantizedLinearMethod
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+QKV, DOWN, HEAD = "layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"
+SHAPE = (96, 64)
+
+
+def build(quantization="auto", *, device=CPU, stored=None, gguf=None, group=None, head="same", backend="torch"):
+    settings = QuantSettings(quantization, group, False, head, backend)
+    return build_quant_config(
+        settings, device=device, dtype=torch.float32, dense_backend=lambda: "torch", stored=stored, gguf_types=gguf
+    )
+
+
+def test_auto_and_none_on_a_plain_checkpoint_are_dense_everywhere():
+    for quantization in ("auto", "none"):
+        quant = build(quantization)
+        for prefix in (QKV, DOWN, HEAD):
+            assert type(quant.method_for(prefix, SHAPE)) is UnquantizedLinearMethod
+        assert quant.dense is quant.layers  # a dense layers' method serves the dense products too
+
+
+@pytest.mark.parametrize(
+    ("name", "method"), [("int8", Int8LinearMethod), ("int4", Int4LinearMethod), ("w8a8", W8A8LinearMethod)]
+)
+def test_int8_int4_w8a8_quantize_every_projection_and_the_head_alike(name, method):
+    quant = build(name)
+    assert all(isinstance(quant.method_for(p, SHAPE), method) for p in (QKV, DOWN, HEAD))
+    assert quant.method_for(QKV, SHAPE) is quant.method_for(DOWN, SHAPE)  # one instance serves every layer
+    assert type(quant.dense) is UnquantizedLinearMethod
+
+
+def test_quantization_head_int8_gives_the_head_its_own_method():
+    quant = build("int4", head="int8")
+    assert isinstance(quant.method_for(QKV, SHAPE), Int4LinearMethod)
+    head = quant.method_for(HEAD, SHAPE)
+    assert isinstance(head, Int8LinearMethod) and head.spec.group_size is None  # per channel
+    same = build("int8", head="int8")  # int8 layers: the head is theirs
+    assert same.method_for(HEAD, SHAPE) is same.layers
+
+
+def test_group_size_reaches_the_method_and_is_refused_without_quantization():
+    assert build("int8", group=64).method_for(QKV, SHAPE).spec.group_size == 64
+    with pytest.raises(ValueError, match="quantization_group_size, quantization_head: apply to int8, int4 or w8a8"):
+        build("auto", group=64)
+
+
+def test_quantizing_at_load_runs_on_a_cpu_only():
+    with pytest.raises(ValueError, match="quantization: int8 runs on a CPU device, not cuda"):
+        build("int8", device=CUDA)
+
+
+@pytest.mark.parametrize(
+    ("stored", "method"),
+    [
+        (CheckpointQuantization("awq", 4, 128), CheckpointInt4Method),
+        (CheckpointQuantization("gptq", 4, 128), CheckpointInt4Method),
+        (CheckpointQuantization("gptq", 8, 128), CheckpointInt8Method),
+        (CheckpointQuantization("compressed-tensors", 4, 32, symmetric=True), CompressedInt4Method),
+    ],
+)
+def test_a_stored_checkpoint_loads_as_stored_with_a_dense_head(stored, method):
+    quant = build(stored=stored)
+    assert isinstance(quant.method_for(QKV, SHAPE), method) and isinstance(quant.method_for(DOWN, SHAPE), method)
+    assert type(quant.method_for(HEAD, SHAPE)) is UnquantizedLinearMethod
+
+
+def test_a_stored_checkpoint_refuses_other_settings():
+    stored = CheckpointQuantization("awq", 4, 128)
+    with pytest.raises(ValueError, match=r"AWQ-quantized; it loads as stored .* not with quantization none on cpu"):
+        build("none", stored=stored)
+    with pytest.raises(ValueError, match=r"AWQ-quantized; it loads as stored .* not with quantization auto on cuda"):
+        build("auto", stored=stored, device=CUDA)
+    with pytest.raises(ValueError, match="AWQ-quantized already; leave quantization auto, not int8"):
+        build("int8", stored=stored)
+
+
+GGUF = {QKV: "Q8_0", DOWN: "Q4_1", "layers.0.self_attn.o_proj": "Q4_K", "layers.0.mlp.gate_up_proj": "mixed"}
+
+
+def test_gguf_layers_keep_q8_0_and_q4_x_as_stored_and_dequantize_the_rest():
+    quant = build(gguf=GGUF)
+    q8, q4 = quant.method_for(QKV, SHAPE), quant.method_for(DOWN, SHAPE)
+    assert isinstance(q8, Int8LinearMethod) and q8.prequantized and q8.spec.group_size == 32
+    assert isinstance(q4, Int4LinearMethod) and q4.prequantized and q4.spec.group_size == 32
+    for prefix in ("layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj", "layers.9.mlp.down_proj"):
+        assert type(quant.method_for(prefix, SHAPE)) is UnquantizedLinearMethod  # K-quant, mixed, unknown
+    assert type(quant.method_for(HEAD, SHAPE)) is UnquantizedLinearMethod  # untied, no lm_head type given
+
+
+def test_a_gguf_untied_q8_0_head_is_kept_and_a_tied_q8_0_table_gives_an_int8_head_of_its_own():
+    untied = build(gguf={HEAD: "Q8_0"}).method_for(HEAD, SHAPE)
+    assert isinstance(untied, Int8LinearMethod) and untied.prequantized
+    tied = build(gguf={GGUF_TABLE: "Q8_0"}).method_for(HEAD, SHAPE)
+    assert isinstance(tied, Int8LinearMethod) and not tied.prequantized and tied.spec.group_size == 32
+    assert type(build(gguf={GGUF_TABLE: "Q4_0"}).method_for(HEAD, SHAPE)) is UnquantizedLinearMethod
+
+
+def test_gguf_types_are_kept_on_a_cpu_under_auto_only():
+    for quant in (build("none", gguf=GGUF), build("auto", gguf=GGUF, device=CUDA)):
+        assert not quant.gguf and type(quant.method_for(QKV, SHAPE)) is UnquantizedLinearMethod
+
+
+def test_uniform_and_the_checkpoint_default():
+    method = Int8LinearMethod(build("int8").layers.spec, None)
+    quant = QuantConfig.uniform(method)
+    assert quant.method_for(QKV, SHAPE) is method and quant.method_for(HEAD, SHAPE) is method
+    stored = QuantConfig.for_checkpoint(CheckpointQuantization("gptq", 8, 64))
+    assert isinstance(stored.layers, CheckpointInt8Method) and type(stored.head) is UnquantizedLinearMethod
+    assert type(QuantConfig.for_checkpoint(None).layers) is UnquantizedLinearMethod

@@ -1,0 +1,172 @@
+"""Which `LinearMethod` each linear layer of a model gets: `QuantConfig`, built once per model.
+
+`build_quant_config` turns the engine's quantization settings (`QuantSettings`, plain data from
+EngineConfig) and what the checkpoint stores (an AWQ / GPTQ / compressed-tensors
+`CheckpointQuantization`, a GGUF file's tensor types) into one `QuantConfig`; a layer asks it for
+its method at construction, by its prefix in the model (`layers.0.self_attn.qkv_proj`, `lm_head`)
+and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
+
+- `quantization` int8 / int4 / w8a8: every projection quantized at load (CPU only), the output
+  projection by `quantization_head` (`same`, or `int8` per channel); a checkpoint stored quantized
+  already refuses them.
+- `quantization` auto: a stored AWQ / GPTQ / compressed-tensors checkpoint loads as stored (CPU only;
+  its output projection dense); a GGUF file's Q8_0 matrices load into int8 and its Q4_0 / Q4_1 ones
+  into int4 as stored (groups of 32: the same grids), layer by layer where every tensor of the layer
+  shares that type (on a CPU); a tied output projection over a Q8_0 table becomes an int8 layer of its
+  own, quantized from the table in groups of 32 (Q8_0's grid again, exactly). Otherwise dense.
+- `quantization` none: dense (the `linear_backend` method); a stored quantized checkpoint refuses it.
+2:4 checkpoints take the dense method; the loader moves their weights to the sparse tensor cores
+(quant/sparse24.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, load_cpu_kernels
+from tokenmill.quant.awq_gptq import checkpoint_method
+from tokenmill.quant.checkpoint import CheckpointQuantization
+from tokenmill.quant.cpu_dense import get_dense_linear_method
+from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, get_head_method, get_quant_method
+from tokenmill.quant.method import LinearMethod, Shape, UnquantizedLinearMethod
+from tokenmill.quant.quantize import QuantSpec
+
+GGUF_BLOCK = 32  # the group of GGUF's Q8_0 / Q4_0 / Q4_1 blocks
+HEAD = "lm_head"  # the output projection's prefix
+GGUF_TABLE = "embed_tokens"  # `gguf_types` key of a tied output projection's table
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """The engine's quantization settings (EngineConfig's fields of the same meaning)."""
+
+    quantization: str = "auto"  # auto, none, int8, int4, w8a8
+    group_size: int | None = None
+    group_fallback: bool = False
+    head: str = "same"  # same, int8
+    linear_backend: str = "auto"  # the kernels' switch: torch keeps the quantized methods off the native kernels
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The linear methods of one model. `layers`: every projection's; `head`: the output projection's
+    own (None: by the rules below); `gguf`: a GGUF tensor type -> the method that keeps such layers as
+    stored, applied where `gguf_types` (layer prefix -> its tensors' one type) names it;
+    `tied_gguf_head`: a tied output projection's own method when its table's type is Q8_0."""
+
+    layers: LinearMethod
+    head: LinearMethod | None = None
+    gguf: Mapping[str, LinearMethod] = field(default_factory=dict)
+    gguf_types: Mapping[str, str] = field(default_factory=dict)
+    tied_gguf_head: LinearMethod | None = None
+    name: str = "none"  # what the log calls it
+    # products with dense weights outside a layer (a tied head, slices of the head): the layers'
+    # method when it is a dense one (the CPU plan applies), plain torch otherwise
+    dense: UnquantizedLinearMethod = field(init=False)
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        object.__setattr__(
+            self, "dense", layers if isinstance(layers, UnquantizedLinearMethod) else UnquantizedLinearMethod()
+        )
+
+    @classmethod
+    def uniform(cls, method: LinearMethod | None = None, head: LinearMethod | None = None) -> QuantConfig:
+        """One method for every projection (None: dense), `head` for the output projection's own."""
+        return cls(method or UnquantizedLinearMethod(), head, name=getattr(method, "name", "none"))
+
+    @classmethod
+    def for_checkpoint(cls, stored: CheckpointQuantization | None) -> QuantConfig:
+        """What a checkpoint loads as without settings: its stored layers as they are (torch's
+        kernels, the output projection dense), else dense."""
+        if stored is None:
+            return cls.uniform()
+        return cls(checkpoint_method(stored, None), UnquantizedLinearMethod(), name=stored.method)
+
+    def method_for(self, prefix: str, shape: Shape) -> LinearMethod:
+        """The method of the layer at `prefix` (its module name in the model), of (out, in) `shape`."""
+        kept = self.gguf.get(self.gguf_types.get(prefix, ""))
+        if kept is not None:
+            return kept
+        if prefix == HEAD:
+            if self.head is not None:
+                return self.head
+            if self.tied_gguf_head is not None and self.gguf_types.get(GGUF_TABLE) == "Q8_0":
+                return self.tied_gguf_head
+        return self.layers
+
+    def describe(self) -> str:
+        """One phrase for the log: the method, the head's when it differs, the GGUF types kept."""
+        head = self.method_for(HEAD, (0, 0))
+        text = self.name
+        if head is not self.layers:
+            text += f" (head {getattr(head, 'name', 'dense')})"
+        if self.gguf:
+            text += f" (GGUF {', '.join(sorted(self.gguf))} kept as stored)"
+        return text
+
+
+def _check_unquantized(settings: QuantSettings) -> None:
+    if settings.group_size is not None or settings.head != "same":
+        raise ValueError(
+            "quantization_group_size, quantization_head: apply to int8, int4 or w8a8; "
+            f"quantization is {settings.quantization}"
+        )
+
+
+def build_quant_config(
+    settings: QuantSettings,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    dense_backend: Callable[[], str],
+    stored: CheckpointQuantization | None,
+    gguf_types: Mapping[str, str] | None,
+) -> QuantConfig:
+    """The model's `QuantConfig` (module docstring): `dense_backend` names the dense method (`cpu` or
+    `torch`, resolved by the caller when a dense method is asked for); `gguf_types` is a GGUF file's
+    layer prefix -> tensor type (None: not a GGUF file). A ValueError names the setting at fault."""
+
+    def kernels() -> CpuKernels | None:  # the native kernels the quantized methods run, where asked for
+        return load_cpu_kernels() if settings.linear_backend != "torch" and dtype in NATIVE_DTYPES else None
+
+    quantization = settings.quantization
+    if quantization in ("auto", "none"):
+        _check_unquantized(settings)
+        dense = get_dense_linear_method(dense_backend())
+        if stored is not None:
+            if quantization == "none" or device.type != "cpu":
+                raise ValueError(
+                    f"quantization: this checkpoint is {stored.method.upper()}-quantized; it loads as stored "
+                    f"(quantization auto) on a CPU device, not with quantization {quantization} on {device}"
+                )
+            return QuantConfig(checkpoint_method(stored, kernels()), dense, name=stored.method)  # (the head: dense)
+        if quantization == "none" or gguf_types is None or device.type != "cpu":
+            return QuantConfig(dense, name="none")
+        return _gguf_config(dense, gguf_types, kernels())
+    if stored is not None:
+        raise ValueError(
+            f"quantization: this checkpoint is {stored.method.upper()}-quantized already; "
+            f"leave quantization auto, not {quantization}"
+        )
+    if device.type != "cpu":
+        raise ValueError(f"quantization: {quantization} runs on a CPU device, not {device}")
+    spec = QuantSpec(quantization, settings.group_size, settings.group_fallback, settings.head)
+    native = kernels()
+    return QuantConfig(get_quant_method(spec, native), get_head_method(spec, native), name=quantization)
+
+
+def gguf_methods(kernels: CpuKernels | None) -> dict[str, LinearMethod]:
+    """A GGUF tensor type -> the method that keeps such matrices as stored: Q8_0 in int8, Q4_0 and
+    Q4_1 in int4, in groups of 32 (the same grids)."""
+    int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)
+    int4 = Int4LinearMethod(QuantSpec("int4", GGUF_BLOCK), kernels, prequantized=True)
+    return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
+
+
+def _gguf_config(dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None) -> QuantConfig:
+    tied = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels)  # quantized from the table at load
+    return QuantConfig(dense, None, gguf_methods(kernels), dict(gguf_types), tied, name="none")

@@ -1,0 +1,271 @@
+"""The engine's model, built from its EngineConfig: every "auto" resolved in one place, logged as one line.
+
+`build_model(config, device)` opens the checkpoint (a GGUF file is parsed once, then built from as
+often as needed), resolves the settings (`resolve`: the dtype, the attention backend, the layer
+ops, the dense linear method and the quantization, as a `QuantConfig`), loads the model, tunes the
+native kernels' plans and fuses the decode layers where they apply (`prepare_native`), times the
+greedy head where it is `auto`, and hands back a `BuiltModel`. `--dtype fastest` wraps this: each
+candidate dtype is built and `runner/dtype_choice.py` keeps the fastest faithful one. The draft model
+of speculative decoding is built the same way (`build_draft`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.kernels.autotune import Autotuner, default_cache_path
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, load_cpu_kernels
+from tokenmill.layers.attention import AttentionBackend
+from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.ops import LayerOps, get_layer_ops
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.loader import gguf_layer_types, load_model, read_model_config, resolve_dtype
+from tokenmill.quant.config import QuantConfig, QuantSettings, build_quant_config
+from tokenmill.quant.cpu_dense import CpuLinearMethod, dense_weight_shapes, tune_linear
+from tokenmill.quant.int_methods import tune_quantized, weights_by_shape
+from tokenmill.runner import huge_pages
+from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
+
+logger = logging.getLogger("tokenmill")
+
+Source = str | GGUFCheckpoint  # a model folder, or a GGUF file opened once
+
+
+@dataclass
+class BuiltModel:
+    """A loaded model and what it was built with; `greedy_head`: greedy rows take the argmax inside
+    the output projection (`LlamaForCausalLM.greedy_tokens`) rather than logits + argmax."""
+
+    model: LlamaForCausalLM
+    backend: AttentionBackend
+    ops: LayerOps
+    dtype: torch.dtype
+    quant: QuantConfig
+    greedy_head: bool = False
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The settings of one build with every "auto" resolved (`greedy_head` is timed once built)."""
+
+    dtype: torch.dtype
+    attention: str
+    layer_ops: str
+    quant: QuantConfig
+
+
+def native_or_reference(name: str, field: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend (or layer ops) name to build: `auto` means the native CPU kernels only where they
+    run (a CPU device, float32 or bfloat16), the torch reference elsewhere; `cpu` elsewhere is an error."""
+    native = device.type == "cpu" and dtype in NATIVE_DTYPES
+    if name == "cpu" and not native:
+        raise ValueError(f"{field}: 'cpu' runs float32 and bfloat16 on a CPU device, not {dtype} on {device}")
+    return name if native or name != "auto" else "torch"
+
+
+def attention_backend_name(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+    """`auto` on a CUDA device: triton where it is installed (and the cache is not int8, which it does
+    not read); elsewhere as `native_or_reference`."""
+    triton = importlib.util.find_spec("triton") is not None
+    if name == "auto" and device.type == "cuda" and triton and kv_cache_dtype != "int8":
+        return "triton"
+    return native_or_reference(name, "attention_backend", device, dtype)
+
+
+def default_dtype(config_dtype: str, checkpoint: ModelConfig, device: torch.device) -> torch.dtype:
+    """`--dtype` resolved: auto is the checkpoint's dtype, except a float32 checkpoint on a GPU runs in
+    bfloat16 there (as vLLM does: the tensor cores' dtype, half the bytes a step streams)."""
+    dtype = resolve_dtype(config_dtype, checkpoint)
+    if config_dtype == "auto" and device.type == "cuda" and dtype == torch.float32:
+        logger.info("dtype auto: the float32 checkpoint runs in bfloat16 on %s (--dtype float32 keeps it)", device)
+        return torch.bfloat16
+    return dtype
+
+
+def open_checkpoint(model: str) -> Source:
+    """A GGUF file opened (its metadata parse takes seconds, so once), or the folder's path."""
+    return GGUFCheckpoint(model) if is_gguf(model) else model
+
+
+def resolve(config: EngineConfig, device: torch.device, source: Source, dtype: torch.dtype) -> Resolved:
+    """Every "auto" of one build in `dtype`: the attention backend, the layer ops, the linear methods."""
+
+    def dense_backend() -> str:  # (resolved only where a dense method is asked for)
+        return native_or_reference(config.linear_backend, "linear_backend", device, dtype)
+
+    checkpoint = read_model_config(source)
+    settings = QuantSettings(
+        config.quantization,
+        config.quantization_group_size,
+        config.quantization_group_fallback,
+        config.quantization_head,
+        config.linear_backend,
+    )
+    gguf = gguf_layer_types(source) if isinstance(source, GGUFCheckpoint) else None
+    quant = build_quant_config(
+        settings, device=device, dtype=dtype, dense_backend=dense_backend, stored=checkpoint.quantization,
+        gguf_types=gguf,
+    )  # fmt: skip
+    attention = attention_backend_name(config.attention_backend, device, dtype, config.kv_cache_dtype)
+    ops = native_or_reference(config.layer_ops, "layer_ops", device, dtype)
+    return Resolved(dtype, attention, ops, quant)
+
+
+def build_in(
+    config: EngineConfig, device: torch.device, source: Source, dtype: torch.dtype, tuner: Autotuner
+) -> BuiltModel:
+    """The model in `dtype` with its attention backend, layer ops and linear methods; with
+    `linear_backend` auto, the methods' kernel per weight shape and row class tuned here."""
+    resolved = resolve(config, device, source, dtype)
+    backend = get_attention_backend(resolved.attention)
+    ops = get_layer_ops(resolved.layer_ops)
+    model = load_model(source, dtype=dtype, device=device, backend=backend, ops=ops, quant=resolved.quant)
+    if device.type == "cpu" and config.cpu_huge_pages and huge_pages.available():
+        logger.info("weights on 2 MB pages: %.1f MiB", huge_pages.move_to_huge_pages(model) / 2**20)
+    tune = config.linear_backend == "auto"
+    prepare_native(
+        model, tuner, config.max_num_seqs, config.max_num_batched_tokens, tune=tune, fused=config.fused_decode
+    )
+    return BuiltModel(model, backend, ops, dtype, resolved.quant)
+
+
+def build_model(config: EngineConfig, device: torch.device) -> BuiltModel:
+    """The engine's model (module docstring), its resolution logged as one line."""
+    source = open_checkpoint(config.model)
+    tuner = Autotuner(device, default_cache_path())
+    if config.dtype == "fastest":
+        built = _fastest(config, device, source, tuner)
+    else:
+        dtype = default_dtype(config.dtype, read_model_config(source), device)
+        built = build_in(config, device, source, dtype, tuner)
+    if config.greedy_head == "auto":
+        built.greedy_head = greedy_head_is_faster(built, config.max_num_seqs, tuner)
+    else:
+        built.greedy_head = config.greedy_head == "head"
+    _log(config, built)
+    return built
+
+
+def _fastest(config: EngineConfig, device: torch.device, source: Source, tuner: Autotuner) -> BuiltModel:
+    """`--dtype fastest`: every candidate built, the fastest faithful one kept."""
+    built: dict[torch.dtype, BuiltModel] = {}
+
+    def build(dtype: torch.dtype) -> tuple[LlamaForCausalLM, AttentionBackend]:
+        built[dtype] = build_in(config, device, source, dtype, tuner)
+        return built[dtype].model, built[dtype].backend
+
+    report = fastest_dtype(build, CANDIDATES, config.max_num_seqs, tuner)
+    log_report(report)
+    return built[report.dtype]
+
+
+def _log(config: EngineConfig, built: BuiltModel) -> None:
+    """The one line that says what every setting resolved to, and the weights' size."""
+    model = built.model
+    logger.info(
+        "model: dtype %s (%s), %s attention, %s layer ops, %s linear layers, quantization %s (%s), greedy %s; "
+        "weights %.1f MiB (%.1f MiB unquantized)",
+        str(built.dtype).removeprefix("torch."),
+        config.dtype,
+        built.backend.name,
+        built.ops.name,
+        getattr(model.dense, "name", "torch"),
+        built.quant.describe(),
+        config.quantization,
+        "argmax in the head" if built.greedy_head else "logits",
+        model.weight_bytes() / 2**20,
+        model.dense_weight_bytes() / 2**20,
+    )
+
+
+def build_draft(
+    config: EngineConfig, device: torch.device, draft: str, dtype: torch.dtype, vocab_size: int
+) -> LlamaForCausalLM:
+    """The draft model of speculative decoding, built as the target is (dtype, kernels, quantization),
+    with the target's vocabulary (`vocab_size`)."""
+    try:
+        model = build_in(config, device, open_checkpoint(draft), dtype, Autotuner(device, default_cache_path())).model
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    if model.config.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative_config.model: its vocabulary has {model.config.vocab_size} tokens, the target's "
+            f"{vocab_size}: a draft must share the target's tokenizer"
+        )
+    logger.info("draft model: %s, %.1f MiB of weights", draft, model.weight_bytes() / 2**20)
+    return model
+
+
+def prepare_native(
+    model: LlamaForCausalLM, tuner: Autotuner, max_seqs: int, max_tokens: int, *, tune: bool, fused: bool
+) -> None:
+    """What the engine does to a loaded model beyond loading it: with `tune`, the native linear
+    method's kernel per weight shape and row class (through `tuner`: up to `max_tokens` rows, prompt
+    chunks included; up to `max_seqs` for the output projection, which sees one row a sequence); with
+    `fused`, the decoder layers as one native call a step where that applies."""
+    method = model.dense
+    head = (model.config.vocab_size, model.config.hidden_size)
+    if tune and isinstance(method, CpuLinearMethod):
+        shapes = dense_weight_shapes(model, model.tied_head())
+        rows = {shape: max_tokens for shape in shapes}
+        rows[head] = min(max_seqs, max_tokens)
+        start = time.perf_counter()  # (timed once per machine, then read from the autotune cache)
+        plan = tune_linear(method, shapes, rows, tuner)
+        native = sorted(k for k, v in plan.items() if v == "cpu")
+        logger.info(
+            "linear layers (%s, tuned in %.1f s): native kernel for %s; torch's GEMM otherwise",
+            model.dtype,
+            time.perf_counter() - start,
+            ", ".join(native) or "none",
+        )
+    for quantized in model.quantized_methods() if tune else []:
+        shapes = weights_by_shape(layer for _, layer in model.quantized_layers() if layer.linear_method is quantized)
+        rows = {shape: max_tokens for shape in shapes}
+        if head in rows:
+            rows[head] = min(max_seqs, max_tokens)
+        plan = tune_quantized(quantized, shapes, rows, model.dtype, tuner)
+        logger.info(
+            "%s linear layers (%s): %s", quantized.name, model.dtype, ", ".join(f"{k} {v}" for k, v in plan.items())
+        )
+    kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
+    if kernels is not None:
+        model.fused_decode = FusedDecode(kernels, model)
+
+
+def greedy_head_is_faster(built: BuiltModel, rows: int, tuner: Autotuner) -> bool:
+    """Whether `greedy_tokens` (the output projection in cache-sized chunks, argmax as it goes)
+    beats logits + argmax for `rows` greedy rows here: it depends on the CPU and the dtype. Timed on
+    random hidden states through the autotune cache; within a machine's noise either may win, and
+    both pick the argmax."""
+    model, dtype = built.model, built.dtype
+    cfg = model.config
+    hidden = torch.randn(rows, cfg.hidden_size, device=model.norm.weight.device).to(dtype)
+    with torch.inference_mode():
+        if model.greedy_tokens(hidden) is None:
+            return False
+        shape = f"{rows} rows {dtype} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
+        choice = tuner.choose(
+            "greedy_head",
+            shape,
+            {
+                "head": lambda: model.greedy_tokens(hidden),
+                "logits": lambda: model.ops.argmax(model.compute_logits(hidden)),
+            },
+            repeats=7,
+        )
+    logger.info(
+        "greedy steps: %s (at %d rows: %s)",
+        "argmax in the head" if choice.name == "head" else "logits",
+        rows,
+        ", ".join(f"{n} {t:.2f} ms" for n, t in choice.timings_ms.items()),
+    )
+    return choice.name == "head"
