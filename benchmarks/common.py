@@ -15,7 +15,7 @@ MODEL = "make-model --arch llama --size small --seed 0 (54.9M parameters, random
 
 
 def ensure_model() -> Path:
-    from tokenmill.models.make_model import make_model
+    from tokenmill.tools.make_model import make_model
 
     if not (MODEL_DIR / "config.json").is_file():
         make_model("llama", "small", MODEL_DIR, seed=0)

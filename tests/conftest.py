@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.models.make_model import ARCHS, make_model
+from tokenmill.tools.make_model import ARCHS, make_model
 
 # Sharded checkpoints (with an index file) for two families, single files for the others.
 SHARDED = {"llama", "qwen3"}

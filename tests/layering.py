@@ -26,6 +26,7 @@ RANK: dict[str, int] = {
     "outputs": 2,
     "kernels": 2,
     "config": 2,
+    "model_files": 2,
     "sched": 3,
     "quant": 3,
     "layers": 4,
@@ -48,7 +49,7 @@ RANK: dict[str, int] = {
 # Besides the ranks: rooms that talk through plain data instead (the engine gets its model through
 # the runner; layers get their settings as arguments, not the EngineConfig tree).
 FORBIDDEN: dict[str, set[str]] = {"layers": {"config"}, "engine": {"models", "layers"}}
-TORCH_FREE = ("sched", "errors", "sampling_params", "request", "outputs", "config")
+TORCH_FREE = ("sched", "errors", "sampling_params", "request", "outputs", "config", "model_files")
 ENGINE_CLIENT = {
     "tokenmill.engine",
     "tokenmill.engine.async_engine",

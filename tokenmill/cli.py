@@ -31,7 +31,6 @@ from tokenmill.engine_args import (
     read_config_file,
     settings_from,
 )
-from tokenmill.models.make_model import ARCHS, SIZES
 from tokenmill.server.front_door import (
     API_KEY_ENV_VAR,
     AUTO_CONNECTIONS,
@@ -42,6 +41,7 @@ from tokenmill.server.front_door import (
     parse_api_keys,
 )
 from tokenmill.server.tenancy import ISOLATIONS
+from tokenmill.tools.make_model import ARCHS, SIZES
 
 MODEL_HELP = (
     "Hugging Face model folder or .gguf file "
@@ -176,7 +176,7 @@ CAPS = (  # ServeSettings fields that are `Limits` fields of the same name
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from tokenmill.models.make_model import describe, make_model
+    from tokenmill.tools.make_model import describe, make_model
 
     folder = make_model(
         args.arch,
@@ -191,7 +191,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from tokenmill.models.gguf_convert import convert_gguf
+    from tokenmill.tools.gguf_convert import convert_gguf
 
     out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
@@ -199,7 +199,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    from tokenmill.models.quantize_checkpoint import quantize_folder
+    from tokenmill.tools.quantize_checkpoint import quantize_folder
 
     out = quantize_folder(args.model, args.out, args.quantization, args.group_size, overwrite=args.overwrite)
     print(f"wrote {out}")
@@ -314,7 +314,7 @@ def _eval_quant(args: argparse.Namespace) -> int:
 
 def _sparsify(args: argparse.Namespace) -> int:
     from tokenmill.eval.quant_eval import compare_folders
-    from tokenmill.models.sparsify import sparsify_folder
+    from tokenmill.tools.sparsify import sparsify_folder
 
     out = sparsify_folder(args.model, args.out, args.method, overwrite=args.overwrite, storage=args.format)
     print(f"wrote {out}")

@@ -35,7 +35,7 @@ from tokenmill.doctor.step_cost import StepCost, fit_context, probe
 from tokenmill.doctor.verify import METRICS
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import engine_config, read_config_file
-from tokenmill.models.make_model import make_model
+from tokenmill.tools.make_model import make_model
 
 
 def curve(per_token_ms: float = 0.2, base_ms: float = 10.0) -> StepCost:

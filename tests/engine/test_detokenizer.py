@@ -13,7 +13,7 @@ import pytest
 
 from tokenmill.engine.detokenizer import CONTEXT_TOKENS, MAX_PENDING_TOKENS, DetokenizerUpdate, IncrementalDetokenizer
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.models.make_model import make_model
+from tokenmill.tools.make_model import make_model
 
 TEXTS = [
     "naïve café → 日本語 🎉 emoji",

@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import PagedRunner, assert_logits_close
 from tokenmill.models.loader import load_model
-from tokenmill.models.make_model import ARCHS
+from tokenmill.tools.make_model import ARCHS
 
 CASES = [(arch, tied) for arch in ARCHS for tied in (False, True)]
 IDS = [f"{a}-{'tied' if t else 'untied'}" for a, t in CASES]

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.loader import load_model
-from tokenmill.models.sparsify import prune_2_4, sparsify_folder
 from tokenmill.quant.sparse24 import compress_2_4, decompress_2_4
+from tokenmill.tools.sparsify import prune_2_4, sparsify_folder
 
 
 def test_sparse_24_bitmask_storage_loads_as_the_dense_folder(tiny_model_dir, tmp_path):

@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from tokenmill.cli import main as tokenmill
 from tokenmill.llm import LLM
-from tokenmill.models.sparsify import PROJECTION, prune_2_4, sparsify_folder
 from tokenmill.quant.sparse24 import is_2_4
+from tokenmill.tools.sparsify import PROJECTION, prune_2_4, sparsify_folder
 
 
 def test_prune_keeps_the_two_best_scored_of_every_four():

@@ -291,7 +291,7 @@ def test_the_server_streams_speculative_steps_as_it_answers_whole(tiny_model_dir
 @pytest.fixture(scope="module")
 def other_draft(tmp_path_factory) -> str:
     """A tiny llama with the target's vocabulary and other weights: its guesses are mostly wrong."""
-    from tokenmill.models.make_model import make_model
+    from tokenmill.tools.make_model import make_model
 
     return str(make_model("llama", "tiny", tmp_path_factory.mktemp("draft"), seed=2))
 

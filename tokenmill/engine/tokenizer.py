@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
 from tokenmill.errors import ParamError
-from tokenmill.models.gguf_checkpoint import is_gguf
+from tokenmill.model_files import is_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -13,17 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+from tokenmill.model_files import ModelLoadError
 from tokenmill.quant.checkpoint import (
     CHECKPOINT_QUANTIZATIONS,
     SPARSITY_FORMATS,
     CheckpointQuantization,
     CheckpointSparsity,
 )
-
-
-class ModelLoadError(ValueError):
-    """A model folder that cannot be loaded; the message names the file and the field."""
-
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

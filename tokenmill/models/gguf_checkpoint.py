@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.models.config import ModelConfig, ModelLoadError, parse_config
+from tokenmill.model_files import ModelLoadError
+from tokenmill.models.config import ModelConfig, parse_config
 from tokenmill.models.gguf_blocks import decode, pack
 from tokenmill.quant.quantize import Int4Weight, Int8Weight
 
@@ -84,11 +85,6 @@ class GGUFTensorInfo:
     hf_name: str
     type_name: str
     shape: tuple[int, ...]  # torch order: [out_features, in_features] for a matrix
-
-
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (by its suffix; the reader checks the magic)."""
-    return Path(path).suffix.lower() == ".gguf"
 
 
 def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -27,8 +27,9 @@ from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
 from tokenmill.layers.linear import LinearBase, weight_loader_of
 from tokenmill.layers.ops import LayerOps
+from tokenmill.model_files import is_gguf
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
-from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.llama import LlamaForCausalLM, WeightTarget, layer_prefix
 from tokenmill.quant.config import GGUF_TABLE, QuantConfig
 from tokenmill.quant.method import LinearMethod, WeightLoadError, WeightShapeError

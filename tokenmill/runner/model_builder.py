@@ -25,8 +25,9 @@ from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.ops import LayerOps, get_layer_ops
+from tokenmill.model_files import is_gguf
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import gguf_layer_types, load_model, read_model_config, resolve_dtype
 from tokenmill.quant.config import QuantConfig, QuantSettings, build_quant_config

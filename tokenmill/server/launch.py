@@ -31,7 +31,7 @@ from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.models.gguf_checkpoint import is_gguf
+from tokenmill.model_files import is_gguf
 from tokenmill.server.app import create_app
 from tokenmill.server.connections import LISTEN_BACKLOG, connection_cap, guarded_protocol, raise_open_file_limit
 from tokenmill.server.front_door import ConnectionLimits, FrontDoor

@@ -24,9 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenmill.models.config import load_config
-from tokenmill.models.folder_write import write_folder
 from tokenmill.models.loader import weight_files
 from tokenmill.quant.quantize import MIN_GROUP
+from tokenmill.tools.folder_write import write_folder
 
 PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 METHODS = {"int8": 8, "int4": 4}

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tokenmill.cli import main
 from tokenmill.models.config import load_config
-from tokenmill.models.make_model import build_config, make_model
+from tokenmill.tools.make_model import build_config, make_model
 
 
 def tensors_of(folder) -> dict[str, torch.Tensor]:

@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tokenmill.models.folder_write import write_folder
 from tokenmill.models.loader import weight_files
 from tokenmill.quant.sparse24 import compress_2_4, keep_mask_2_4
+from tokenmill.tools.folder_write import write_folder
 
 PROJECTION = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 METHODS = ("magnitude", "wanda")

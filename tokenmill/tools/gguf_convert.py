@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
-from tokenmill.models.folder_write import write_folder
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.loader import resolve_dtype
+from tokenmill.tools.folder_write import write_folder
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # How the tokenizer was loaded, which transformers writes into tokenizer_config.json: not the model's.
