@@ -29,10 +29,6 @@ ALLOWED = {
         ("tokenmill.models.sparsify", "tokenmill.engine.tokenizer", "rank"),
         ("tokenmill.models.sparsify", "tokenmill.eval.quant_eval", "rank"),
         ("tokenmill.runner.worker", "tokenmill.engine.tokenizer", "rank"),
-        ("tokenmill.server.launch", "tokenmill.engine.core", "client"),
-        ("tokenmill.server.launch", "tokenmill.engine.core_client", "client"),
-        ("tokenmill.server.launch", "tokenmill.engine.engine_thread", "client"),
-        ("tokenmill.server.launch", "tokenmill.engine.output_processor", "client"),
         ("tokenmill.structured.grammar", "tokenmill.engine.tokenizer", "rank"),
     ]
 }
