@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from tokenmill.engine.request_checks import EngineLimits, RequestChecker
+from tokenmill.errors import ParamError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
@@ -19,7 +21,7 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     Limits,
     RequestError,
-    check_prompt_length,
+    check_prompt_cap,
     parse_completion_request,
 )
 from tokenmill.server.responses import (
@@ -45,6 +47,7 @@ from tokenmill.server.responses import (
     completion_logprobs,
     usage_info,
 )
+from tokenmill.server.validation import refusal
 
 LIMITS = Limits(strict_fields=True)  # the tables below expect unknown fields refused; the default ignores them
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -470,11 +473,15 @@ def test_refusals_show_a_bounded_value() -> None:
 
 
 def test_max_tokens_beyond_the_model() -> None:
+    # the engine's front door refuses it; the server names the field the request set it with
     with pytest.raises(RequestError) as info:
-        parse_completion_request(completion(max_tokens=200), LIMITS).to_sampling_params(128, None)
+        request = parse_completion_request(completion(max_tokens=200), LIMITS)
+        through_the_door(request.to_sampling_params(128, None), 1, 128, "prompt", "max_tokens")
     assert info.value.param == "max_tokens"
     with pytest.raises(RequestError) as info:
-        parse_chat_request(chat(max_completion_tokens=200), LIMITS).to_sampling_params(128, None)
+        chat_request = parse_chat_request(chat(max_completion_tokens=200), LIMITS)
+        params = chat_request.to_sampling_params(128, None)
+        through_the_door(params, 1, 128, "messages", chat_request.max_tokens_param)
     assert info.value.param == "max_completion_tokens"
 
 
@@ -490,18 +497,47 @@ def test_sampling_params_errors_become_request_errors() -> None:
     assert info.value.param == "top_logprobs"
 
 
+def through_the_door(
+    params: SamplingParams, num_prompt_tokens: int, max_model_len: int, param: str, max_tokens_param: str
+) -> None:
+    """The engine's front door on a prompt of that length, its refusal as the server words it."""
+    checker = RequestChecker(None, EngineLimits(max_model_len, 100, 4, 1000, False))  # type: ignore[arg-type]
+    try:
+        checker.check([1] * num_prompt_tokens, params)
+    except ParamError as e:
+        raise refusal(e, param, max_tokens_param, None) from None
+
+
+def check_prompt_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: Limits, param: str
+) -> None:
+    """The server's cap, then the engine's front door, as the server runs them on a prompt."""
+    check_prompt_cap(num_prompt_tokens, limits, param)
+    through_the_door(SamplingParams(max_tokens=max_tokens), num_prompt_tokens, max_model_len, param, "max_tokens")
+
+
 def test_check_prompt_length() -> None:
     check_prompt_length(10, 6, 16, LIMITS, "prompt")
     check_prompt_length(15, None, 16, LIMITS, "messages")
     with pytest.raises(RequestError) as info:
         check_prompt_length(10, 7, 16, LIMITS, "messages")
     assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    assert info.value.message == (
+        "This model's maximum context length is 16 tokens. However, you requested 17 tokens (10 in the messages, "
+        "7 in the completion). Please reduce the length of the prompt or the completion."
+    )
     with pytest.raises(RequestError) as info:
         check_prompt_length(16, None, 16, LIMITS, "prompt")
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(RequestError) as info:
         check_prompt_length(5, 1, 16, Limits(max_prompt_tokens=4), "prompt")
     assert (info.value.param, info.value.code) == ("prompt", "invalid_value")
+    with pytest.raises(RequestError) as info:  # max_tokens alone past the model's length names max_tokens
+        check_prompt_length(5, 17, 16, LIMITS, "prompt[1]")
+    assert (info.value.param, info.value.code) == ("max_tokens", "invalid_value")
+    assert (
+        info.value.message == "Invalid value for 'max_tokens': 17 is more than the model's maximum length (16 tokens)."
+    )
 
 
 def test_error_body_is_openais_shape() -> None:

@@ -37,6 +37,7 @@ from tokenmill.engine.core_client import CoreClient, Restart
 from tokenmill.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, StopRequests
 from tokenmill.engine.metrics import EngineMetrics, sum_stats
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_checks import CheckedRequest
 from tokenmill.engine.request_stream import RequestStream
 from tokenmill.errors import RequestFailed, describe
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
@@ -204,14 +205,15 @@ class AsyncEngine:
 
     def submit(
         self,
-        prompts: Sequence[tuple[str, str | list[int]]],
+        prompts: Sequence[tuple[str, str | list[int] | CheckedRequest]],
         params: SamplingParams,
         cache_salt: str | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
     ) -> list[RequestStream]:
         """Check, admit and start the prompts of one user request together: every one of them, or
         none (then EngineOverloaded, EngineStopped or a ValueError naming the field, with nothing
-        left running). `prompts`: (request id, prompt) pairs. Admission counts sequences: prompts x n."""
+        left running). `prompts`: (request id, prompt) pairs, a prompt that passed the front door already
+        as its CheckedRequest. Admission counts sequences: prompts x n."""
         self._admit_check(len(prompts) * params.n)
         arrival = time.monotonic()
         eager = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)

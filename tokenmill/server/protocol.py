@@ -258,13 +258,7 @@ class _Request(_Strict):
         default_max_tokens: int | None,
         renames: dict[str, str],
     ) -> SamplingParams:
-        if requested is not None and requested > max_model_len:
-            raise RequestError(
-                f"Invalid value for '{max_tokens_param}': {requested} is more than the model's maximum "
-                f"length ({max_model_len} tokens).",
-                max_tokens_param,
-                "invalid_value",
-            )
+        # (max_tokens against the model's length: the engine's front door, see validation.refusal)
         if requested is None and default_max_tokens is not None:
             requested = min(default_max_tokens, max_model_len)
         try:
@@ -444,24 +438,14 @@ def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
     return request
 
 
-def check_prompt_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: Limits, param: str
-) -> None:
-    """After tokenizing: the prompt must fit the server's cap and leave room in the model's length for
-    `max_tokens` (at least one) generated tokens. `param` is "prompt" or "messages"."""
+def check_prompt_cap(num_prompt_tokens: int, limits: Limits, param: str) -> None:
+    """After tokenizing: the prompt must fit the server's cap (`max_prompt_tokens`); whether it leaves
+    room in the model's length is the engine's front door's to say. `param`: "prompt", "prompt[i]" or
+    "messages"."""
     if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
         raise RequestError(
             f"Invalid value for '{param}': {num_prompt_tokens} prompt tokens, this server allows at most "
             f"{limits.max_prompt_tokens}.",
             param,
             "invalid_value",
-        )
-    wanted = num_prompt_tokens + (max_tokens or 1)
-    if wanted > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} tokens "
-            f"({num_prompt_tokens} in the {param}, {max_tokens or 1} in the completion). Please reduce the length "
-            "of the prompt or the completion.",
-            param,
-            "context_length_exceeded",
         )
