@@ -159,7 +159,7 @@ class _JoinedAction(argparse.Action):
         setattr(namespace, self.dest, values if before is None else f"{before},{values}")
 
 
-CAPS = (  # ServeSettings fields that are `Limits` fields of the same name
+CAPS = (  # ServeSettings fields that are `RequestCaps` fields of the same name
     "max_stop",
     "max_prompts",
     "max_choices",
@@ -245,9 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tokenmill.distributed.config import ParallelConfig
     from tokenmill.server.launch import build_server, serve
-    from tokenmill.server.protocol import Limits
+    from tokenmill.server.protocol import RequestCaps
 
-    limits = Limits(
+    limits = RequestCaps(
         max_n=settings.max_n,
         max_tokens=settings.max_tokens_limit,
         max_prompt_tokens=settings.max_prompt_tokens,

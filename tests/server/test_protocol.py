@@ -19,7 +19,7 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.protocol import (
     CompletionRequest,
-    Limits,
+    RequestCaps,
     RequestError,
     check_prompt_cap,
     parse_completion_request,
@@ -49,7 +49,7 @@ from tokenmill.server.responses import (
 )
 from tokenmill.server.validation import refusal
 
-LIMITS = Limits(strict_fields=True)  # the tables below expect unknown fields refused; the default ignores them
+LIMITS = RequestCaps(strict_fields=True)  # the tables below expect unknown fields refused; the default ignores them
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -61,7 +61,7 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": MESSAGES, **fields}
 
 
-def parse(endpoint: str, raw: Any, limits: Limits = LIMITS) -> CompletionRequest | ChatCompletionRequest:
+def parse(endpoint: str, raw: Any, limits: RequestCaps = LIMITS) -> CompletionRequest | ChatCompletionRequest:
     return parse_completion_request(raw, limits) if endpoint == "completion" else parse_chat_request(raw, limits)
 
 
@@ -69,7 +69,7 @@ def body(endpoint: str, **fields: Any) -> dict[str, Any]:
     return completion(**fields) if endpoint == "completion" else chat(**fields)
 
 
-def rejected(endpoint: str, raw: Any, limits: Limits = LIMITS) -> RequestError:
+def rejected(endpoint: str, raw: Any, limits: RequestCaps = LIMITS) -> RequestError:
     with pytest.raises(RequestError) as info:
         parse(endpoint, raw, limits)
     error = info.value
@@ -420,7 +420,7 @@ def test_body_must_be_an_object(endpoint: str, raw: Any) -> None:
 
 
 def test_limits() -> None:
-    limits = Limits(max_n=4, max_tokens=100, max_prompt_tokens=3, max_stop=2)
+    limits = RequestCaps(max_n=4, max_tokens=100, max_prompt_tokens=3, max_stop=2)
     assert rejected("completion", completion(n=5), limits).param == "n"
     assert rejected("chat", chat(n=5), limits).param == "n"
     assert parse_chat_request(chat(n=4), limits).n == 4
@@ -437,7 +437,9 @@ def test_limits() -> None:
 
 
 def test_request_caps() -> None:
-    limits = Limits(max_prompts=2, max_choices=4, max_logit_bias=1, max_bad_words=1, max_tools=1, max_schema_depth=2)
+    limits = RequestCaps(
+        max_prompts=2, max_choices=4, max_logit_bias=1, max_bad_words=1, max_tools=1, max_schema_depth=2
+    )
     assert rejected("completion", completion(prompt=["a", "b", "c"]), limits).param == "prompt"
     assert rejected("completion", completion(prompt=["a", "b"], n=3), limits).param == "n"
     assert parse_completion_request(completion(prompt=["a", "b"], n=2), limits).n == 2
@@ -509,7 +511,7 @@ def through_the_door(
 
 
 def check_prompt_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: Limits, param: str
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: RequestCaps, param: str
 ) -> None:
     """The server's cap, then the engine's front door, as the server runs them on a prompt."""
     check_prompt_cap(num_prompt_tokens, limits, param)
@@ -530,7 +532,7 @@ def test_check_prompt_length() -> None:
         check_prompt_length(16, None, 16, LIMITS, "prompt")
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(RequestError) as info:
-        check_prompt_length(5, 1, 16, Limits(max_prompt_tokens=4), "prompt")
+        check_prompt_length(5, 1, 16, RequestCaps(max_prompt_tokens=4), "prompt")
     assert (info.value.param, info.value.code) == ("prompt", "invalid_value")
     with pytest.raises(RequestError) as info:  # max_tokens alone past the model's length names max_tokens
         check_prompt_length(5, 17, 16, LIMITS, "prompt[1]")
@@ -768,13 +770,13 @@ def test_usage_info() -> None:
 @ENDPOINTS
 def test_unknown_fields_are_ignored_and_listed_unless_strict(endpoint: str) -> None:
     raw = body(endpoint, temprature=0.5, guidellm_extra={"x": 1}, top_p=0.5)
-    request = parse(endpoint, raw, Limits())
+    request = parse(endpoint, raw, RequestCaps())
     assert request.ignored_fields == ["temprature", "guidellm_extra"] and request.top_p == 0.5
-    assert parse(endpoint, body(endpoint), Limits()).ignored_fields == []
-    error = rejected(endpoint, raw, Limits(strict_fields=True))
+    assert parse(endpoint, body(endpoint), RequestCaps()).ignored_fields == []
+    error = rejected(endpoint, raw, RequestCaps(strict_fields=True))
     assert (error.param, error.code) == ("temprature", "unknown_field")
     # fields that would change the output if ignored stay refused either way
-    error = rejected(endpoint, body(endpoint, functions=[{"name": "f"}]), Limits())
+    error = rejected(endpoint, body(endpoint, functions=[{"name": "f"}]), RequestCaps())
     assert (error.param, error.code) == ("functions", "unsupported_field")
 
 

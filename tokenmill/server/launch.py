@@ -31,7 +31,7 @@ from tokenmill.models.gguf_checkpoint import is_gguf
 from tokenmill.server.app import create_app
 from tokenmill.server.connections import LISTEN_BACKLOG, connection_cap, guarded_protocol, raise_open_file_limit
 from tokenmill.server.front_door import ConnectionLimits, FrontDoor
-from tokenmill.server.protocol import Limits
+from tokenmill.server.protocol import RequestCaps
 from tokenmill.server.serving import Server
 
 logger = logging.getLogger("tokenmill")
@@ -48,7 +48,7 @@ def build_server(
     config: EngineConfig,
     served_model_name: str | None = None,
     max_waiting: int = 64,
-    limits: Limits | None = None,
+    limits: RequestCaps | None = None,
     log_interval: float = 10.0,
     parallel: ParallelConfig | None = None,
     isolation: str = "api-key",
@@ -78,7 +78,7 @@ def build_server(
             async_engine = build_async_engine(config, metrics, clients, restart, max_waiting, log_interval, routing)
     processor = async_engine.processor
     tokenizer, max_model_len = processor.tokenizer, processor.limits.max_model_len
-    return Server(async_engine, tokenizer, name, max_model_len, limits or Limits(), isolation)
+    return Server(async_engine, tokenizer, name, max_model_len, limits or RequestCaps(), isolation)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -33,7 +33,7 @@ from tokenmill.sampling_params import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams,
 from tokenmill.server.caps import check_count, check_specs
 from tokenmill.server.structured_fields import ResponseFormat, StructuredOutputsField, structured_spec
 from tokenmill.server.validation import (
-    Limits,
+    RequestCaps,
     RequestError,
     check_unsupported,
     custom_error,
@@ -269,7 +269,7 @@ class _Request(_Strict):
             raise RequestError(f"Invalid value for '{param}': {exc}", param, "invalid_value") from exc
 
 
-def _max_tokens_limit(value: int | None, param: str, limits: Limits) -> None:
+def _max_tokens_limit(value: int | None, param: str, limits: RequestCaps) -> None:
     if value is not None and limits.max_tokens is not None and value > limits.max_tokens:
         raise RequestError(
             f"Invalid value for '{param}': {value} is more than this server allows ({limits.max_tokens}).",
@@ -278,7 +278,7 @@ def _max_tokens_limit(value: int | None, param: str, limits: Limits) -> None:
         )
 
 
-def _common_limits(request: _Request, limits: Limits) -> None:
+def _common_limits(request: _Request, limits: RequestCaps) -> None:
     """The caps of `limits` on the fields both endpoints share (caps.py; the schema's sizes are checked
     before validation)."""
     if request.n > limits.max_n:
@@ -366,7 +366,7 @@ class CompletionRequest(_Request):
         )
 
 
-def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
+def parse_completion_request(raw: Any, limits: RequestCaps) -> CompletionRequest:
     """The parsed JSON body of POST /v1/completions -> a valid request, or a RequestError (400)."""
     request = _parse(CompletionRequest, raw, limits)
     _common_limits(request, limits)
@@ -421,7 +421,7 @@ def parse_model(cls: type[StrictT], raw: Any) -> StrictT:
         raise from_validation_error(exc) from None
 
 
-def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
+def _parse(cls: type[RequestT], raw: Any, limits: RequestCaps) -> RequestT:
     """Validate a body; fields the request type does not know are dropped and listed in
     `ignored_fields` (vLLM's policy), or refused with `limits.strict_fields`."""
     if not isinstance(raw, dict):
@@ -438,7 +438,7 @@ def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
     return request
 
 
-def check_prompt_cap(num_prompt_tokens: int, limits: Limits, param: str) -> None:
+def check_prompt_cap(num_prompt_tokens: int, limits: RequestCaps, param: str) -> None:
     """After tokenizing: the prompt must fit the server's cap (`max_prompt_tokens`); whether it leaves
     room in the model's length is the engine's front door's to say. `param`: "prompt", "prompt[i]" or
     "messages"."""

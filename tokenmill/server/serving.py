@@ -30,7 +30,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest
 from tokenmill.server.protocol import (
     CompletionRequest,
-    Limits,
+    RequestCaps,
     RequestError,
     check_prompt_cap,
 )
@@ -83,7 +83,7 @@ class Server:
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
-    limits: Limits
+    limits: RequestCaps
     isolation: str = "api-key"  # which requests share prefix-cache entries (server/tenancy.py)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged (bounded)
 

@@ -87,11 +87,13 @@ def refusal(e: ParamError, prompt_param: str, max_tokens_param: str, structured_
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestCaps:
     """Server-side caps on what one request may ask for (beyond what the schema allows). The defaults
     sit well above what OpenAI or vLLM clients send (OpenAI itself allows 4 stop strings, 300
     logit_bias entries and 128 tools) and bound what one request can cost everyone else; each
-    refusal is a 400 naming the field and the limit, and `/openapi.json` states the same caps."""
+    refusal is a 400 naming the field and the limit, and `/openapi.json` states the same caps. The
+    operator's policy, not the engine's size: what the engine can hold at all (its model length, KV
+    blocks, vocabulary) is `EngineLimits`, checked at the engine's front door."""
 
     max_n: int = 16
     max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: no extra cap
