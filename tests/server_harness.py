@@ -17,7 +17,7 @@ from tokenmill.outputs import EngineStats
 from tokenmill.server.app import create_app
 from tokenmill.server.front_door import FrontDoor
 from tokenmill.server.launch import bind, build_server
-from tokenmill.server.protocol import Limits
+from tokenmill.server.protocol import RequestCaps
 from tokenmill.server.serving import Server
 
 KV_BLOCK_BYTES = 24576  # one 16-token block of the tiny llama, float32, all layers
@@ -65,7 +65,7 @@ def start_server(
         config,
         "tiny",
         max_waiting=max_waiting,
-        limits=Limits(max_n=4),
+        limits=RequestCaps(max_n=4),
         log_interval=60,
         parallel=parallel,
         isolation=isolation,

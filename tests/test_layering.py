@@ -19,10 +19,6 @@ ALLOWED = {
         ("tokenmill.engine.async_engine", "tokenmill.distributed.router", "rank"),
         ("tokenmill.engine.core", "tokenmill.distributed.kv_transfer", "rank"),
         ("tokenmill.engine.engine", "tokenmill.models.config", "forbidden"),
-        ("tokenmill.server.launch", "tokenmill.engine.core", "client"),
-        ("tokenmill.server.launch", "tokenmill.engine.core_client", "client"),
-        ("tokenmill.server.launch", "tokenmill.engine.engine_thread", "client"),
-        ("tokenmill.server.launch", "tokenmill.engine.output_processor", "client"),
         ("tokenmill.structured.grammar", "tokenmill.engine.tokenizer", "rank"),
     ]
 }

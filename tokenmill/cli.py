@@ -159,7 +159,7 @@ class _JoinedAction(argparse.Action):
         setattr(namespace, self.dest, values if before is None else f"{before},{values}")
 
 
-CAPS = (  # ServeSettings fields that are `Limits` fields of the same name
+CAPS = (  # ServeSettings fields that are `RequestCaps` fields of the same name
     "max_stop",
     "max_prompts",
     "max_choices",
@@ -245,9 +245,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tokenmill.distributed.config import ParallelConfig
     from tokenmill.server.launch import build_server, serve
-    from tokenmill.server.protocol import Limits
+    from tokenmill.server.protocol import RequestCaps
 
-    limits = Limits(
+    limits = RequestCaps(
         max_n=settings.max_n,
         max_tokens=settings.max_tokens_limit,
         max_prompt_tokens=settings.max_prompt_tokens,
@@ -329,6 +329,17 @@ def _sparsify(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_model_writers(sub)
+    _add_runners(sub)
+    _add_prefix_report(sub)
+    _add_quality_tools(sub)
+    add_bench_parser(sub)
+    add_doctor_parser(sub)
+    return parser
+
+
+def _add_model_writers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """make-model, convert and quantize: the commands that write a model folder."""
     mm = sub.add_parser(
         "make-model",
         help="write a Hugging Face model folder with random weights and an offline-trained tokenizer",
@@ -370,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--overwrite", action="store_true", help="replace the folder if it exists")
     qz.set_defaults(func=_quantize)
 
+
+def _add_runners(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """generate and serve: the commands that run a model."""
     gen = sub.add_parser("generate", help="generate from one prompt, streaming the text to the terminal")
     gen.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     gen.add_argument("--prompt", required=True)
@@ -401,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
+
+def _add_prefix_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """prefix-report: a trace replayed through the prefix cache's hasher."""
     pr = sub.add_parser(
         "prefix-report", help="replay a trace of prompts through the prefix cache's hasher: why it hits"
     )
@@ -425,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tokenizer", default=None, help="model folder whose tokenizer (and chat template) to use")
     pr.set_defaults(func=_prefix_report)
 
+
+def _add_quality_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """eval-quant and sparsify: a quantized or pruned model against the original."""
     ev = sub.add_parser(
         "eval-quant",
         help="a quantization's quality against the unquantized model: perplexity, KL, top-1 agreement, memory",
@@ -459,10 +479,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--windows", type=int, default=8, help="text windows of the quality report (0: none)")
     sp.add_argument("--json", default=None, help="also write the quality report as JSON to this file")
     sp.set_defaults(func=_sparsify)
-
-    add_bench_parser(sub)
-    add_doctor_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Issue 42's request-field items, at the protocol level (no model, no server):
 
-- 4: every cap of `Limits` refuses one past it with a 400 naming the field and the limit, and accepts
-  the limit itself; `tokenmill serve`'s flags default to `Limits`' values;
+- 4: every cap of `RequestCaps` refuses one past it with a 400 naming the field and the limit, and accepts
+  the limit itself; `tokenmill serve`'s flags default to `RequestCaps`' values;
 - 7: unknown field names from ever new requests grow neither the remembered set nor the log lines;
 - 8: JSON nested 5,000 deep in any field is a 400 naming the field (or stays text where it is text);
 - 13: a tool message with `content: null` is accepted (chat and /tokenize), a blank spec is refused
@@ -28,7 +28,7 @@ from tokenmill.server.app import create_app
 from tokenmill.server.caps import json_depth, parse_json, text_depth
 from tokenmill.server.chat_protocol import conversation, parse_chat_request
 from tokenmill.server.openapi import GRAMMAR, JSON_SCHEMA_TEXT, REGEX
-from tokenmill.server.protocol import Limits, RequestError, parse_completion_request, parse_model
+from tokenmill.server.protocol import RequestCaps, RequestError, parse_completion_request, parse_model
 from tokenmill.server.serving import Server
 from tokenmill.server.tokenize import TokenizeRequest
 from tokenmill.server.tools import NamedToolChoice, ToolMode, ToolParam
@@ -53,11 +53,11 @@ def tool(i: int, parameters: Any = None, name: str | None = None) -> dict[str, A
     return {"type": "function", "function": function}
 
 
-def parse(body: dict[str, Any], limits: Limits) -> Any:
+def parse(body: dict[str, Any], limits: RequestCaps) -> Any:
     return (parse_chat_request if "messages" in body else parse_completion_request)(body, limits)
 
 
-def refusal(body: dict[str, Any], limits: Limits) -> RequestError:
+def refusal(body: dict[str, Any], limits: RequestCaps) -> RequestError:
     with pytest.raises(RequestError) as info:
         parse(body, limits)
     assert info.value.status == 400
@@ -81,7 +81,7 @@ def deep_list(depth: int) -> list[Any]:
 # ------------------------------------------------------------------------------------------ item 4
 
 
-# (Limits field, a body at `k`, the field the refusal names); each is tried at k = limit and limit + 1
+# (RequestCaps field, a body at `k`, the field the refusal names); each is tried at k = limit and limit + 1
 CAPS = [
     ("max_prompts", lambda k: completion(prompt=["a"] * k), "prompt"),
     ("max_prompts", lambda k: completion(prompt=[[1, 2]] * k), "prompt"),
@@ -117,7 +117,7 @@ CAPS = [
 @pytest.mark.parametrize(("cap", "body", "param"), CAPS, ids=[f"{c}-{p}" for c, _, p in CAPS])
 def test_each_cap_refuses_one_past_it_naming_the_field_and_the_limit(cap, body, param):
     limit = 12
-    limits = Limits(**{cap: limit, "max_n": 64})
+    limits = RequestCaps(**{cap: limit, "max_n": 64})
     parse(body(limit), limits)  # the limit itself is fine
     error = refusal(body(limit + 1), limits)
     assert error.param == param and error.code == "invalid_value", error
@@ -125,22 +125,22 @@ def test_each_cap_refuses_one_past_it_naming_the_field_and_the_limit(cap, body, 
 
 
 def test_the_tools_together_are_capped():
-    limits = Limits(max_tools_chars=400)
+    limits = RequestCaps(max_tools_chars=400)
     parse(chat(tools=[tool(i) for i in range(8)]), limits)
     error = refusal(chat(tools=[tool(i) for i in range(16)]), limits)
     assert error.param == "tools" and "characters of JSON in all" in error.message
 
 
 def test_n_times_prompts_is_capped_by_default():
-    parse(completion(prompt=["a"] * 16, n=8), Limits(max_n=16))  # 128 sequences: the default cap
-    error = refusal(completion(prompt=["a"] * 16, n=9), Limits(max_n=16))
+    parse(completion(prompt=["a"] * 16, n=8), RequestCaps(max_n=16))  # 128 sequences: the default cap
+    error = refusal(completion(prompt=["a"] * 16, n=9), RequestCaps(max_n=16))
     assert error.param == "n" and "144 sequences" in error.message
 
 
 def test_defaults_bound_what_issue_42_sent():
     """The defaults refuse what item 4 measured (50,000 bad words, 300 prompts) and accept what OpenAI
     clients send (OpenAI's own limits: 4 stop strings, 300 logit_bias entries, 128 tools)."""
-    limits = Limits()
+    limits = RequestCaps()
     assert refusal(completion(bad_words=[f"w{i}" for i in range(50_000)]), limits).param == "bad_words"
     assert refusal(completion(prompt=["x"] * 300), limits).param == "prompt"
     assert refusal(completion(stop_token_ids=[1] * 60_000), limits).param == "stop_token_ids"
@@ -153,10 +153,15 @@ def test_defaults_bound_what_issue_42_sent():
 def test_serve_flags_default_to_the_limits():
     from tokenmill.cli import CAPS, ServeSettings
 
-    settings, limits = ServeSettings(), Limits()
-    limit_fields = {f.name for f in dataclasses.fields(Limits)}
+    settings, limits = ServeSettings(), RequestCaps()
+    limit_fields = {f.name for f in dataclasses.fields(RequestCaps)}
     assert set(CAPS) <= limit_fields
-    caps = {f.name for f in dataclasses.fields(Limits)} - {"max_n", "max_tokens", "max_prompt_tokens", "strict_fields"}
+    caps = {f.name for f in dataclasses.fields(RequestCaps)} - {
+        "max_n",
+        "max_tokens",
+        "max_prompt_tokens",
+        "strict_fields",
+    }
     assert set(CAPS) == caps  # every cap has its flag
     for name in CAPS:
         assert getattr(settings, name) == getattr(limits, name), name
@@ -183,7 +188,7 @@ def test_serve_flags_default_to_the_limits():
     ],
 )
 def test_json_nested_5000_deep_is_a_400_naming_its_field(body, param):
-    error = refusal(body, Limits())
+    error = refusal(body, RequestCaps())
     assert error.param.startswith(param or "response_format.json_schema.schema"), error
 
 
@@ -203,7 +208,7 @@ def test_deep_tool_call_arguments_stay_text():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
     messages = [*MESSAGES, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1"}]
     messages[-1]["content"] = "ok"
-    request = parse_chat_request(chat(messages=messages), Limits())
+    request = parse_chat_request(chat(messages=messages), RequestCaps())
     assert conversation(request.messages)[1]["tool_calls"][0]["function"]["arguments"] == args
     tokenize = parse_model(TokenizeRequest, {"messages": messages})
     assert conversation(tokenize.messages)[1]["tool_calls"][0]["function"]["arguments"] == args
@@ -233,7 +238,7 @@ def test_unknown_field_names_grow_neither_memory_nor_log(caplog):
     """Issue 42: 20 requests of 20,000 new unknown names each grew the log by 49 MiB and RSS by 110 MB
     for good. Now the server remembers at most 256 names of at most 64 characters, logs at most 10
     names a line, and nothing once it has remembered 256."""
-    server = Server(engine=None, tokenizer=None, model_name="m", max_model_len=16, limits=Limits())  # type: ignore[arg-type]
+    server = Server(engine=None, tokenizer=None, model_name="m", max_model_len=16, limits=RequestCaps())  # type: ignore[arg-type]
     rng = random.Random(0)
     with caplog.at_level(logging.WARNING, logger="tokenmill"):
         for _ in range(20):
@@ -265,23 +270,23 @@ def test_a_tool_answer_may_have_null_content():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
     messages.append({"role": "tool", "tool_call_id": "c1", "content": None})
-    request = parse_chat_request(chat(messages=messages), Limits())
+    request = parse_chat_request(chat(messages=messages), RequestCaps())
     assert conversation(request.messages)[2] == {"role": "tool", "content": "", "tool_call_id": "c1"}
     assert conversation(parse_model(TokenizeRequest, {"messages": messages}).messages)[2]["content"] == ""
     for role in ("user", "system", "assistant"):  # still refused where OpenAI refuses it
-        error = refusal(chat(messages=[{"role": role, "content": None}]), Limits())
+        error = refusal(chat(messages=[{"role": role, "content": None}]), RequestCaps())
         assert error.param == "messages[0]"
 
 
 @pytest.mark.parametrize("field", ["guided_grammar", "guided_regex", "guided_json"])
 @pytest.mark.parametrize("value", ["", "  \n"])
 def test_a_blank_spec_is_refused_and_the_schema_says_so(field, value, openapi):
-    assert refusal(completion(**{field: value}), Limits()).param == field
+    assert refusal(completion(**{field: value}), RequestCaps()).param == field
     text = next(o for o in openapi["CompletionRequest"]["properties"][field]["anyOf"] if o["type"] == "string")
     assert text["minLength"] == 1 and text["pattern"] == r"\S"
 
 
-SCHEMA_LIMITS = Limits(
+SCHEMA_LIMITS = RequestCaps(
     max_n=4,
     max_stop=5,
     max_prompts=6,

@@ -198,6 +198,10 @@ def test_bad_requests_are_refused_and_leave_nothing_behind(llama):
         llm.generate([{"prompt_token_ids": "5 6 7"}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompts\[0\]: must be a string, a list of token ids or a prompt dict"):
         llm.generate([[5, 6.5]], use_tqdm=False)
+    llm.engine.add_request("twice", [5] * 3, SamplingParams(max_tokens=2))  # (the scheduler only asserts this)
+    with pytest.raises(ValueError, match="request_id: 'twice' is already in use"):
+        llm.engine.add_request("twice", [5] * 3, SamplingParams(max_tokens=2))
+    assert llm.engine.abort_request("twice")
     assert_no_leaks(llm)
     out = llm.generate("hello world", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) <= 3

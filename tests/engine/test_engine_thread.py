@@ -91,6 +91,6 @@ def test_final_only_requests_are_handed_over_when_done_streamed_ones_every_step(
     assert final_calls == [6]  # six steps (one prompt, five decodes), handed over once, at the end
     assert streamed_calls == [1] * 6 and stop_calls == [1] * 6
     assert len(final) == 1 and final[0].outputs[0].token_ids == [t for o in streamed for t in o.outputs[0].token_ids]
-    assert not engine.clients[0].loop.eager  # nothing left behind
+    assert not engine.clients[0].loop.every_step  # nothing left behind
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -12,14 +12,16 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from tokenmill.engine.request_checks import EngineLimits, RequestChecker
+from tokenmill.errors import ParamError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.protocol import (
     CompletionRequest,
-    Limits,
+    RequestCaps,
     RequestError,
-    check_prompt_length,
+    check_prompt_cap,
     parse_completion_request,
 )
 from tokenmill.server.responses import (
@@ -45,8 +47,9 @@ from tokenmill.server.responses import (
     completion_logprobs,
     usage_info,
 )
+from tokenmill.server.validation import refusal
 
-LIMITS = Limits(strict_fields=True)  # the tables below expect unknown fields refused; the default ignores them
+LIMITS = RequestCaps(strict_fields=True)  # the tables below expect unknown fields refused; the default ignores them
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -58,7 +61,7 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": MESSAGES, **fields}
 
 
-def parse(endpoint: str, raw: Any, limits: Limits = LIMITS) -> CompletionRequest | ChatCompletionRequest:
+def parse(endpoint: str, raw: Any, limits: RequestCaps = LIMITS) -> CompletionRequest | ChatCompletionRequest:
     return parse_completion_request(raw, limits) if endpoint == "completion" else parse_chat_request(raw, limits)
 
 
@@ -66,7 +69,7 @@ def body(endpoint: str, **fields: Any) -> dict[str, Any]:
     return completion(**fields) if endpoint == "completion" else chat(**fields)
 
 
-def rejected(endpoint: str, raw: Any, limits: Limits = LIMITS) -> RequestError:
+def rejected(endpoint: str, raw: Any, limits: RequestCaps = LIMITS) -> RequestError:
     with pytest.raises(RequestError) as info:
         parse(endpoint, raw, limits)
     error = info.value
@@ -417,7 +420,7 @@ def test_body_must_be_an_object(endpoint: str, raw: Any) -> None:
 
 
 def test_limits() -> None:
-    limits = Limits(max_n=4, max_tokens=100, max_prompt_tokens=3, max_stop=2)
+    limits = RequestCaps(max_n=4, max_tokens=100, max_prompt_tokens=3, max_stop=2)
     assert rejected("completion", completion(n=5), limits).param == "n"
     assert rejected("chat", chat(n=5), limits).param == "n"
     assert parse_chat_request(chat(n=4), limits).n == 4
@@ -434,7 +437,9 @@ def test_limits() -> None:
 
 
 def test_request_caps() -> None:
-    limits = Limits(max_prompts=2, max_choices=4, max_logit_bias=1, max_bad_words=1, max_tools=1, max_schema_depth=2)
+    limits = RequestCaps(
+        max_prompts=2, max_choices=4, max_logit_bias=1, max_bad_words=1, max_tools=1, max_schema_depth=2
+    )
     assert rejected("completion", completion(prompt=["a", "b", "c"]), limits).param == "prompt"
     assert rejected("completion", completion(prompt=["a", "b"], n=3), limits).param == "n"
     assert parse_completion_request(completion(prompt=["a", "b"], n=2), limits).n == 2
@@ -470,11 +475,15 @@ def test_refusals_show_a_bounded_value() -> None:
 
 
 def test_max_tokens_beyond_the_model() -> None:
+    # the engine's front door refuses it; the server names the field the request set it with
     with pytest.raises(RequestError) as info:
-        parse_completion_request(completion(max_tokens=200), LIMITS).to_sampling_params(128, None)
+        request = parse_completion_request(completion(max_tokens=200), LIMITS)
+        through_the_door(request.to_sampling_params(128, None), 1, 128, "prompt", "max_tokens")
     assert info.value.param == "max_tokens"
     with pytest.raises(RequestError) as info:
-        parse_chat_request(chat(max_completion_tokens=200), LIMITS).to_sampling_params(128, None)
+        chat_request = parse_chat_request(chat(max_completion_tokens=200), LIMITS)
+        params = chat_request.to_sampling_params(128, None)
+        through_the_door(params, 1, 128, "messages", chat_request.max_tokens_param)
     assert info.value.param == "max_completion_tokens"
 
 
@@ -490,18 +499,47 @@ def test_sampling_params_errors_become_request_errors() -> None:
     assert info.value.param == "top_logprobs"
 
 
+def through_the_door(
+    params: SamplingParams, num_prompt_tokens: int, max_model_len: int, param: str, max_tokens_param: str
+) -> None:
+    """The engine's front door on a prompt of that length, its refusal as the server words it."""
+    checker = RequestChecker(None, EngineLimits(max_model_len, 100, 4, 1000, False))  # type: ignore[arg-type]
+    try:
+        checker.check([1] * num_prompt_tokens, params)
+    except ParamError as e:
+        raise refusal(e, param, max_tokens_param, None) from None
+
+
+def check_prompt_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: RequestCaps, param: str
+) -> None:
+    """The server's cap, then the engine's front door, as the server runs them on a prompt."""
+    check_prompt_cap(num_prompt_tokens, limits, param)
+    through_the_door(SamplingParams(max_tokens=max_tokens), num_prompt_tokens, max_model_len, param, "max_tokens")
+
+
 def test_check_prompt_length() -> None:
     check_prompt_length(10, 6, 16, LIMITS, "prompt")
     check_prompt_length(15, None, 16, LIMITS, "messages")
     with pytest.raises(RequestError) as info:
         check_prompt_length(10, 7, 16, LIMITS, "messages")
     assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    assert info.value.message == (
+        "This model's maximum context length is 16 tokens. However, you requested 17 tokens (10 in the messages, "
+        "7 in the completion). Please reduce the length of the prompt or the completion."
+    )
     with pytest.raises(RequestError) as info:
         check_prompt_length(16, None, 16, LIMITS, "prompt")
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(RequestError) as info:
-        check_prompt_length(5, 1, 16, Limits(max_prompt_tokens=4), "prompt")
+        check_prompt_length(5, 1, 16, RequestCaps(max_prompt_tokens=4), "prompt")
     assert (info.value.param, info.value.code) == ("prompt", "invalid_value")
+    with pytest.raises(RequestError) as info:  # max_tokens alone past the model's length names max_tokens
+        check_prompt_length(5, 17, 16, LIMITS, "prompt[1]")
+    assert (info.value.param, info.value.code) == ("max_tokens", "invalid_value")
+    assert (
+        info.value.message == "Invalid value for 'max_tokens': 17 is more than the model's maximum length (16 tokens)."
+    )
 
 
 def test_error_body_is_openais_shape() -> None:
@@ -732,13 +770,13 @@ def test_usage_info() -> None:
 @ENDPOINTS
 def test_unknown_fields_are_ignored_and_listed_unless_strict(endpoint: str) -> None:
     raw = body(endpoint, temprature=0.5, guidellm_extra={"x": 1}, top_p=0.5)
-    request = parse(endpoint, raw, Limits())
+    request = parse(endpoint, raw, RequestCaps())
     assert request.ignored_fields == ["temprature", "guidellm_extra"] and request.top_p == 0.5
-    assert parse(endpoint, body(endpoint), Limits()).ignored_fields == []
-    error = rejected(endpoint, raw, Limits(strict_fields=True))
+    assert parse(endpoint, body(endpoint), RequestCaps()).ignored_fields == []
+    error = rejected(endpoint, raw, RequestCaps(strict_fields=True))
     assert (error.param, error.code) == ("temprature", "unknown_field")
     # fields that would change the output if ignored stay refused either way
-    error = rejected(endpoint, body(endpoint, functions=[{"name": "f"}]), Limits())
+    error = rejected(endpoint, body(endpoint, functions=[{"name": "f"}]), RequestCaps())
     assert (error.param, error.code) == ("functions", "unsupported_field")
 
 

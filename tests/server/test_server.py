@@ -463,11 +463,11 @@ def test_unknown_fields_are_ignored_named_in_a_header_and_logged_once(srv, caplo
 
 
 def test_strict_fields_refuse_unknown_fields(tiny_model_dir):
-    from tokenmill.server.protocol import Limits
+    from tokenmill.server.protocol import RequestCaps
 
     running = start_server(str(tiny_model_dir("llama")))
     try:
-        running.server.limits = Limits(max_n=4, strict_fields=True)
+        running.server.limits = RequestCaps(max_n=4, strict_fields=True)
         r = post(running, "/v1/completions", {"model": "tiny", "prompt": "x", "bogus": 1}, key=None)
         assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
     finally:

@@ -53,10 +53,10 @@ class DisaggregatedEngine(AsyncEngine):
     def _not_for_new_requests(self) -> list[int]:
         return self._decode_ids
 
-    def _send(self, replica: int, requests: list[EngineCoreRequest], eager: bool) -> bool:
+    def _send(self, replica: int, requests: list[EngineCoreRequest], every_step: bool) -> bool:
         """Prefill only: one token, and the prompt's KV kept for a decode replica."""
         prefills = [_prefill_only(r) for r in requests]
-        if not self.clients[replica].send_requests(prefills, eager):
+        if not self.clients[replica].send_requests(prefills, every_step):
             return False
         self._prefilling.update(r.request_id for r in prefills if r.kv_transfer is not None)
         return True
@@ -99,7 +99,7 @@ class DisaggregatedEngine(AsyncEngine):
                 self._fail(parent, EngineStopped("no engine replica is running"))
                 self.clients[source].drop_kv([core_id])
                 return
-            if self.clients[target].handoff(moved, entry.eager, self.clients[source]):
+            if self.clients[target].handoff(moved, entry.every_step, self.clients[source]):
                 break
             tried.append(target)
             target = None

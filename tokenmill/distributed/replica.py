@@ -54,7 +54,7 @@ FETCH_TIMEOUT_S = 60.0  # a handoff's KV from the prefill replica
 @dataclass
 class RequestBatch:
     requests: list[EngineCoreRequest]
-    eager: bool
+    every_step: bool
 
 
 @dataclass
@@ -130,10 +130,10 @@ class ReplicaActor:
             (request,) = batch.requests
             assert self._core.transfer is not None
             self._core.transfer.put(request.request_id, blocks)
-            self._loop.send_requests(batch.requests, batch.eager)
+            self._loop.send_requests(batch.requests, batch.every_step)
         elif kind == "requests":
             batch = decode(payload, RequestBatch)
-            self._loop.send_requests(batch.requests, batch.eager)  # refused once ended: poll says so
+            self._loop.send_requests(batch.requests, batch.every_step)  # refused once ended: poll says so
         elif kind == "abort":
             self._loop.send(decode(payload, AbortRequests))
         elif kind == "stop":
@@ -214,24 +214,24 @@ class RayCoreClient:
             seq, self._seq = self._seq, self._seq + 1
             self.actor.submit.remote(seq, kind, payload, refs)
 
-    def send_requests(self, requests: list[EngineCoreRequest], eager: bool) -> bool:
+    def send_requests(self, requests: list[EngineCoreRequest], every_step: bool) -> bool:
         if self._ended:
             return False
         self._sent += len(requests)
-        self._submit("requests", encode(RequestBatch(requests, eager)))
+        self._submit("requests", encode(RequestBatch(requests, every_step)))
         return True
 
     def send(self, command: AbortRequests | StopRequests) -> None:
         if not self._ended:
             self._submit("abort" if isinstance(command, AbortRequests) else "stop", encode(command))
 
-    def handoff(self, request: EngineCoreRequest, eager: bool, source: CoreClient) -> bool:
+    def handoff(self, request: EngineCoreRequest, every_step: bool, source: CoreClient) -> bool:
         assert isinstance(source, RayCoreClient), "a prefill replica on Ray"
         if self._ended:
             return False
         self._sent += 1
         kv = source.actor.take_kv.remote(request.request_id)  # fetched by this actor, from that one
-        self._submit("handoff", encode(RequestBatch([request], eager)), [kv])
+        self._submit("handoff", encode(RequestBatch([request], every_step)), [kv])
         return True
 
     def drop_kv(self, request_ids: list[str]) -> None:

@@ -1,1 +1,26 @@
-"""The engine: requests in, tokens and text out (tokenizer, detokenizer, scheduling loop)."""
+"""The engine: requests in, tokens and text out (tokenizer, detokenizer, scheduling loop).
+
+What the server may use besides `async_engine`, `request_stream`, `tokenizer` and `metrics` is
+exported here: `build_async_engine`, `local_cores` and `front_end` (see `engine.build`), and the
+front door's `CheckedRequest` (see `engine.request_checks`). Each is imported on first use, so that
+importing a light module of the package (the tokenizer, say) does not load the model's side.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "build_async_engine": "build",
+    "front_end": "build",
+    "local_cores": "build",
+    "CheckedRequest": "request_checks",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(f"tokenmill.engine.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'tokenmill.engine' has no attribute {name!r}")

@@ -37,6 +37,7 @@ from tokenmill.engine.core_client import CoreClient, Restart
 from tokenmill.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, StopRequests
 from tokenmill.engine.metrics import EngineMetrics, sum_stats
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_checks import CheckedRequest
 from tokenmill.engine.request_stream import RequestStream
 from tokenmill.errors import RequestFailed, describe
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
@@ -72,7 +73,7 @@ class OpenRequest:
     """An accepted request: where it runs, and what it takes to start it again elsewhere."""
 
     requests: list[EngineCoreRequest]
-    eager: bool  # hand every step over at once (streamed, or stop strings matched here)
+    every_step: bool  # hand every step over at once (streamed, or stop strings matched here)
     sink: asyncio.Queue[RequestOutput | BaseException]
     again: Callable[[], list[EngineCoreRequest]]  # registers the request anew: its new core requests
     replica: int  # where it runs
@@ -204,17 +205,18 @@ class AsyncEngine:
 
     def submit(
         self,
-        prompts: Sequence[tuple[str, str | list[int]]],
+        prompts: Sequence[tuple[str, str | list[int] | CheckedRequest]],
         params: SamplingParams,
         cache_salt: str | None = None,
         output_kind: OutputKind = OutputKind.DELTA,
     ) -> list[RequestStream]:
         """Check, admit and start the prompts of one user request together: every one of them, or
         none (then EngineOverloaded, EngineStopped or a ValueError naming the field, with nothing
-        left running). `prompts`: (request id, prompt) pairs. Admission counts sequences: prompts x n."""
+        left running). `prompts`: (request id, prompt) pairs, a prompt that passed the front door already
+        as its CheckedRequest. Admission counts sequences: prompts x n."""
         self._admit_check(len(prompts) * params.n)
         arrival = time.monotonic()
-        eager = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)
+        every_step = output_kind is not OutputKind.FINAL_ONLY or bool(params.stop)
         added: list[tuple[str, Callable[[], list[EngineCoreRequest]], list[EngineCoreRequest]]] = []
         streams: list[RequestStream] = []
         try:
@@ -224,7 +226,7 @@ class AsyncEngine:
                 )
                 added.append((request_id, add, add()))
             for request_id, add, requests in added:
-                streams.append(self._start(request_id, add, requests, eager))
+                streams.append(self._start(request_id, add, requests, every_step))
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -238,12 +240,12 @@ class AsyncEngine:
         request_id: str,
         add: Callable[[], list[EngineCoreRequest]],
         requests: list[EngineCoreRequest],
-        eager: bool,
+        every_step: bool,
     ) -> RequestStream:
         """Send a registered request to a replica; its stream."""
         assert self._loop is not None, "start() first"
-        replica = self._dispatch(requests, eager, exclude=())
-        entry = OpenRequest(requests, eager, asyncio.Queue(), add, replica, last_token=requests[0].arrival_time)
+        replica = self._dispatch(requests, every_step, exclude=())
+        entry = OpenRequest(requests, every_step, asyncio.Queue(), add, replica, last_token=requests[0].arrival_time)
         self._open[request_id] = entry
         return RequestStream(request_id, entry.sink, self._abort, self._loop)
 
@@ -263,7 +265,7 @@ class AsyncEngine:
             return "the server is shutting down"
         return "the engine is restarting" if self.recovering else "the engine is not running"
 
-    def _dispatch(self, requests: list[EngineCoreRequest], eager: bool, exclude: Sequence[int]) -> int:
+    def _dispatch(self, requests: list[EngineCoreRequest], every_step: bool, exclude: Sequence[int]) -> int:
         """Send a request's core requests to a replica the router picks, and return it; EngineStopped
         if none takes them."""
         first = requests[0]
@@ -273,7 +275,7 @@ class AsyncEngine:
                 route = self.router.pick(first.prompt_token_ids, first.cache_salt, exclude)
             except LookupError:
                 raise EngineStopped("no engine replica is running") from None
-            if self._send(route.replica, requests, eager):
+            if self._send(route.replica, requests, every_step):
                 self.router.load[route.replica] += 1
                 self.metrics.observe_routed(route.replica, route.by_prefix)
                 return route.replica
@@ -283,9 +285,9 @@ class AsyncEngine:
         """Replicas a new request never starts on (a disaggregated server's decode replicas)."""
         return []
 
-    def _send(self, replica: int, requests: list[EngineCoreRequest], eager: bool) -> bool:
+    def _send(self, replica: int, requests: list[EngineCoreRequest], every_step: bool) -> bool:
         """Hand a request's core requests to a replica; False if it has ended."""
-        return self.clients[replica].send_requests(requests, eager)
+        return self.clients[replica].send_requests(requests, every_step)
 
     def _close(self, request_id: str) -> OpenRequest | None:
         entry = self._open.pop(request_id, None)
@@ -365,7 +367,7 @@ class AsyncEngine:
                 try:
                     self.processor.abort_request(request_id)
                     entry.requests = entry.again()
-                    entry.replica = self._dispatch(entry.requests, entry.eager, exclude=[replica])
+                    entry.replica = self._dispatch(entry.requests, entry.every_step, exclude=[replica])
                     logger.info("request %s moved from lost replica %d to %d", request_id, replica, entry.replica)
                     continue
                 except EngineUnavailable:

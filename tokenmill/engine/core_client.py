@@ -40,13 +40,13 @@ class CoreClient(Protocol):
         """Start the core's loop; `deliver` and `stopped` are called from another thread."""
         ...
 
-    def send_requests(self, requests: list[EngineCoreRequest], eager: bool) -> bool:
-        """Queue requests (`eager`: hand each of their steps over at once); False if the core has ended."""
+    def send_requests(self, requests: list[EngineCoreRequest], every_step: bool) -> bool:
+        """Queue requests (`every_step`: hand each of their steps over at once); False if the core has ended."""
         ...
 
     def send(self, command: AbortRequests | StopRequests) -> None: ...
 
-    def handoff(self, request: EngineCoreRequest, eager: bool, source: CoreClient) -> bool:
+    def handoff(self, request: EngineCoreRequest, every_step: bool, source: CoreClient) -> bool:
         """Queue a request whose prompt `source` (a prefill engine) has computed, with that prompt's KV
         taken from there (prefill/decode disaggregation); False if this core has ended."""
         ...
@@ -99,17 +99,17 @@ class LocalCoreClient:
         assert self._deliver is not None, "start() first"
         self._deliver(steps)
 
-    def send_requests(self, requests: list[EngineCoreRequest], eager: bool) -> bool:
-        return self.loop.send_requests(requests, eager)
+    def send_requests(self, requests: list[EngineCoreRequest], every_step: bool) -> bool:
+        return self.loop.send_requests(requests, every_step)
 
     def send(self, command: AbortRequests | StopRequests) -> None:
         self.loop.send(command)
 
-    def handoff(self, request: EngineCoreRequest, eager: bool, source: CoreClient) -> bool:
+    def handoff(self, request: EngineCoreRequest, every_step: bool, source: CoreClient) -> bool:
         assert isinstance(source, LocalCoreClient) and source.core.transfer is not None, "a local prefill core"
         assert self.core.transfer is not None, "a core built with a TransferConnector"
         self.core.transfer.put(request.request_id, source.core.transfer.take(request.request_id))
-        return self.send_requests([request], eager)
+        return self.send_requests([request], every_step)
 
     def drop_kv(self, request_ids: list[str]) -> None:
         if self.core.transfer is not None:

@@ -5,7 +5,7 @@ queued commands (requests, aborts, stops, shutdown), steps while there is work, 
 `EngineCoreOutputs` to `deliver`. Steps that only non-streamed requests await are handed together,
 at least every `OUTPUT_INTERVAL_S`, instead of one hand-over per step: each wakes the consumer,
 which on a small machine takes a core from the step's thread team (2 cores: bfloat16 at one request
-222 -> 288 tok/s). A finished, failed, streamed or stop-string ("eager") request is handed at once.
+222 -> 288 tok/s). A finished, failed, streamed or stop-string request (`every_step`) is handed at once.
 Commands that leave the core idle (aborts of everything it held) run no step, so the loop then hands
 over the stats alone: the front end's admission count and /metrics never wait on a step to come.
 
@@ -50,7 +50,7 @@ class CoreLoop:
         self._commands: queue.Queue[Command] = queue.Queue()
         # core request ids whose every step is handed over at once; added before the request is
         # queued, dropped here when it finishes (set operations are atomic under the GIL)
-        self.eager: set[str] = set()
+        self.every_step: set[str] = set()
         self._lock = threading.Lock()  # guards `closed` against senders
         self.closed = False  # the loop has ended (or is ending): nothing sent is seen any more
         self.sent = 0  # requests queued for the core so far
@@ -60,14 +60,14 @@ class CoreLoop:
 
     # -- any thread --------------------------------------------------------------------------------
 
-    def send_requests(self, requests: list[EngineCoreRequest], eager: bool) -> bool:
+    def send_requests(self, requests: list[EngineCoreRequest], every_step: bool) -> bool:
         """Queue requests for the core (False, nothing queued, once the loop has ended)."""
         with self._lock:  # checked and queued at once: the loop never ends with one unseen
             if self.closed:
                 return False
             for request in requests:
-                if eager:
-                    self.eager.add(request.request_id)
+                if every_step:
+                    self.every_step.add(request.request_id)
                 self._commands.put(request)
             self.sent += len(requests)
             return True
@@ -129,13 +129,13 @@ class CoreLoop:
             return self.core.recover(e)
 
     def _urgent(self, outputs: EngineCoreOutputs) -> bool:
-        """Whether a step's outputs go over now: an eager request got tokens, or one finished or failed."""
+        """Whether a step's outputs go over now: an `every_step` request got tokens, or one finished or failed."""
         urgent = False
         for out in outputs.outputs:
             if out.finish_reason is not None or out.error is not None:  # (a fault finishes it: "error")
-                self.eager.discard(out.request_id)
+                self.every_step.discard(out.request_id)
                 urgent = True
-            elif out.request_id in self.eager:
+            elif out.request_id in self.every_step:
                 urgent = True
         return urgent
 
@@ -163,7 +163,7 @@ class CoreLoop:
                 return False
             self._changed = True
             if isinstance(command, AbortRequests | StopRequests):
-                self.eager.difference_update(command.request_ids)
+                self.every_step.difference_update(command.request_ids)
             if isinstance(command, AbortRequests):
                 self.core.abort_requests(command.request_ids)
             elif isinstance(command, StopRequests):
@@ -183,5 +183,5 @@ class CoreLoop:
             self.core.abort_requests([request.request_id])
             why = describe("the engine could not queue it", e)
             refusal = EngineCoreOutput(request.request_id, finish_reason="error", fault=why)
-        self.eager.discard(request.request_id)
+        self.every_step.discard(request.request_id)
         self._hand_over(EngineCoreOutputs([refusal], self.core.stats(), self.core.last_step))

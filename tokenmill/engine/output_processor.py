@@ -1,10 +1,11 @@
 """OutputProcessor: the front end's side of a request — text in, RequestOutputs out.
 
-Owns, per user request: tokenizing and checking the prompt, the `n` fan-out into core requests
-(child i seeded from (seed, i); children 1..n-1 wait in the core for child 0's prompt to be cached),
-gathering the children's `EngineCoreOutput`s back into one `RequestOutput`, incremental
-detokenization and stop strings. A stop string ends a child here and is reported back (`stop_ids`)
-so that the core finishes it and frees its blocks: nothing here touches a `Request`.
+Owns, per user request: passing it through the front door (`request_checks`: tokenized and checked,
+once), the `n` fan-out into core requests (child i seeded from (seed, i); children 1..n-1 wait in
+the core for child 0's prompt to be cached), gathering the children's `EngineCoreOutput`s back into
+one `RequestOutput`, incremental detokenization and stop strings. A stop string ends a child here and
+is reported back (`stop_ids`) so that the core finishes it and frees its blocks: nothing here touches
+a `Request`.
 
 RequestOutputs are built as copies, never views of state that keeps changing: cumulative (everything
 so far; `LLM.generate`), deltas (what is new since the last output; streaming) or final only. In a
@@ -20,7 +21,6 @@ Runs wherever the front end runs (the server's event loop): it never calls the c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -28,24 +28,16 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.engine.request_checks import CheckedRequest, EngineLimits, RequestChecker
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError, RequestFailed, describe
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, generator_seed
 from tokenmill.structured.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 
+__all__ = ["CheckedRequest", "EngineLimits", "OutputProcessor", "ProcessedOutputs"]
+
 logger = logging.getLogger("tokenmill")
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What the front end checks a request against, as the core is sized."""
-
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_blocks: int
-    prefix_caching: bool  # n > 1 children wait for child 0's prompt to be cached
 
 
 @dataclass
@@ -92,34 +84,32 @@ class OutputProcessor:
         self, tokenizer: Tokenizer, limits: EngineLimits, seed: int = 0, compile_timeout: float = COMPILE_TIMEOUT_S
     ) -> None:
         self.tokenizer = tokenizer
-        self.compile_timeout = compile_timeout
         self.limits = limits
+        self.checker = RequestChecker(tokenizer, limits, compile_timeout)  # the front door
         self._rng = random.Random(seed)  # draws the seeds of requests that bring none
         self._parents: dict[str, Parent] = {}
         self._children: dict[str, tuple[Parent, int]] = {}  # core id -> (parent, child index)
         self._next_id = 0
-        self._grammar: GrammarCompiler | None = None
 
     # -- requests in -----------------------------------------------------------------------------
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedRequest,
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> list[EngineCoreRequest]:
-        """Check and register a request; the core requests to send (one per child). ValueError
-        (naming the field) for a request that cannot run; nothing is registered then."""
+        """Check (at the front door, `request_checks`) and register a request; the core requests to send
+        (one per child). A ParamError (a ValueError naming the field) for a request that cannot run;
+        nothing is registered then. A `CheckedRequest` passed the door already: it is registered with
+        its own params (those it was checked with), not checked again."""
         if request_id in self._parents:
             raise ParamError("request_id", f"request_id: {request_id!r} is already in use")
-        if not isinstance(prompt, str | list | tuple):  # (a dict's keys would pass for a list)
-            raise ParamError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
-        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        max_tokens = self._check(ids, params)
-        params = self._with_token_constraints(params)
+        checked = prompt if isinstance(prompt, CheckedRequest) else self.checker.check(prompt, params)
+        params, ids = checked.params, checked.prompt_token_ids
         arrival = time.monotonic() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         # (an EOS id past the embedding can never be sampled: masking it would index past the logits)
@@ -139,7 +129,7 @@ class OutputProcessor:
                     prompt_token_ids=ids,
                     sampling_params=params,
                     seed=generator_seed(base_seed, i),  # child i seeded from (seed, i)
-                    max_tokens=max_tokens,
+                    max_tokens=checked.max_tokens,
                     eos_token_ids=eos,
                     arrival_time=arrival,
                     cache_salt=cache_salt,
@@ -147,86 +137,20 @@ class OutputProcessor:
                 )
             )
         prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
-        parent = Parent(request_id, text, ids, params, arrival, kind, children, prompt_logprobs)
+        parent = Parent(request_id, checked.prompt, ids, params, arrival, kind, children, prompt_logprobs)
         self._parents[request_id] = parent
         for i, child in enumerate(children):
             self._children[child.core_id] = (parent, i)
         return requests
 
-    def _check(self, ids: list[int], params: SamplingParams) -> int:
-        """The effective max_tokens of a valid prompt; ValueError otherwise."""
-        lim = self.limits
-        if not ids:
-            raise ParamError("prompt", "prompt: must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < lim.vocab_size for t in ids):
-            raise ParamError("prompt", f"prompt: token ids must be integers in [0, {lim.vocab_size})")
-        if len(ids) >= lim.max_model_len:
-            raise ParamError(
-                "prompt",
-                f"prompt: {len(ids)} tokens leave no room to generate within the maximum model length "
-                f"({lim.max_model_len})",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else lim.max_model_len - len(ids)
-        if params.min_tokens > max_tokens:
-            raise ParamError(
-                "min_tokens",
-                f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this request may generate",
-            )
-        total = len(ids) + max_tokens
-        if total > lim.max_model_len:
-            raise ParamError(
-                "max_tokens",
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds the maximum model length ({lim.max_model_len})",
-            )
-        blocks = -(-total // lim.block_size)
-        if blocks > lim.num_blocks:
-            raise ParamError(
-                "max_tokens",
-                f"max_tokens: prompt + max_tokens ({total} tokens) needs {blocks} KV blocks; "
-                f"the cache holds {lim.num_blocks}",
-            )
-        if params.structured_outputs is not None:
-            self.grammar.check(params.structured_outputs)  # compiled (and cached) here: a bad spec is a 400
-        return max_tokens
+    def check(self, prompt: str | list[int], params: SamplingParams) -> CheckedRequest:
+        """The front door alone (any thread): the request checked, to add later; see `request_checks`."""
+        return self.checker.check(prompt, params)
 
     @property
     def grammar(self) -> GrammarCompiler:
         """This front end's grammar compiler (validates structured-output specs; built on first use)."""
-        if self._grammar is None:
-            self._grammar = GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.compile_timeout)
-        return self._grammar
-
-    def _with_token_constraints(self, params: SamplingParams) -> SamplingParams:
-        """Check the token ids a request names against the model's vocabulary (its embedding, which a
-        tokenizer's added tokens may pass), and turn its bad words into token sequences: each word alone
-        and after a space (barred at the start and mid-text)."""
-        vocab = self.limits.vocab_size
-        for name, ids in (
-            ("logit_bias", list(params.logit_bias or ())),
-            ("allowed_token_ids", list(params.allowed_token_ids or ())),
-            ("stop_token_ids", list(params.stop_token_ids)),
-        ):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ParamError(name, f"{name}: token id {bad} is outside the model's vocabulary ({vocab})")
-        if not params.bad_words and not params.bad_words_token_ids:
-            return params
-        sequences: list[tuple[int, ...]] = list(params.bad_words_token_ids)
-        seen = set(sequences)  # (a set: a list's `in` made 20,000 words quadratic)
-        for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in seen:
-                    seen.add(ids)
-                    sequences.append(ids)
-        # (a tokenizer may know ids the model has no embedding for: a token added to tokenizer.json)
-        bad = next((t for ids in sequences for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ParamError(
-                "bad_words", f"bad_words: a word becomes token id {bad}, outside the model's vocabulary ({vocab})"
-            )
-        return dataclasses.replace(params, bad_words_token_ids=tuple(sequences))
+        return self.checker.grammar
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; the core ids to abort (none if it is unknown or already finished)."""

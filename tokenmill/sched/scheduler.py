@@ -97,20 +97,13 @@ class Scheduler:
 
     def add_request(self, request: Request, wait_for: str | None = None) -> None:
         """Queue a request; with `wait_for`, hold it until that request has computed its prompt (its
-        first token sampled) or finished, so that it finds the prompt's blocks in the prefix cache."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        first token sampled) or finished, so that it finds the prompt's blocks in the prefix cache. The
+        request has passed the engine's front door: it fits the model's length and the cache."""
+        # checked at the engine's front door (engine.request_checks): here only asserted
+        assert request.request_id not in self.requests, f"request {request.request_id!r} is already queued"
         total = request.num_prompt_tokens + request.max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
-                f"exceeds the maximum model length ({self.config.max_model_len})"
-            )
-        if self.kv.blocks_for(total) > self.kv.num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens ({total} tokens) needs {self.kv.blocks_for(total)} KV blocks; "
-                f"the cache holds {self.kv.num_blocks}"
-            )
+        assert total <= self.config.max_model_len, f"{total} tokens past max_model_len {self.config.max_model_len}"
+        assert self.kv.blocks_for(total) <= self.kv.num_blocks, f"{total} tokens need more blocks than the cache"
         self.requests[request.request_id] = request
         awaited = self.requests.get(wait_for) if wait_for is not None else None
         if awaited is not None and not awaited.output_token_ids:

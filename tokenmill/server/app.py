@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -185,7 +186,6 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
     extra_keys = [api_key] if isinstance(api_key, str) or api_key is None else list(api_key)
     keys = parse_api_keys([*front.api_keys, *extra_keys])
     engine: AsyncEngine = server.engine
-    limiter = anyio.CapacityLimiter(PREPARE_THREADS)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -201,6 +201,18 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
     app.add_middleware(BodyLimit, limit=front.max_body_bytes)
     app.add_middleware(ApiKeyCheck, keys=keys, metrics_public=front.metrics_public)
     app.add_middleware(InternalErrors)
+    add_error_handlers(app)
+    handling = Handling(server, front, anyio.CapacityLimiter(PREPARE_THREADS))
+    add_generation_routes(app, handling)
+    add_token_routes(app, handling)
+    add_status_routes(app, server)
+    add_openapi(app, server)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape: a RequestError (400, ...), an HTTP error of the framework
+    (404, 405, ...), the engine overloaded (429) or unavailable (503)."""
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -233,7 +245,17 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
             {"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
 
-    async def off_loop(work: Callable[[], T]) -> T:
+
+@dataclass
+class Handling:
+    """What the routes share: the server, the front door's limits, and the thread pool that runs a
+    request's CPU work before the engine."""
+
+    server: Server
+    front: FrontDoor
+    limiter: anyio.CapacityLimiter
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
         """`work` on the thread pool; a RecursionError in it (a parser or validator meeting deep input
         the depth limit let through) is the client's 400, not a 500."""
 
@@ -243,17 +265,17 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
             except RecursionError:
                 raise RequestError("The request nests too deep to process.", None, "nesting_too_deep") from None
 
-        return await anyio.to_thread.run_sync(guarded, limiter=limiter)
+        return await anyio.to_thread.run_sync(guarded, limiter=self.limiter)
 
-    async def read_json(request: Request) -> Callable[[], Any]:
+    async def read_json(self, request: Request) -> Callable[[], Any]:
         """The body, read on the loop (bounded by BodyLimit); its parse, to run off it."""
         body = await request.body()
-        return lambda: parse_json(body, front.max_json_depth)
+        return lambda: parse_json(body, self.front.max_json_depth)
 
-    async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, job: Job) -> Response:
+    async def respond(self, request: Request, req: CompletionRequest | ChatCompletionRequest, job: Job) -> Response:
         """Run a job until it answers or its client goes away (then every engine request it started is
         aborted and nothing is sent)."""
-        headers = {}
+        server, headers = self.server, {}
         if req.ignored_fields:
             server.note_ignored(req.ignored_fields)
             headers[IGNORED_FIELDS_HEADER] = ignored_fields_header(req.ignored_fields)
@@ -265,41 +287,56 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
             return StreamingResponse(result, media_type="text/event-stream", headers=headers)
         return JSONResponse(result, headers=headers)
 
+
+def add_generation_routes(app: FastAPI, handling: Handling) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
+    server = handling.server
+
     @app.post("/v1/completions", openapi_extra=_documented(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
-        parsed, tenant = await read_json(request), tenant_of(request)
+        parsed, tenant = await handling.read_json(request), tenant_of(request)
 
         def prepare() -> tuple[CompletionRequest, Job]:
             req = parse_completion_request(parsed(), server.limits)
             return req, server.prepare_completion(req, tenant)
 
-        return await respond(request, *await off_loop(prepare))
+        return await handling.respond(request, *await handling.off_loop(prepare))
 
     @app.post("/v1/chat/completions", openapi_extra=_documented(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
-        parsed, tenant = await read_json(request), tenant_of(request)
+        parsed, tenant = await handling.read_json(request), tenant_of(request)
 
         def prepare() -> tuple[ChatCompletionRequest, Job]:
             req = parse_chat_request(parsed(), server.limits)
             return req, server.prepare_chat(req, tenant)
 
-        return await respond(request, *await off_loop(prepare))
+        return await handling.respond(request, *await handling.off_loop(prepare))
+
+
+def add_token_routes(app: FastAPI, handling: Handling) -> None:
+    """POST /tokenize and /detokenize."""
+    server = handling.server
 
     @app.post("/tokenize", openapi_extra=_documented(TokenizeRequest, TokenizeResponse, stream=False))
     async def tokenize_route(request: Request) -> Response:
-        parsed = await read_json(request)
+        parsed = await handling.read_json(request)
 
         def answer() -> bytes:  # (rendered off the loop too: it can hold millions of ids)
             return render(tokenize(parse_model(TokenizeRequest, parsed()), server.tokenizer, server.max_model_len))
 
-        return Response(await off_loop(answer), media_type="application/json")
+        return Response(await handling.off_loop(answer), media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=_documented(DetokenizeRequest, DetokenizeResponse, stream=False))
     async def detokenize_route(request: Request) -> Response:
-        parsed, vocab_size = await read_json(request), server.engine.processor.limits.vocab_size
-        return await off_loop(
+        parsed, vocab_size = await handling.read_json(request), server.engine.processor.limits.vocab_size
+        return await handling.off_loop(
             lambda: JSONResponse(detokenize(parse_model(DetokenizeRequest, parsed()), server.tokenizer, vocab_size))
         )
+
+
+def add_status_routes(app: FastAPI, server: Server) -> None:
+    """GET /v1/models, /health and /metrics."""
+    engine = server.engine
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -327,23 +364,29 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+DOCUMENTED_MODELS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    CompletionResponse,
+    ChatCompletionResponse,
+    ErrorResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+)
+
+
+def add_openapi(app: FastAPI, server: Server) -> None:
+    """/openapi.json with the request and response schemas, constrained to this server's caps."""
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = default_openapi()
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (
-                CompletionRequest,
-                ChatCompletionRequest,
-                CompletionResponse,
-                ChatCompletionResponse,
-                ErrorResponse,
-                TokenizeRequest,
-                TokenizeResponse,
-                DetokenizeRequest,
-                DetokenizeResponse,
-            ):
+            for model in DOCUMENTED_MODELS:
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
@@ -353,4 +396,3 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return app

@@ -1,4 +1,4 @@
-"""The caps on what one request may ask for (`Limits`), checked at the front door.
+"""The caps on what one request may ask for (`RequestCaps`), checked at the front door.
 
 Owns the checks that bound a request's cost before the engine sees it: the count of a list field
 (`bad_words`, `logit_bias`, `stop_token_ids`, prompts, n x prompts, tools, ...), the size of a
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from itertools import accumulate
 from typing import Any
 
-from tokenmill.server.validation import Limits, RequestError
+from tokenmill.server.validation import RequestCaps, RequestError
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKETS = re.compile(r"[\[\]{}]")
@@ -103,7 +103,7 @@ def _specs(raw: dict[str, Any]) -> Iterator[tuple[str, Any, bool]]:
             yield f"structured_outputs.{key}", so.get(key), False
 
 
-def check_specs(raw: dict[str, Any], limits: Limits) -> None:
+def check_specs(raw: dict[str, Any], limits: RequestCaps) -> None:
     """Depth and size of a raw body's schemas and structured-output specs (values of the wrong type
     are left to the schema's 400). Run before validation: nothing has recursed into them yet."""
     depth_limit, size_limit = limits.max_schema_depth, limits.max_schema_chars

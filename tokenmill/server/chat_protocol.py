@@ -24,7 +24,7 @@ from tokenmill.server.protocol import (
     _Strict,
 )
 from tokenmill.server.tools import NamedToolChoice, ToolCall, ToolChoice, ToolMode, ToolParam, tool_mode
-from tokenmill.server.validation import Limits, check_unsupported, custom_error, show, unsupported_schema
+from tokenmill.server.validation import RequestCaps, check_unsupported, custom_error, show, unsupported_schema
 
 
 class TextContentPart(_Strict):
@@ -247,7 +247,7 @@ def _args(call: ToolCall) -> Any:
         return call.function.arguments
 
 
-def parse_chat_request(raw: Any, limits: Limits) -> ChatCompletionRequest:
+def parse_chat_request(raw: Any, limits: RequestCaps) -> ChatCompletionRequest:
     """The parsed JSON body of POST /v1/chat/completions -> a valid request, or a RequestError (400)."""
     request = _parse(ChatCompletionRequest, raw, limits)
     _common_limits(request, limits)

@@ -24,18 +24,14 @@ import uvicorn
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import ParallelConfig
+from tokenmill.engine import build_async_engine, front_end
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.core import EngineCore
-from tokenmill.engine.core_client import LocalCoreClient, Restart, restart_in_place
-from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.model_files import is_gguf
 from tokenmill.server.app import create_app
 from tokenmill.server.connections import LISTEN_BACKLOG, connection_cap, guarded_protocol, raise_open_file_limit
 from tokenmill.server.front_door import ConnectionLimits, FrontDoor
-from tokenmill.server.protocol import Limits
+from tokenmill.server.protocol import RequestCaps
 from tokenmill.server.serving import Server
 
 logger = logging.getLogger("tokenmill")
@@ -52,42 +48,37 @@ def build_server(
     config: EngineConfig,
     served_model_name: str | None = None,
     max_waiting: int = 64,
-    limits: Limits | None = None,
+    limits: RequestCaps | None = None,
     log_interval: float = 10.0,
     parallel: ParallelConfig | None = None,
     isolation: str = "api-key",
 ) -> Server:
     """The server's engine: one core on a thread of this process, or with `parallel` (more than one
     replica, or a Ray address) data-parallel replicas on Ray, or prefill and decode replicas."""
-    restart: Restart | None = None
-    if parallel is not None and parallel.uses_ray:
+    model = Path(config.model)
+    name = served_model_name or (model.stem if is_gguf(model) else model.name)
+    async_engine: AsyncEngine
+    if parallel is None or not parallel.uses_ray:
+        routing = parallel.routing if parallel is not None else "least_loaded"
+        metrics = EngineMetrics(name, num_replicas=1)
+        async_engine = build_async_engine(config, metrics, None, None, max_waiting, log_interval, routing)
+    else:
         from tokenmill.distributed.replica import start_replicas
 
         clients, restart = start_replicas(config, parallel)
-    else:
-        thread = EngineThread()  # the core is built on the thread that will step it (see engine_thread)
-        core = thread.run(lambda: EngineCore(config))
-        clients = [LocalCoreClient(core, thread)]
-        restart = restart_in_place([core], [thread])
-    limits_of_core = clients[0].limits
-    tokenizer = Tokenizer(config.model)
-    processor = OutputProcessor(tokenizer, limits_of_core, config.seed, config.grammar_compile_timeout)
-    for client in clients:  # a core in this process shares the front end's grammars: each compiles once
-        if isinstance(client, LocalCoreClient) and client.core.worker.runner.batch.grammar is not None:
-            client.core.worker.runner.batch.grammar.use_compiler(processor.grammar)
-    model = Path(config.model)
-    name = served_model_name or (model.stem if is_gguf(model) else model.name)
-    metrics = EngineMetrics(name, num_replicas=len(clients))
-    async_engine: AsyncEngine
-    if parallel is not None and parallel.disaggregated:
-        from tokenmill.distributed.disaggregated import DisaggregatedEngine
+        metrics = EngineMetrics(name, num_replicas=len(clients))
+        if parallel.disaggregated:
+            from tokenmill.distributed.disaggregated import DisaggregatedEngine
 
-        prefill, decode = clients[: parallel.prefill_size], clients[parallel.prefill_size :]
-        async_engine = DisaggregatedEngine(prefill, decode, processor, metrics, max_waiting, log_interval, restart)
-    else:
-        routing = parallel.routing if parallel is not None else "least_loaded"
-        async_engine = AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing, restart)
-    return Server(async_engine, tokenizer, name, limits_of_core.max_model_len, limits or Limits(), isolation)
+            processor = front_end(config, clients)
+            prefill, decode = clients[: parallel.prefill_size], clients[parallel.prefill_size :]
+            async_engine = DisaggregatedEngine(prefill, decode, processor, metrics, max_waiting, log_interval, restart)
+        else:
+            routing = parallel.routing
+            async_engine = build_async_engine(config, metrics, clients, restart, max_waiting, log_interval, routing)
+    processor = async_engine.processor
+    tokenizer, max_model_len = processor.tokenizer, processor.limits.max_model_len
+    return Server(async_engine, tokenizer, name, max_model_len, limits or RequestCaps(), isolation)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -6,7 +6,7 @@ a "valid" request that the server then refuses.
 - `stream_options` only with `stream: true`, and (chat) `top_logprobs` only with `logprobs: true`;
 - `n` and `max_tokens` within the server's limits and the model's length, token ids within the
   vocabulary, `logit_bias` keys decimal token ids;
-- the caps of `Limits` (caps.py): items of `stop`, `stop_token_ids`, `allowed_token_ids`,
+- the caps of `RequestCaps` (caps.py): items of `stop`, `stop_token_ids`, `allowed_token_ids`,
   `bad_words`, `tools` and prompts per request, `logit_bias` entries, the length of a spec given as
   text (`guided_json` / `_regex` / `_grammar`, not blank either, with a `format` naming what it is);
 - at most one structured-output field per request, `structured_outputs` asking for one thing,
@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.server.protocol import LOGIT_BIAS_KEY
-from tokenmill.server.validation import Limits
+from tokenmill.server.validation import RequestCaps
 
 NOT_BLANK = r"\S"  # a character other than whitespace (a blank spec is refused)
 # `format` of a spec given as text: what it must be, which JSON Schema cannot check (a schema-driven
@@ -82,13 +82,13 @@ def _set(prop: dict[str, Any], kind: str, **keywords: Any) -> None:
         option.update(keywords)
 
 
-def _spec_text(prop: dict[str, Any], limits: Limits, fmt: str) -> None:
+def _spec_text(prop: dict[str, Any], limits: RequestCaps, fmt: str) -> None:
     """A structured-output spec given as text: not blank, at most the size cap. `format` names what it
     must be (a schema-driven fuzzer can be given valid values for it: tests/chaos/schemathesis_hooks.py)."""
     _set(prop, "string", minLength=1, maxLength=limits.max_schema_chars, pattern=NOT_BLANK, format=fmt)
 
 
-def _cap_lists(props: dict[str, Any], limits: Limits) -> None:
+def _cap_lists(props: dict[str, Any], limits: RequestCaps) -> None:
     """The caps on the list fields both requests share."""
     if "stop" in props:
         _set(props["stop"], "array", maxItems=limits.max_stop)
@@ -111,7 +111,7 @@ def _cap_lists(props: dict[str, Any], limits: Limits) -> None:
         option["items"].update(minLength=1)
 
 
-def _cap_prompt(prop: dict[str, Any], limits: Limits) -> None:
+def _cap_prompt(prop: dict[str, Any], limits: RequestCaps) -> None:
     """Prompts per request; tokens of a prompt given as token ids."""
     for option in _options(prop, "array"):
         if option["items"].get("type") == "integer":  # one prompt, as token ids
@@ -166,7 +166,7 @@ def _structured_rules(components: dict[str, Any]) -> None:
     ]
 
 
-def _cap_components(components: dict[str, Any], limits: Limits) -> None:
+def _cap_components(components: dict[str, Any], limits: RequestCaps) -> None:
     """The caps on the shared components: structured_outputs, response_format's schema, tools."""
     so = components["StructuredOutputsField"]["properties"]
     _spec_text(so["json"], limits, JSON_SCHEMA_TEXT)
@@ -183,7 +183,7 @@ def constrain(
     components: dict[str, Any],
     model_name: str,
     max_model_len: int,
-    limits: Limits,
+    limits: RequestCaps,
     vocab_size: int,
 ) -> None:
     """Tighten the request schemas in `components` (in place) to what this server accepts."""

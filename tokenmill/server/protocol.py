@@ -33,7 +33,7 @@ from tokenmill.sampling_params import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams,
 from tokenmill.server.caps import check_count, check_specs
 from tokenmill.server.structured_fields import ResponseFormat, StructuredOutputsField, structured_spec
 from tokenmill.server.validation import (
-    Limits,
+    RequestCaps,
     RequestError,
     check_unsupported,
     custom_error,
@@ -258,13 +258,7 @@ class _Request(_Strict):
         default_max_tokens: int | None,
         renames: dict[str, str],
     ) -> SamplingParams:
-        if requested is not None and requested > max_model_len:
-            raise RequestError(
-                f"Invalid value for '{max_tokens_param}': {requested} is more than the model's maximum "
-                f"length ({max_model_len} tokens).",
-                max_tokens_param,
-                "invalid_value",
-            )
+        # (max_tokens against the model's length: the engine's front door, see validation.refusal)
         if requested is None and default_max_tokens is not None:
             requested = min(default_max_tokens, max_model_len)
         try:
@@ -275,7 +269,7 @@ class _Request(_Strict):
             raise RequestError(f"Invalid value for '{param}': {exc}", param, "invalid_value") from exc
 
 
-def _max_tokens_limit(value: int | None, param: str, limits: Limits) -> None:
+def _max_tokens_limit(value: int | None, param: str, limits: RequestCaps) -> None:
     if value is not None and limits.max_tokens is not None and value > limits.max_tokens:
         raise RequestError(
             f"Invalid value for '{param}': {value} is more than this server allows ({limits.max_tokens}).",
@@ -284,7 +278,7 @@ def _max_tokens_limit(value: int | None, param: str, limits: Limits) -> None:
         )
 
 
-def _common_limits(request: _Request, limits: Limits) -> None:
+def _common_limits(request: _Request, limits: RequestCaps) -> None:
     """The caps of `limits` on the fields both endpoints share (caps.py; the schema's sizes are checked
     before validation)."""
     if request.n > limits.max_n:
@@ -372,7 +366,7 @@ class CompletionRequest(_Request):
         )
 
 
-def parse_completion_request(raw: Any, limits: Limits) -> CompletionRequest:
+def parse_completion_request(raw: Any, limits: RequestCaps) -> CompletionRequest:
     """The parsed JSON body of POST /v1/completions -> a valid request, or a RequestError (400)."""
     request = _parse(CompletionRequest, raw, limits)
     _common_limits(request, limits)
@@ -427,7 +421,7 @@ def parse_model(cls: type[StrictT], raw: Any) -> StrictT:
         raise from_validation_error(exc) from None
 
 
-def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
+def _parse(cls: type[RequestT], raw: Any, limits: RequestCaps) -> RequestT:
     """Validate a body; fields the request type does not know are dropped and listed in
     `ignored_fields` (vLLM's policy), or refused with `limits.strict_fields`."""
     if not isinstance(raw, dict):
@@ -444,24 +438,14 @@ def _parse(cls: type[RequestT], raw: Any, limits: Limits) -> RequestT:
     return request
 
 
-def check_prompt_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, limits: Limits, param: str
-) -> None:
-    """After tokenizing: the prompt must fit the server's cap and leave room in the model's length for
-    `max_tokens` (at least one) generated tokens. `param` is "prompt" or "messages"."""
+def check_prompt_cap(num_prompt_tokens: int, limits: RequestCaps, param: str) -> None:
+    """After tokenizing: the prompt must fit the server's cap (`max_prompt_tokens`); whether it leaves
+    room in the model's length is the engine's front door's to say. `param`: "prompt", "prompt[i]" or
+    "messages"."""
     if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
         raise RequestError(
             f"Invalid value for '{param}': {num_prompt_tokens} prompt tokens, this server allows at most "
             f"{limits.max_prompt_tokens}.",
             param,
             "invalid_value",
-        )
-    wanted = num_prompt_tokens + (max_tokens or 1)
-    if wanted > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} tokens "
-            f"({num_prompt_tokens} in the {param}, {max_tokens or 1} in the completion). Please reduce the length "
-            "of the prompt or the completion.",
-            param,
-            "context_length_exceeded",
         )

@@ -20,18 +20,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tokenmill.engine import CheckedRequest
 from tokenmill.engine.async_engine import AsyncEngine, EngineUnavailable
 from tokenmill.engine.request_stream import RequestStream
 from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.errors import RequestFailed
+from tokenmill.errors import ParamError, RequestFailed
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.chat_protocol import ChatCompletionRequest
 from tokenmill.server.protocol import (
     CompletionRequest,
-    Limits,
+    RequestCaps,
     RequestError,
-    check_prompt_length,
+    check_prompt_cap,
 )
 from tokenmill.server.responses import (
     ChatChoice,
@@ -50,7 +51,7 @@ from tokenmill.server.responses import (
 )
 from tokenmill.server.tenancy import cache_salt
 from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
-from tokenmill.server.validation import ignored_fields_warning, param_of
+from tokenmill.server.validation import ignored_fields_warning, param_of, refusal
 
 logger = logging.getLogger("tokenmill")
 T = TypeVar("T")
@@ -67,6 +68,7 @@ class Job:
     created: int
     prompts: list[list[int]]
     prompt_texts: list[str]  # for echo
+    checked: list[CheckedRequest]  # each prompt as the engine's front door passed it (a CheckedRequest), to submit
     params: SamplingParams
     echo: bool
     include_usage: bool
@@ -81,7 +83,7 @@ class Server:
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
-    limits: Limits
+    limits: RequestCaps
     isolation: str = "api-key"  # which requests share prefix-cache entries (server/tenancy.py)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged (bounded)
 
@@ -96,14 +98,14 @@ class Server:
 
     def prepare_completion(self, req: CompletionRequest, tenant: str | None = None) -> Job:
         model = self._check_model(req.model)
-        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
-        prompts, texts = [], []
+        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
+        prompts, texts, checked = [], [], []
         listed = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)  # several prompts' form
         for i, p in enumerate(req.prompts()):
             param = f"prompt[{i}]" if listed else "prompt"
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            self._check_ids(ids, param)
-            check_prompt_length(len(ids), req.max_tokens, self.max_model_len, self.limits, param)
+            check_prompt_cap(len(ids), self.limits, param)
+            checked.append(self._check(ids, params, param, "max_tokens", req.structured_field))
             prompts.append(ids)
             texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -115,6 +117,7 @@ class Server:
             int(time.time()),
             prompts,
             texts,
+            checked,
             params,
             req.echo,
             include_usage,
@@ -124,14 +127,15 @@ class Server:
 
     def prepare_chat(self, req: ChatCompletionRequest, tenant: str | None = None) -> Job:
         model = self._check_model(req.model)
-        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None), req.structured_field)
+        params = self._params(lambda: req.to_sampling_params(self.max_model_len, None))
         tools = template_tools(req.tools) if req.tools else None
         explain = tools_system_message(req.tools) if req.tools else None
         try:
             ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt, tools, explain)
         except ValueError as e:
             raise RequestError(str(e), "messages", "invalid_value") from None
-        check_prompt_length(len(ids), req.requested_max_tokens, self.max_model_len, self.limits, "messages")
+        check_prompt_cap(len(ids), self.limits, "messages")
+        checked = self._check(ids, params, "messages", req.max_tokens_param, req.structured_field)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         return Job(
@@ -141,6 +145,7 @@ class Server:
             int(time.time()),
             [ids],
             [""],
+            [checked],
             params,
             False,
             include_usage,
@@ -161,37 +166,28 @@ class Server:
             )
         return model
 
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.processor.limits.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(
-                f"Invalid value for '{param}': token id {bad} is outside the vocabulary ({vocab}).",
-                param,
-                "invalid_value",
-            )
-        if not ids:
-            raise RequestError(f"Invalid value for '{param}': the prompt is empty.", param, "invalid_value")
-
-    def _params(self, build: Callable[[], SamplingParams], structured_field: str | None) -> SamplingParams:
+    def _check(
+        self, ids: list[int], params: SamplingParams, param: str, max_tokens_param: str, structured_field: str | None
+    ) -> CheckedRequest:
+        """One prompt through the engine's front door (here, off the event loop: a grammar compiles
+        now); its refusal as the server words it (`validation.refusal`)."""
         try:
-            params = build()
+            return self.engine.processor.check(ids, params)
+        except ParamError as e:
+            raise refusal(e, param, max_tokens_param, structured_field) from None
+
+    @staticmethod
+    def _params(build: Callable[[], SamplingParams]) -> SamplingParams:
+        try:
+            return build()
         except ValueError as e:
             raise RequestError(str(e), param_of(e), "invalid_value") from None
-        if params.structured_outputs is not None:  # compiled (and cached) now: a bad schema or regex is a 400
-            try:
-                self.engine.processor.grammar.check(params.structured_outputs)
-            except ValueError as e:
-                raise RequestError(
-                    f"Invalid value for '{structured_field}': {e}", structured_field, "invalid_value"
-                ) from None
-        return params
 
     # -- running -------------------------------------------------------------------------------
 
     def _start(self, job: Job, kind: OutputKind) -> list[RequestStream]:
         """Every prompt of the job started together, or none (the refusal raised, nothing left running)."""
-        prompts = [(f"{job.request_id}-{i}", p) for i, p in enumerate(job.prompts)]
+        prompts = [(f"{job.request_id}-{i}", checked) for i, checked in enumerate(job.checked)]
         try:
             return self.engine.submit(prompts, job.params, job.cache_salt, kind)
         except ValueError as e:

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
-from tokenmill.errors import ParamError
+from tokenmill.errors import ContextTooLong, EmptyPrompt, ParamError, TokenOutsideVocabulary
 
 INVALID_REQUEST = "invalid_request_error"
 PARAM = "{param}"  # in a custom error's message: replaced by the parameter's full path
@@ -51,12 +51,49 @@ def param_of(exc: ValueError) -> str | None:
     return exc.param if isinstance(exc, ParamError) else None
 
 
+def refusal(e: ParamError, prompt_param: str, max_tokens_param: str, structured_field: str | None) -> RequestError:
+    """The 400 of a request the engine's front door refused (`engine.request_checks`), in the server's
+    words: mapped by the error's type and field, never its text. `prompt_param` names the prompt as
+    the request gave it ("prompt", "prompt[i]", "messages"), `max_tokens_param` the field that set
+    max_tokens, `structured_field` the one that asked for structured output."""
+    if isinstance(e, ContextTooLong):
+        if e.max_tokens is not None and e.max_tokens > e.max_model_len:
+            return RequestError(
+                f"Invalid value for '{max_tokens_param}': {e.max_tokens} is more than the model's maximum "
+                f"length ({e.max_model_len} tokens).",
+                max_tokens_param,
+                "invalid_value",
+            )
+        generated = e.max_tokens or 1
+        wanted = e.num_prompt_tokens + generated
+        return RequestError(
+            f"This model's maximum context length is {e.max_model_len} tokens. However, you requested {wanted} "
+            f"tokens ({e.num_prompt_tokens} in the {prompt_param}, {generated} in the completion). Please reduce "
+            "the length of the prompt or the completion.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if isinstance(e, TokenOutsideVocabulary):
+        return RequestError(
+            f"Invalid value for '{prompt_param}': token id {e.token_id} is outside the vocabulary ({e.vocab_size}).",
+            prompt_param,
+            "invalid_value",
+        )
+    if isinstance(e, EmptyPrompt):
+        return RequestError(f"Invalid value for '{prompt_param}': the prompt is empty.", prompt_param, "invalid_value")
+    if e.param.startswith("structured_outputs"):  # the spec did not compile
+        return RequestError(f"Invalid value for '{structured_field}': {e}", structured_field, "invalid_value")
+    return RequestError(str(e), e.param, "invalid_value")
+
+
 @dataclass(frozen=True)
-class Limits:
+class RequestCaps:
     """Server-side caps on what one request may ask for (beyond what the schema allows). The defaults
     sit well above what OpenAI or vLLM clients send (OpenAI itself allows 4 stop strings, 300
     logit_bias entries and 128 tools) and bound what one request can cost everyone else; each
-    refusal is a 400 naming the field and the limit, and `/openapi.json` states the same caps."""
+    refusal is a 400 naming the field and the limit, and `/openapi.json` states the same caps. The
+    operator's policy, not the engine's size: what the engine can hold at all (its model length, KV
+    blocks, vocabulary) is `EngineLimits`, checked at the engine's front door."""
 
     max_n: int = 16
     max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: no extra cap
