@@ -52,7 +52,7 @@ serve: $(STAMP)
 	-$(BIN)/python scripts/fetch_smollm2.py
 	$(BIN)/tokenmill serve
 
-# Every README figure: run alone (two jobs on two cores spoil both). About an hour in all.
+# The main figures of benchmarks/RESULTS.md: run alone (two jobs at once spoil each other's timings); they take long.
 bench: bench-forward bench-decode bench-engine bench-prefix bench-serve bench-quant
 
 # the decode step on the reference and the native paths, the fused decode layers against the modules,
@@ -84,7 +84,7 @@ bench-quant: $(STAMP)
 	-$(BIN)/python benchmarks/gguf_kept.py
 
 # tokenmill against llama.cpp, vLLM's CPU build and transformers: needs the peers built first,
-# PEERS_DIR=DIR bash ../shared/peers/setup.sh (10-30 minutes), then make bench-peers PEERS_DIR=DIR
+# PEERS_DIR=DIR bash ../shared/peers/setup.sh (slow: it builds them), then make bench-peers PEERS_DIR=DIR
 bench-peers: $(STAMP)
 	$(BIN)/python benchmarks/peers.py --peers-dir $(PEERS_DIR)
 

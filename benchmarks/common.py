@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts: the `small` peer model (built once, offline) and a call into
-`tokenmill bench`, whose result file every README figure is read from."""
+`tokenmill bench`, whose result file every figure in benchmarks/RESULTS.md is read from."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def plot(result_file: Path, out_dir: Path) -> None:
 
 
 def cell(stats: dict[str, float], fmt: str = "{:.2f}") -> str:
-    """'median [min–max]' as the README quotes it."""
+    """'median [min–max]' as benchmarks/RESULTS.md quotes it."""
     return f"{fmt.format(stats['median'])} [{fmt.format(stats['min'])}–{fmt.format(stats['max'])}]"
 
 

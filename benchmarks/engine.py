@@ -7,7 +7,7 @@ interleaved in each of 3 repeats, same max batch size (32) and dtype: tokenmill 
 batching (a batch admitted whole with KV reserved for prompt + max_tokens), tokenmill with
 continuous batching, and transformers `generate` on left-padded batches of 32 in arrival order
 (`--baseline hf`). Writes benchmarks/results/engine_<dtype>.json and latency plots beside it, and
-prints the README's figures: output tokens/s and the gains, mean end-to-end latency, the share of
+prints the figures benchmarks/RESULTS.md quotes: output tokens/s and the gains, mean end-to-end latency, the share of
 allocated KV slots holding live tokens, and the step time outside the forward with 32 decoding.
 
 `--model DIR` runs another model folder (results: engine_<folder name>_<dtype>.json).
@@ -48,7 +48,7 @@ def main() -> None:
     cont, static, hf = a["scheduling=continuous"], a["scheduling=static"], a["hf"]
     over_static = g["scheduling=continuous over scheduling=static"]["output_throughput"]
     over_hf = g["scheduling=continuous over hf"]["output_throughput"]
-    print(f"\nREADME figures ({args.dtype}):")
+    print(f"\nRESULTS.md figures ({args.dtype}):")
     for name, side in (("continuous", cont), ("static", static), ("transformers", hf)):
         e2e_s = {k: v / 1e3 for k, v in side["e2e.mean"].items() if k != "samples"}
         print(

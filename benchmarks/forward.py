@@ -57,8 +57,8 @@ CONTEXT = 128
 BATCHES = (1, 4, 8, 32)
 DECODE_STEPS = 16
 # untimed decode steps between a sample's prefill and its timed steps: a decode step is measured after
-# decode steps, as in serving, not with a prefill's caches (on the AMX machine a 512-token prefill
-# before the timed steps moved batch 4 in float32 between 5.0 and 7.0 ms from run to run)
+# decode steps, as in serving, not with a prefill's caches (a long prefill just before the timed steps
+# leaves the caches holding its activations, and makes the decode figures vary from run to run)
 WARM_STEPS = 4
 
 
@@ -205,7 +205,7 @@ def print_row(label: str, key: str, ratio: dict[str, Any], *sides: dict[str, Any
     print(f"{label:28}{cells[0]:>22}{cells[1]:>22}  {spread_text}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -216,18 +216,12 @@ def main() -> None:
     parser.add_argument("--layer-ops", default="auto")
     parser.add_argument("--linear-backend", default="auto")
     parser.add_argument("--no-fused-decode", action="store_true", help="run the decoder layers as modules")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    keep_freed_memory()  # as tokenmill's engine does on CPU; it applies to both sides of the comparison
-    folder = Path(args.model) if args.model else ensure_model()
-    bandwidths = read_bandwidth()
-    bandwidth = bandwidths["stream_sum"]
-    print(
-        f"read bandwidth ({args.threads} threads): streaming {bandwidth / 1e9:.1f} GB/s, "
-        f"fp32 GEMV {bandwidths['gemv_fp32'] / 1e9:.1f} GB/s"
-    )
-    result: dict[str, object] = {
+    return parser.parse_args()
+
+
+def run_header(args: argparse.Namespace, folder: Path, bandwidths: dict[str, float]) -> dict[str, object]:
+    """The result's description of the run: versions, machine, settings, the measured read bandwidths."""
+    return {
         "model": str(folder) if args.model else "make-model --arch llama --size small --seed 0 (54.9M parameters)",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -239,6 +233,92 @@ def main() -> None:
         "read_bandwidth_GBps": {k: v / 1e9 for k, v in bandwidths.items()},
         "dtypes": {},
     }
+
+
+def collect_samples(engines: list[Any], vocab: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per prefill and per decode step at each batch, engine by engine, the engines interleaved."""
+    prompt = torch.randint(0, vocab, (PROMPT,))
+    prefill = {e.name: e.prefill(prompt) for e in engines}
+    decodes = {b: {e.name: e.decode(torch.randint(0, vocab, (b, CONTEXT))) for e in engines} for b in BATCHES}
+    for e in engines:  # warm-up
+        prefill[e.name]()
+        time_once(*decodes[1][e.name], calls=2)
+    samples: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
+    for _ in range(repeats):  # interleaved: each repeat runs every case on both engines
+        for e in engines:
+            s = samples[e.name]
+            s.setdefault("prefill_s", []).append(time_once(None, prefill[e.name], calls=1))
+            for b in BATCHES:
+                s.setdefault(f"decode_b{b}_s", []).append(time_once(*decodes[b][e.name], calls=DECODE_STEPS))
+    return samples
+
+
+def summarize_dtype(
+    samples: dict[str, dict[str, list[float]]], weight_bytes: int, bandwidths: dict[str, float]
+) -> dict[str, Any]:
+    """One dtype's entry: each side's spreads, the floors, and the per-repeat ratios between the sides."""
+    floor = weight_bytes / bandwidths["stream_sum"]
+    gemv_floor = weight_bytes / bandwidths["gemv_fp32"]
+    entry: dict[str, Any] = {
+        "weight_bytes_per_decode_step": weight_bytes,
+        "floor_s": floor,
+        "gemv_fp32_floor_s": gemv_floor,
+    }
+    for name, s in samples.items():
+        entry[name] = {
+            "prefill_tokens_per_s": spread([PROMPT / t for t in s["prefill_s"]]),
+            **{f"decode_step_ms_b{b}": spread([t * 1e3 for t in s[f"decode_b{b}_s"]]) for b in BATCHES},
+        }
+    tm = entry["tokenmill"]
+    tms, hfs = samples["tokenmill"], samples["transformers"]
+    ratios: dict[str, Any] = {  # per repeat (the two sides ran side by side), then spread
+        "prefill_speedup": spread([h / t for t, h in zip(tms["prefill_s"], hfs["prefill_s"], strict=True)])
+    }
+    for b in BATCHES:
+        key = f"decode_step_ms_b{b}"
+        pairs = zip(tms[f"decode_b{b}_s"], hfs[f"decode_b{b}_s"], strict=True)
+        ratios[f"decode_b{b}_speedup"] = spread([h / t for t, h in pairs])
+        ratios[f"decode_b{b}_vs_floor"] = tm[key]["median"] / (floor * 1e3)
+        ratios[f"decode_b{b}_vs_gemv_fp32_floor"] = tm[key]["median"] / (gemv_floor * 1e3)
+        ratios[f"decode_b{b}_vs_b1"] = spread(
+            [t / one for t, one in zip(tms[f"decode_b{b}_s"], tms["decode_b1_s"], strict=True)]
+        )
+    entry["ratios"] = ratios
+    return entry
+
+
+def print_dtype(dtype_name: str, entry: dict[str, Any]) -> None:
+    """The table of one dtype: each measurement on both sides and their ratio, then the floors."""
+    tm, hf, ratios = entry["tokenmill"], entry["transformers"], entry["ratios"]
+    print(
+        f"\n{dtype_name}: weights read per decode step {entry['weight_bytes_per_decode_step'] / 1e6:.0f} MB, floor "
+        f"{entry['floor_s'] * 1e3:.2f} ms (at fp32 GEMV bandwidth {entry['gemv_fp32_floor_s'] * 1e3:.2f} ms)"
+    )
+    print(f"{'':28}{'tokenmill':>22}{'transformers':>22}  ratio (transformers time / tokenmill's)")
+
+    print_row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"], tm, hf)
+    for b in BATCHES:
+        print_row(f"decode step b={b}, ms", f"decode_step_ms_b{b}", ratios[f"decode_b{b}_speedup"], tm, hf)
+    b4 = ratios["decode_b4_vs_b1"]
+    print(
+        f"decode b=1: {ratios['decode_b1_vs_floor']:.2f}x the floor, "
+        f"{ratios['decode_b1_vs_gemv_fp32_floor']:.2f}x the fp32-GEMV floor; a step at b=4 costs "
+        f"{b4['median']:.2f}x [{b4['min']:.2f}-{b4['max']:.2f}] one at b=1"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    keep_freed_memory()  # as tokenmill's engine does on CPU; it applies to both sides of the comparison
+    folder = Path(args.model) if args.model else ensure_model()
+    bandwidths = read_bandwidth()
+    print(
+        f"read bandwidth ({args.threads} threads): streaming {bandwidths['stream_sum'] / 1e9:.1f} GB/s, "
+        f"fp32 GEMV {bandwidths['gemv_fp32'] / 1e9:.1f} GB/s"
+    )
+    result = run_header(args, folder, bandwidths)
     with torch.inference_mode():
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
@@ -248,67 +328,11 @@ def main() -> None:
             result["fused_decode"] = tokenmill.model.fused_decode is not None
             result["linear_backend"] = tokenmill.linear
             engines = [tokenmill, HF(folder, dtype)]
-            weight_bytes = decode_weight_bytes(engines[0].model)
-            floor = weight_bytes / bandwidth
-            vocab = engines[0].model.config.vocab_size
-            prompt = torch.randint(0, vocab, (PROMPT,))
-            prefill = {e.name: e.prefill(prompt) for e in engines}
-            decodes = {b: {e.name: e.decode(torch.randint(0, vocab, (b, CONTEXT))) for e in engines} for b in BATCHES}
-            for e in engines:  # warm-up
-                prefill[e.name]()
-                time_once(*decodes[1][e.name], calls=2)
-            samples: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
-            for _ in range(args.repeats):  # interleaved: each repeat runs every case on both engines
-                for e in engines:
-                    s = samples[e.name]
-                    s.setdefault("prefill_s", []).append(time_once(None, prefill[e.name], calls=1))
-                    for b in BATCHES:
-                        s.setdefault(f"decode_b{b}_s", []).append(time_once(*decodes[b][e.name], calls=DECODE_STEPS))
-            gemv_floor = weight_bytes / bandwidths["gemv_fp32"]
-            entry: dict[str, object] = {
-                "weight_bytes_per_decode_step": weight_bytes,
-                "floor_s": floor,
-                "gemv_fp32_floor_s": gemv_floor,
-            }
-            for e in engines:
-                s = samples[e.name]
-                entry[e.name] = {
-                    "prefill_tokens_per_s": spread([PROMPT / t for t in s["prefill_s"]]),
-                    **{f"decode_step_ms_b{b}": spread([t * 1e3 for t in s[f"decode_b{b}_s"]]) for b in BATCHES},
-                }
-            tm, hf = entry["tokenmill"], entry["transformers"]
-            assert isinstance(tm, dict) and isinstance(hf, dict)
-            tms, hfs = samples["tokenmill"], samples["transformers"]
-            ratios: dict[str, Any] = {  # per repeat (the two sides ran side by side), then spread
-                "prefill_speedup": spread([h / t for t, h in zip(tms["prefill_s"], hfs["prefill_s"], strict=True)])
-            }
-            for b in BATCHES:
-                key = f"decode_step_ms_b{b}"
-                pairs = zip(tms[f"decode_b{b}_s"], hfs[f"decode_b{b}_s"], strict=True)
-                ratios[f"decode_b{b}_speedup"] = spread([h / t for t, h in pairs])
-                ratios[f"decode_b{b}_vs_floor"] = tm[key]["median"] / (floor * 1e3)
-                ratios[f"decode_b{b}_vs_gemv_fp32_floor"] = tm[key]["median"] / (gemv_floor * 1e3)
-                ratios[f"decode_b{b}_vs_b1"] = spread(
-                    [t / one for t, one in zip(tms[f"decode_b{b}_s"], tms["decode_b1_s"], strict=True)]
-                )
-            entry["ratios"] = ratios
+            samples = collect_samples(engines, tokenmill.model.config.vocab_size, args.repeats)
+            entry = summarize_dtype(samples, decode_weight_bytes(tokenmill.model), bandwidths)
             result["dtypes"][dtype_name] = entry  # type: ignore[index]
-            print(
-                f"\n{dtype_name}: weights read per decode step {weight_bytes / 1e6:.0f} MB, floor "
-                f"{floor * 1e3:.2f} ms (at fp32 GEMV bandwidth {gemv_floor * 1e3:.2f} ms)"
-            )
-            print(f"{'':28}{'tokenmill':>22}{'transformers':>22}  ratio (transformers time / tokenmill's)")
-
-            print_row("prefill 512, tokens/s", "prefill_tokens_per_s", ratios["prefill_speedup"], tm, hf)
-            for b in BATCHES:
-                print_row(f"decode step b={b}, ms", f"decode_step_ms_b{b}", ratios[f"decode_b{b}_speedup"], tm, hf)
-            b4 = ratios["decode_b4_vs_b1"]
-            print(
-                f"decode b=1: {ratios['decode_b1_vs_floor']:.2f}x the floor, "
-                f"{ratios['decode_b1_vs_gemv_fp32_floor']:.2f}x the fp32-GEMV floor; a step at b=4 costs "
-                f"{b4['median']:.2f}x [{b4['min']:.2f}-{b4['max']:.2f}] one at b=1"
-            )
-            del engines, prefill, decodes
+            print_dtype(dtype_name, entry)
+            del engines, tokenmill
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -1,10 +1,11 @@
 """Side-by-side timings of variants of the linear kernel, for tuning it on the CPU at hand.
 
-This machine's timings move by 10-25% from one minute to the next, so two builds timed in two runs
-cannot be compared. This script builds each variant of `tokenmill/kernels/csrc/linear.cpp` (other
-compile flags, or another copy of the source) into its own op namespace (`-DTM_LIB=...`), loads them
-all into one process, and times them interleaved on the peer model's linear layers (8 layers' worth
-of distinct weights plus the output projection, so they come from memory as in a step), median of 9.
+A shared machine's timings drift from one minute to the next by more than the variants differ, so two
+builds timed in two runs cannot be compared. This script builds each variant of
+`tokenmill/kernels/csrc/linear.cpp` (other compile flags, or another copy of the source) into its own op
+namespace (`-DTM_LIB=...`), loads them all into one process, and times them interleaved on the peer
+model's linear layers (8 layers' worth of distinct weights plus the output projection, so they come
+from memory as in a step), median of 9.
 
 Usage:
   python benchmarks/linear_variants.py '{"now": [], "pf2": ["-DSOME_FLAG=2"], "old": ["src=/tmp/old/linear.cpp"]}' \\

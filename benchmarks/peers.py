@@ -5,7 +5,7 @@ The workload is the peers' (shared/PEERS.md): the 16 prompts of 128 tokens of `$
 128 new greedy tokens each with EOS ignored, output tokens/s at concurrency 1, 4 and 16 (median of 3
 repeats, each after an unmeasured pass). tokenmill runs `tokenmill serve` with prefix caching off
 (`TM_ARGS=--no-enable-prefix-caching`: the load repeats 16 prompts, which the peers do not cache).
-This script needs the peers built first (`PEERS_DIR=DIR bash ../shared/peers/setup.sh`, 10-30 minutes);
+This script needs the peers built first (`PEERS_DIR=DIR bash ../shared/peers/setup.sh`, slow: it builds them);
 it runs bench.sh, reads its raw results, and writes one JSON with every row, the machine's CPU flags,
 and tokenmill's ratios at each concurrency to the peers of its precision (float32: llama.cpp f32,
 vLLM fp32, transformers fp32; bfloat16: llama.cpp f16, vLLM bf16, transformers bf16), or, when the

@@ -40,7 +40,7 @@ def main() -> None:
     gain = result.gains["enable_prefix_caching=true over enable_prefix_caching=false"]["ttft.median"]
     theoretical = (REQUESTS - 1) * (PREFIX // BLOCK) * BLOCK
     cached = [r.summary["cached_tokens"] for r in result.runs if r.label == "enable_prefix_caching=true"]
-    print(f"\nREADME figures ({args.dtype}):")
+    print(f"\nRESULTS.md figures ({args.dtype}):")
     print(f"  TTFT p50 ms: on {cell(on['ttft.median'], '{:.1f}')}, off {cell(off['ttft.median'], '{:.0f}')}")
     print(f"  off / on: {cell(gain)}x")
     print(f"  cached tokens / theoretical maximum: {min(cached) / theoretical:.1%} (least of {len(cached)} runs)")

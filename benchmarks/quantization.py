@@ -13,7 +13,7 @@ the demo model (bfloat16, trained here) and on SmolLM2 (its layers are dequantiz
 GGUF file: int4 in groups of 32 lands on that grid; its tied embedding / head was Q8_0), 16 windows of
 512 held-out tokens; and the KV tokens the default budget holds for the peer model in bfloat16 with
 a bfloat16 and an int8 KV cache. `--models ""` runs the quality and KV parts alone.
-Writes benchmarks/results/quantization.json and prints the README's table.
+Writes benchmarks/results/quantization.json and prints its table in benchmarks/RESULTS.md.
 
 Usage: python benchmarks/quantization.py [--repeats 3] [--models small,smollm2] [--skip-quality]
 """

@@ -6,7 +6,7 @@ in a subprocess, then runs the `mixed` workload (seed 0; 48 requests, prompts 32
 points interleaved in each of 3 repeats. Prefix caching is off on the server: every run sends the
 same prompts, and a server keeps its cache between runs, so later runs would find them cached.
 Writes benchmarks/results/serve_sweep.json and the plots in benchmarks/results/serve_sweep/
-(throughput against TPOT and TTFT, latency CDFs), and prints the README's table.
+(throughput against TPOT and TTFT, latency CDFs), and prints its table in benchmarks/RESULTS.md.
 
 Usage: python benchmarks/serve.py [--repeats 3] [--requests 48]
 """
@@ -73,7 +73,10 @@ def main() -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
     plot(out, RESULTS / "serve_sweep")
-    print("\nREADME table: | max concurrency | output tokens/s | TTFT p50, ms | TPOT p50, ms | ITL p99, ms | goodput |")
+    print(
+        "\nRESULTS.md table: "
+        "| max concurrency | output tokens/s | TTFT p50, ms | TPOT p50, ms | ITL p99, ms | goodput |"
+    )
     for c in POINTS.split(","):
         a = result.aggregate[f"max-concurrency={c}"]
         good = a["goodput_share"]["median"]

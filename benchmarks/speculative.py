@@ -19,7 +19,7 @@ Break-even: the engine's own step-time curve (`StepCurve`, steps without prompt 
 while fixed-k speculation runs at each batch size B, and from it the mean tokens a verification step
 must yield for k = 5 drafts each to pay: T(B (1 + k)) / T(B).
 
-Writes benchmarks/results/speculative.json and prints the README's table.
+Writes benchmarks/results/speculative.json and prints its table in benchmarks/RESULTS.md.
 
 Usage: python benchmarks/speculative.py [--repeats 3]
 """

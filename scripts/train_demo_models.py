@@ -4,7 +4,7 @@ sources (PSF license), CPU only, seeded. Writes two Hugging Face folders (bfloat
 with a `training_log.json` each; `benchmarks/demo_models.py` then evaluates them on the held-out
 files and writes their model cards.
 
-Reproduce (about an hour on 2 cores; nothing else should run meanwhile):
+Reproduce (a long CPU-bound run; nothing else should run meanwhile):
     .venv/bin/python scripts/train_demo_models.py --out models
 """
 

@@ -2,9 +2,10 @@
 by the cost model, and the model scaled by what the slice measured.
 
 The probe times steps in isolation, each shape a few times in a row; a run of the trace is not like
-that (steps of every shape follow each other, many requests' KV in use, outputs processed), and on the
-AMX machine the probe priced a run's steps a little low (the factors below came to 1.0-1.2), which a
-saturated replica turns into a TTFT error about three times as large. `calibrate` runs the first requests of the
+that (steps of every shape follow each other, many requests' KV in use, outputs processed), so the
+probe tends to price a run's steps a little low (the factors below come out at or a little above 1;
+benchmarks/doctor_sim.py records them), which a saturated replica turns into a larger TTFT error (its
+queue carries every step's shortfall forward). `calibrate` runs the first requests of the
 trace (CALIBRATION_REQUESTS, at the trace's arrival times or rate) on the engine through
 `bench.offline.run_offline`, records every step with `StepLog`, and returns the cost model with its
 decode terms scaled by the measured over the predicted time of the slice's decode-only steps and its

@@ -12,14 +12,14 @@ V read once per query), a prompt chunk scores its q s + q (q + 1) / 2 query-key 
 Curves are piecewise linear in T (B) between the probed points, extended along their last segment,
 and made non-decreasing (a busy moment during the probe must not make more tokens look cheaper).
 
-`probe` measures them on a live engine in about ten seconds: one-request prompts of 1 ..
+`probe` measures them on a live engine (`probe_seconds` records how long): one-request prompts of 1 ..
 max_num_batched_tokens tokens (each alone in its step), B requests decoding at a short context for
 B = 1 .. max_num_seqs, a few at a long context (the decode attention term), one long prompt's chunks
 at start 0 and at start one budget (the prompt attention term), and a prompt chunk run beside a few
 decoding requests at a short and at a long context (the mixed steps' terms); random distinct prompts, so the prefix
 cache never answers; medians of repeats. Where no chunk can join running requests (static batching)
-the mixed terms are not measured: 0 per request (a step of 16 prompts of 16 tokens timed no slower
-than one of 256 on the AMX machine), decode attention's per key. Nothing else should run on the
+the mixed terms are not measured: 0 per request (a step's cost follows its tokens, not how many
+prompts they come in), decode attention's per key. Nothing else should run on the
 machine meanwhile.
 """
 

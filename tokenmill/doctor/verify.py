@@ -8,9 +8,9 @@ simulator's replay of them, `window_size`; a contiguous window keeps the arrival
 the prompts that share a prefix with their neighbours still do; sparser samples were tried and lose
 both: every 23rd request of a shared-prefix trace shared nothing, and kept arrival times cut the load
 23-fold) `repeats` times, interleaved (current, each variant, then again), after a warm-up run of each
-on the sample's first quarter (an engine's first run is 2-3x slower on the tiny model: kernels built
+on the sample's first quarter (an engine's first run is much slower than its next: kernels built
 for new shapes). Every run starts with the prefix cache empty: the same prompts run again would
-otherwise hit blocks the previous run left (a 50x TTFT "gain" that a user's first requests never see).
+otherwise hit blocks the previous run left (a TTFT "gain" that a user's first requests never see).
 
 Per repeat, a variant's gain over the current run of the same repeat: output tokens/s (variant /
 current), TTFT p50 and TPOT p50 (current / variant: speculation is for the time between tokens, which at

@@ -4,7 +4,7 @@ The kernels are compiled for the CPU at hand (`-march=native`, OpenMP through to
 into a cache folder keyed by everything the binary depends on: the CPU's instruction-set flags, the
 compiler, torch's version, the flags and the sources. A build made on a CPU with other instructions
 (AVX-512 on one machine, AVX2 only on the next) is never loaded; that CPU gets its own build, once
-(about 10 s on 2 cores). The ops register under `torch.ops.tokenmill_cpu`.
+(a compile on first use; later starts load it from the cache). The ops register under `torch.ops.tokenmill_cpu`.
 
 If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why once
 per call and returns None; callers then run the torch reference ops. The cache lives in

@@ -7,13 +7,13 @@ the tokens that may come next, EOS included once the structure is complete and o
 go no further. JSON comes out compact (no free whitespace between tokens): a weak model cannot pad
 forever with spaces and newlines.
 
-One compiler per process and tokenizer (its `LLTokenizer`, built on first use, takes ~0.3 s for a 50k
-vocabulary); specs compile once each (an LRU of template matchers, copied per request: a copy is
+One compiler per process and tokenizer (its `LLTokenizer`, built on first use, costs time in proportion to
+the vocabulary); specs compile once each (an LRU of template matchers, copied per request: a copy is
 microseconds, a compile milliseconds to seconds). A bad spec is a ValueError naming the field.
 Counters: compiles started and finished, their seconds, and cache hits.
 
 A compile is bounded: it runs on one of the compiler's own threads (two), and a caller waits at most
-`compile_timeout` seconds for it. A schema that takes longer (a 10,000-property object does) is
+`compile_timeout` seconds for it. A schema that takes longer (a very large one, e.g. of 10,000 properties, can) is
 refused, and remembered as refused by its text, so sending it again costs nothing; the compile that
 was cut off finishes on its thread and is dropped. Two callers asking for the same spec at once
 share one compile. The caller's thread waits, so the server calls in from a worker thread, never

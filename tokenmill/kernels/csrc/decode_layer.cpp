@@ -4,8 +4,8 @@
 // the second norm, gate/up, SiLU-and-mul, down), chained here in the same order on the same kernels
 // (dense, int8, W8A8 or int4 projections, as each layer's method would run them), so the result is the
 // same to the bit. What it saves is Python: ~20 torch calls and ~10 module calls
-// a layer, then the call a layer itself (1.11-1.29x on the step at 1-16 sequences on the 2-core AVX2
-// machine: benchmarks/fused_decode.py). Each projection takes the kernel the caller's plan says (`kinds`).
+// a layer, then the call a layer itself (most at small batches, where that Python is a large share of
+// the step: benchmarks/fused_decode.py). Each projection takes the kernel the caller's plan says (`kinds`).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -116,8 +116,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // wsums: qkv, o, gate_up, down of each layer; caches: K and V of each layer; cache_scales: their
 // scales, for an int8 cache). `kinds` and `groups`: each
 // projection's kernel and group size, the same in every layer. Returns as decode_layer does after the
-// last layer. What it saves over a call a layer is the Python between them (~60-90 us a layer on the
-// 2-core machines: module attribute lookups and the boxing of ~30 arguments).
+// last layer. What it saves over a call a layer is the Python between them (module attribute lookups
+// and the boxing of ~30 arguments, a layer).
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::Tensor x, at::TensorList norms, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
     const c10::List<c10::optional<at::Tensor>>& scales, const c10::List<c10::optional<at::Tensor>>& wsums,

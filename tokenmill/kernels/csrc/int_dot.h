@@ -19,15 +19,15 @@ namespace tm_int {
 // x rows are held as int16 with one float scale a row (x[m, k] ~ x16[m, k] * xs[m], |x16| <= 32767:
 // an error under 2^-16 of the row's largest value, far under the weights' own 8- or 4-bit rounding),
 // so products are integer pairs (vpdpwssd: 32 multiply-adds an instruction) where widening int8
-// weights to float32 took three instructions per 16 (the peer model's int8 products at one row on the
-// AMX machine: 1.24 ms that way, 1.12 this way). Sums are exact in int32 over chunks of at most CHUNK
+// weights to float32 took three instructions per 16 (measured faster this way on the peer model's int8
+// products at one row). Sums are exact in int32 over chunks of at most CHUNK
 // k (|sum| <= 256 * 127 * 32767 < 2^31), then scaled into float32.
 constexpr int64_t CHUNK = 256;
 #ifndef TM_I8_HINT
 #define TM_I8_HINT _MM_HINT_T1
 #endif
 #ifndef TM_I8_PREFETCH
-#define TM_I8_PREFETCH 12288  // bytes of weights ahead (L2): 8-16 KB measured alike, 2-4 KB 20-40% slower
+#define TM_I8_PREFETCH 12288  // bytes of weights ahead (L2): 8-16 KB measured alike, 2-4 KB slower
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

@@ -29,8 +29,8 @@ namespace {
 
 constexpr int R = 4;   // weight rows per group
 // x rows per pass over a group. AVX-512: 4 x 6 accumulators + 6 x vectors + 1 weight vector fill the
-// 32 registers; at 16-64 rows 8-12% faster than 4 x 4 (fewer loads per FMA). AVX2 has 16 registers:
-// 4 x 3 + 3 + 1; on the Zen 3 machine 4 x 2 was 5-20% slower at 16-256 rows.
+// 32 registers; faster than 4 x 4 at 16-64 rows (fewer loads per FMA). AVX2 has 16 registers:
+// 4 x 3 + 3 + 1; 4 x 2 measured slower at 16-256 rows (benchmarks/linear_variants.py).
 #ifndef TM_MB
 #if defined(__AVX512F__)
 #define TM_MB 6
@@ -40,9 +40,9 @@ constexpr int R = 4;   // weight rows per group
 #endif
 constexpr int MB = TM_MB;
 // weights are prefetched this many row groups ahead, with this hint: into L2 (T1), two groups ahead.
-// On the AMX machine, the peer model's float32 weights on 2 MB pages, every product of a step
-// interleaved: 4 / 8 rows 4.32-4.65 / 5.37-5.67 ms against 4.72-5.06 / 5.96-6.24 into L1 (T0) one
-// group ahead; 1 and 16 rows and bfloat16 alike (earlier, on 4 KB pages, 0-8 groups into L1 alike).
+// Measured against L1 (T0) one group ahead, float32 weights on 2 MB pages, every product of a step
+// interleaved: faster at 4 and 8 rows, alike at 1 and 16 rows and in bfloat16 (on 4 KB pages, 0-8
+// groups into L1 were all alike).
 // Both macros exist only for side-by-side builds (benchmarks/linear_variants.py).
 #ifndef TM_PREFETCH_GROUPS
 #define TM_PREFETCH_GROUPS 2
@@ -98,7 +98,7 @@ struct Lanes {
 
 #if defined(__AVX512F__)
 // The 16 lane sums of in[0..15] as one vector (in order), by a shuffle tree: ~3 instructions a sum
-// where one reduction each takes ~8 (at 16-64 float32 rows 4-9% faster).
+// where one reduction each takes ~8 (measured faster at 16-64 float32 rows).
 inline __m512 sum16(const __m512* in) {
   __m512 v[8], w[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) of a = in[2i], b = in[2i+1]
@@ -215,9 +215,9 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
 // reused from. A thread's weight rows go NB at a time (the block stays in L2: NB x KC weights); for
 // each K slice of KC, x goes MC rows at a time (a slice of them stays in L1), and each group of R
 // weight rows of the block meets those x rows MB at a time in registers. The float32 partial sums of
-// the block live in `acc` [M, NB] until the last K slice. Against the unblocked loops, on the AVX2
-// machine: alike at 16-64 rows, 8% faster at 256 (the tile's own loop, not the caches, holds it at
-// about half the FMA peak there); not yet timed on an AVX-512 machine.
+// the block live in `acc` [M, NB] until the last K slice. Against the unblocked loops, on AVX2:
+// alike at 16-64 rows, faster at 256 (the tile's own loop, not the caches, holds it well under the
+// FMA peak there); not yet timed on AVX-512.
 #ifndef TM_KC
 #define TM_KC 512  // the block sizes are macros only for side-by-side builds (benchmarks/linear_variants.py)
 #endif
@@ -295,13 +295,11 @@ void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, in
 
 // Few x rows (M <= seq_rows): one weight row at a time against all of them, so each thread reads its
 // weights as one sequential stream. Four interleaved row streams (the 4-row tile) defeat the hardware
-// prefetcher on short rows: on a 2-core AVX-512 machine the peer model's bfloat16 weights at 1 / 4 / 8
-// rows read 17 / 15 / 17 GB/s that way, 25 / 17 / 22 this way, float32 at 4 and 8 rows alike; on a
-// 2-core AVX2 machine (Zen 3) float32 at 2 / 4 / 8 rows 18 / 16 / 13 GB/s that way, 20 / 16 / 15 this
-// way (benchmarks/linear_variants.py, results/linear_variants*.json). Up to 4 x rows, two weight rows go
-// together (two streams: twice the independent sums and half the x loads a weight vector): on the AMX
-// machine float32 decode steps at 1 / 4 sequences took 4.65-4.94 / 7.06-7.36 ms against 5.0-5.44 /
-// 7.39-7.65 one row at a time (two processes each way, alternated); bfloat16 alike; 8 rows lose.
+// prefetcher on short rows: one stream reads the weights faster or as fast at 1-8 rows, on AVX-512
+// and on AVX2 (benchmarks/linear_variants.py, results/linear_variants*.json). Up to 4 x rows, two
+// weight rows go together (two streams: twice the independent sums and half the x loads a weight
+// vector): float32 decode steps at 1 and 4 sequences measured faster than one row at a time (two
+// processes each way, alternated); bfloat16 alike; at 8 rows two streams lose.
 #ifndef TM_SEQ_ROWS
 #define TM_SEQ_ROWS 8  // another value only for side-by-side builds (benchmarks/linear_variants.py)
 #endif

@@ -23,11 +23,11 @@
 
 namespace tm_amx {
 
-// x rows this path takes. On the AMX machine, the peer model's weights (linear_variants.py, one run,
-// results/linear_variants_amx_bf16.json) at 2 / 4 / 8 / 16 / 32 / 64 rows: vdpbf16ps dot products
-// 1.60 / 1.91 / 3.56 / 6.54 / 12.9 / 25.7 ms, torch's GEMM (oneDNN, AMX) 3.74 / 3.81 / 4.20 / 4.35 /
-// 5.81 / 7.26, this 2.10 / 2.12 / 2.50 / 2.38 / 4.24 / 7.93: below 8 rows the transposes cost more than
-// the dot products they save; past 32 the weights are transposed again for every 16 rows.
+// x rows this path takes, from the peer model's weights timed against vdpbf16ps dot products and
+// torch's GEMM (oneDNN, AMX) at 2-64 rows (benchmarks/linear_variants.py,
+// results/linear_variants_amx_bf16.json): fastest of the three from 8 to 32 rows; below 8 the transposes
+// cost more than the dot products they save; past 32 the weights are transposed again for every 16 rows,
+// and torch's GEMM overtakes it.
 constexpr int64_t MIN_ROWS = 8, MAX_ROWS = 32;
 constexpr int64_t NB = 32;                      // output rows per block: two tiles of 16
 

@@ -7,15 +7,14 @@
 // each k, one weight of each row is broadcast against the panel's two vectors, 12 FMAs per 2 vector
 // loads and 6 broadcasts. bfloat16 weights are first widened to float32, a tile's 6 rows at a time,
 // once for all the panels (broadcast from their own 16 bits, each took a load, a shuffle and a
-// shift: at 16 / 32 / 64 / 256 rows 21.4 / 37.3 / 75.9 / 363 -> 18.5 / 31.0 / 56.6 / 208 ms in one
-// run, results/linear_variants_avx2_bf16_widen.json, on a slower day than the figures below). A last
+// shift, for every panel: slower, the more so the more rows; results/linear_variants_avx2_bf16_widen.json). A last
 // panel of at most 8 real rows runs the one-vector tile (6 accumulators). The weights stay in their
 // checkpoint layout: each of a tile's rows is a sequential stream of scalars. The accumulators are
 // named variables, not an array (GCC kept an array of them on the stack, stored on every step), and
 // the k loop is not unrolled (unrolled, GCC's register allocation chained FMAs through temporaries).
-// On a 2-core Zen 3 machine, the peer model's weights at 16 / 32 / 256 rows, dot-product tiles -> this:
-// float32 14.7 / 25.0 / 176 -> 11.2 / 17.5 / 126 ms (torch's GEMM 146 at 256), bfloat16 15.5 / 30.4 /
-// 228 -> 11.2 / 19.9 / 147 ms (benchmarks/linear_variants.py, results/linear_variants_avx2.json).
+// On AVX2, the peer model's weights at 16-256 rows, float32 and bfloat16: faster than the dot-product
+// tiles and, at 256 rows, than torch's GEMM (benchmarks/linear_variants.py,
+// results/linear_variants_avx2.json).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -199,11 +198,10 @@ int64_t linear(const float* x, int64_t x_row, int64_t M, const T* w, int64_t N, 
 
 // AVX-512, float32 weights, 16 rows and more: the same outer products with 16 float32 lanes. A panel
 // is 32 x rows (two vectors), a tile 12 weight rows: 24 accumulators, each weight broadcast by the
-// FMA's own memory operand. On the AMX machine (Intel Xeon, 2 cores), the peer model's weights at
-// 9 / 16 / 24 / 32 / 64 / 256 rows, dot-product tiles -> this: 5.9 / 9.4 / 14.0 / 18.0 / 35.9 / 138
-// -> 7.7 / 7.2 / 10.1 / 10.3 / 18.6 / 77 ms, torch's GEMM 10.0 / 11.1 / 12.8 / 13.7 / 21.6 / 63.6
-// (one run, results/linear_variants_amx_tiles512.json): from 16 rows on, ahead of both up to 64 (at 9
-// rows a panel of 32 is mostly zeros: the dot-product tiles stay there).
+// FMA's own memory operand. The peer model's weights at 9-256 rows against the dot-product tiles and
+// torch's GEMM (results/linear_variants_amx_tiles512.json): from 16 rows on, faster than the
+// dot-product tiles, and ahead of both up to 64 rows (at 9 rows a panel of 32 is mostly zeros: the
+// dot-product tiles stay there).
 #if defined(__AVX512F__) && !defined(TM_NO_BROADCAST)
 #define TM_BROADCAST_TILES_512 1
 

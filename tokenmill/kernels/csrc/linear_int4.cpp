@@ -11,8 +11,8 @@
 // vector (16 rows' scales for the run's group, one load) turns them into float. Nothing is reduced
 // across lanes and a tile's 16 outputs are one vector. The row-major layout before it (a row's 128 k a
 // load, each run's scale moved to its lanes by a permute, 16 rows' partial sums reduced at the end)
-// needed 2.5 vector instructions a row and run against 1.5 here, and was arithmetic-bound: ~15 ns a
-// 512-k row on one core of the AMX machine whether its weights came from L2 or memory.
+// needed 2.5 vector instructions a row and run against 1.5 here, and was arithmetic-bound: a row took
+// as long whether its weights came from L2 or memory.
 //
 // x rows are quantized to int8 in runs of 32 k, one float scale a run (llama.cpp's Q8_0 activations);
 // the mins' share, min * sum(x over the run), takes the runs' float sums of x, made once per call.
@@ -58,7 +58,7 @@ void quantize_runs(const T* x, int64_t x_row, int64_t M, int64_t K, float unit, 
       to_float(x + m * x_row + r * RUN, v, RUN);
       int8_t* q = xq + m * K + r * RUN;
 #if defined(__AVX512F__)
-      // (vectorized: at one row the scalar loop cost a tenth of the product of a 512 x 512 layer)
+      // (vectorized: at one row the scalar loop cost a sizeable share of the layer's product)
       const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);  // rounded to nearest even
