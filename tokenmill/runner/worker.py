@@ -23,7 +23,7 @@ from tokenmill.layers.attention import KVCache, allocate_kv_cache
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput
-from tokenmill.runner.cpu_memory import keep_freed_memory
+from tokenmill.runner.cpu_memory import HeapTrimmer, keep_freed_memory
 from tokenmill.runner.cpu_threads import physical_cores
 from tokenmill.runner.cuda_graphs import DecodeGraphs, PaddedMetadata, graph_batch_sizes
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
@@ -52,6 +52,7 @@ def set_up_device(config: EngineConfig) -> torch.device:
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.device = set_up_device(config)
+        self.heap = HeapTrimmer() if self.device.type == "cpu" else None  # (see runner/cpu_memory.py)
         built = build_model(config, self.device)
         model = built.model
         self.backend, self.dtype, self.model_config = built.backend, built.dtype, model.config
@@ -151,6 +152,8 @@ class Worker:
         return graphs
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
+        if self.heap is not None:
+            self.heap.tick()
         return self.runner.execute(scheduled)
 
     def _caches(self, num_blocks: int, cfg: ModelConfig | None = None) -> list[KVCache]:
