@@ -24,7 +24,7 @@ import torch
 from common import RESULTS
 from structured import SCHEMA
 
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = '{"people":[{"name":"Al'  # the matchers' state when their mask is timed

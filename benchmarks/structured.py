@@ -22,10 +22,10 @@ from pathlib import Path
 
 from common import RESULTS
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 64

@@ -28,6 +28,7 @@ RANK: dict[str, int] = {
     "config": 2,
     "model_files": 2,
     "sched": 3,
+    "text": 3,
     "quant": 3,
     "layers": 4,
     "models": 5,
@@ -54,7 +55,6 @@ ENGINE_CLIENT = {
     "tokenmill.engine",
     "tokenmill.engine.async_engine",
     "tokenmill.engine.request_stream",
-    "tokenmill.engine.tokenizer",
     "tokenmill.engine.metrics",
 }
 

@@ -18,8 +18,6 @@ ALLOWED = {
         ("tokenmill.config", "tokenmill.spec_decode.config", "rank"),
         ("tokenmill.engine.async_engine", "tokenmill.distributed.router", "rank"),
         ("tokenmill.engine.core", "tokenmill.distributed.kv_transfer", "rank"),
-        ("tokenmill.engine.engine", "tokenmill.models.config", "forbidden"),
-        ("tokenmill.structured.grammar", "tokenmill.engine.tokenizer", "rank"),
     ]
 }
 

@@ -289,7 +289,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _prefix_report(args: argparse.Namespace) -> int:
     from tokenmill.doctor.prefix_report import analyse, read_trace
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     prompts = read_trace(Path(args.trace), tokenizer)

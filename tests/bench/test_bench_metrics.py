@@ -15,7 +15,7 @@ from tokenmill.bench.metrics import distribution, gain, meets_slos, parse_slos, 
 from tokenmill.bench.records import BenchResult, RequestRecord, Run
 from tokenmill.bench.workloads import BUILT_IN, WorkloadSpec, build_workload, parse_range, send_times
 from tokenmill.config import EngineConfig
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.text.tokenizer import Tokenizer
 
 
 def rec(

@@ -25,8 +25,8 @@ from tokenmill.bench.workloads import WorkloadSpec, build_workload, send_times
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.server.launch import bind
+from tokenmill.text.tokenizer import Tokenizer
 
 KV = 128 * 24576  # 128 blocks of the tiny llama, float32
 STEP_S = 2**-6  # fake seconds per engine step: a binary fraction, so sums of steps are exact

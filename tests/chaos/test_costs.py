@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from tests.server_harness import start_server
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured.grammar import GrammarCompiler
+from tokenmill.text.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo"
 

@@ -336,10 +336,10 @@ def test_openapi_states_the_caps(openapi):
 
 
 def test_the_hooks_formats_are_the_schemas_and_every_value_compiles():
-    from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.engine_args import DEMO_MODEL
     from tokenmill.sampling_params import StructuredOutputsParams
     from tokenmill.structured.grammar import GrammarCompiler
+    from tokenmill.text.tokenizer import Tokenizer
 
     hooks = load_hooks()
     assert set(hooks.FORMATS) == {JSON_SCHEMA_TEXT, REGEX, GRAMMAR}

@@ -18,10 +18,10 @@ from tokenmill.engine.core_client import LocalCoreClient
 from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.llm import LLM
 from tokenmill.outputs import OutputKind
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.text.tokenizer import Tokenizer
 
 BLOCK_BYTES = 24576  # one 16-token block of the tiny llama, float32
 

@@ -11,7 +11,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.cli import main
 from tokenmill.doctor.prefix_report import TraceRequest, analyse, common_prefix, read_trace
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.text.tokenizer import Tokenizer
 
 SYSTEM = "You are a careful assistant. Answer in one short paragraph, cite sources, and never guess. " * 3
 BLOCK_BYTES = 24576  # one 16-token KV block of the tiny llama, float32

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.engine.detokenizer import CONTEXT_TOKENS, MAX_PENDING_TOKENS, DetokenizerUpdate, IncrementalDetokenizer
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.text.tokenizer import Tokenizer
 from tokenmill.tools.make_model import make_model
 
 TEXTS = [

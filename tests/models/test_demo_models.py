@@ -14,9 +14,9 @@ from safetensors import safe_open
 from tests.helpers import PagedRunner, assert_logits_close
 from tokenmill import LLM, SamplingParams
 from tokenmill.cli import build_parser, engine_config, main
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.engine_args import DEMO_MODEL
 from tokenmill.models.loader import load_model
+from tokenmill.text.tokenizer import Tokenizer
 
 TARGET, DRAFT = DEMO_MODEL, DEMO_MODEL.parent / "tokenmill-demo-draft"
 PYTHON = re.compile(r"\b(return|if|for|while|else|def|in|is|not|None|self)\b|[=(:]")

@@ -15,11 +15,11 @@ import torch
 from tests.gguf_files import reference_model, write_gguf
 from tests.helpers import PagedRunner, assert_logits_close
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.engine_args import DEMO_MODEL
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint, permute_rotary_rows, unpermute_rotary_rows
 from tokenmill.models.loader import load_model
+from tokenmill.text.tokenizer import Tokenizer
 from tokenmill.tools.gguf_convert import convert_gguf
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")

@@ -26,8 +26,8 @@ import torch
 
 from tests.helpers import PagedRunner, assert_logits_close
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.models.loader import load_model
+from tokenmill.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

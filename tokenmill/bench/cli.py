@@ -305,7 +305,7 @@ def _log(run: Run, progress: bool) -> None:
 def _tokenizer(folder: str | None) -> Any:
     if folder is None:
         return None
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.text.tokenizer import Tokenizer
 
     return Tokenizer(folder)
 

@@ -53,9 +53,9 @@ class HFBaseline:
     def __init__(self, model_dir: str | Path, dtype: str, batch_size: int) -> None:
         import transformers
 
-        from tokenmill.engine.tokenizer import Tokenizer
         from tokenmill.models.config import load_config
         from tokenmill.models.loader import resolve_dtype
+        from tokenmill.text.tokenizer import Tokenizer
 
         config = load_config(Path(model_dir))
         self.dtype = resolve_dtype(dtype, config)

@@ -20,7 +20,7 @@ from tokenmill.engine.core_client import CoreClient, LocalCoreClient, Restart, r
 from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.text.tokenizer import Tokenizer
 
 
 def local_cores(config: EngineConfig) -> tuple[list[CoreClient], Restart]:

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError
+from tokenmill.text.tokenizer import Tokenizer
 
 CONTEXT_TOKENS = 4  # emitted tokens decoded again as the window's context
 MAX_PENDING_TOKENS = 8  # pending tokens before the window is shrunk (see _reanchor)

@@ -9,13 +9,14 @@ generate` and `tokenmill bench offline` drive it; the server drives the same two
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output_processor import EngineLimits, OutputProcessor
-from tokenmill.engine.tokenizer import Tokenizer
-from tokenmill.models.config import ModelConfig
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput, StepStats
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.text.tokenizer import Tokenizer
 
 
 def engine_limits(core: EngineCore) -> EngineLimits:
@@ -41,7 +42,9 @@ class LLMEngine:
             grammar.use_compiler(self.processor.grammar)
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> Any:
+        """The model's description as the runner loaded it (a `tokenmill.models.config.ModelConfig`:
+        the engine reads only its vocabulary size and holds it for its callers)."""
         return self.core.model_config
 
     @property

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.engine.request_checks import CheckedRequest, EngineLimits, RequestChecker
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError, RequestFailed, describe
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams, generator_seed
 from tokenmill.structured.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
+from tokenmill.text.tokenizer import Tokenizer
 
 __all__ = ["CheckedRequest", "EngineLimits", "OutputProcessor", "ProcessedOutputs"]
 

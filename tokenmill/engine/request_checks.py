@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ContextTooLong, EmptyPrompt, ParamError, TokenOutsideVocabulary
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
+from tokenmill.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.eval.stdlib_text import read, split
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.kernels.cpu_build import load_cpu_kernels
@@ -34,6 +33,7 @@ from tokenmill.quant.int_methods import get_head_method, get_quant_method
 from tokenmill.quant.quantize import QuantSpec
 from tokenmill.runner.kv_cache import kv_bytes_per_block
 from tokenmill.runner.model_builder import prepare_native
+from tokenmill.text.tokenizer import Tokenizer
 
 BLOCK = 16
 

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 from tokenmill.engine import CheckedRequest
 from tokenmill.engine.async_engine import AsyncEngine, EngineUnavailable
 from tokenmill.engine.request_stream import RequestStream
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError, RequestFailed
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -52,6 +51,7 @@ from tokenmill.server.responses import (
 from tokenmill.server.tenancy import cache_salt
 from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
 from tokenmill.server.validation import ignored_fields_warning, param_of, refusal
+from tokenmill.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill")
 T = TypeVar("T")

@@ -13,10 +13,10 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.server.chat_protocol import ChatMessageParam, conversation
 from tokenmill.server.protocol import TokenId, _Strict
 from tokenmill.server.validation import RequestError, custom_error
+from tokenmill.text.tokenizer import Tokenizer
 
 
 class TokenizeRequest(_Strict):

@@ -30,9 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.errors import ParamError
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.text.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # compiled specs kept (and refused ones remembered), least recently used dropped first
 COMPILE_TIMEOUT_S = 5.0

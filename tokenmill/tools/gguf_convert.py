@@ -17,9 +17,9 @@ from typing import cast
 import torch
 from safetensors.torch import save_file
 
-from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.loader import resolve_dtype
+from tokenmill.text.gguf_tokenizer import load_gguf_tokenizer
 from tokenmill.tools.folder_write import write_folder
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}

@@ -44,11 +44,11 @@ def prune_2_4(weight: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 def input_norms(model_dir: Path, windows: int, length: int) -> dict[tuple[int, str], torch.Tensor]:
     """(layer, projection kind) -> [K] L2 norm of each input feature over calibration text (wanda's)."""
-    from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.eval.quant_eval import text_windows
     from tokenmill.layers.attention import allocate_kv_cache
     from tokenmill.layers.backends.torch_ref import TorchReferenceBackend
     from tokenmill.models.loader import load_model
+    from tokenmill.text.tokenizer import Tokenizer
 
     model = load_model(model_dir, dtype="float32")
     sums: dict[tuple[int, str], torch.Tensor] = {}

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.gguf_tokenizer import load_gguf_tokenizer
 from tokenmill.errors import ParamError
 from tokenmill.model_files import is_gguf
+from tokenmill.text.gguf_tokenizer import load_gguf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
