@@ -59,7 +59,7 @@ async def load(
     shorts: list[list[float]] = []
     longs: list[list[float]] = []
     done = asyncio.Event()
-    limits = httpx.RequestCaps(max_connections=16)
+    limits = httpx.Limits(max_connections=16)
     async with httpx.AsyncClient(timeout=600, limits=limits, transport=httpx.AsyncHTTPTransport(retries=0)) as client:
 
         async def short_loop() -> None:

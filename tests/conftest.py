@@ -3,11 +3,18 @@ and transformers' logits on them as the reference."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported (its standard library's @jit helpers are made
+# then), and torch.compile imports it: without CUDA, set it before any test can, so the Triton backend's
+# tests run under the interpreter whatever ran before them
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tokenmill.tools.make_model import ARCHS, make_model
 

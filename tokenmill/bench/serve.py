@@ -233,7 +233,7 @@ async def run_serve_async(
     finished = [asyncio.Event() for _ in reqs]
     records = [RequestRecord(index=i, ok=False) for i in range(len(reqs))]
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.RequestCaps(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     timeout = httpx.Timeout(target.timeout_s, connect=min(target.timeout_s, 30.0))
     transport = httpx.AsyncHTTPTransport(retries=0, limits=limits)
     bar = tqdm(total=len(reqs), desc=label, unit="req", disable=not progress, leave=False)
