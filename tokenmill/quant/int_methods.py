@@ -20,19 +20,18 @@ a shape missing from the plan takes `default_kernel`):
   the activations rounded to int8 in runs of 32, as llama.cpp's Q8_0 activations), `amx` (as int8's,
   each group dequantized to bfloat16 as it is read) or `dequant`; where the native kernels do not build,
   torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
-  activations: float32 ones are rounded to bfloat16 for it, as its float32 path runs 25x slower:
-  30.8 against 1.15 ms for the peer model's products at one row on the AMX machine) or `dequant`.
-torchao 0.18 (the release for torch 2.13) was measured first (benchmarks/torchao_probe.py, on the peer
-model's layers, bfloat16, 1 / 4 / 32 rows): its Int8WeightOnlyConfig took 9.8 / 9.2 / 9.8 ms,
-Int8DynamicActivationInt8WeightConfig 7.4 / 8.1 / 14.8, against 4.1 / 3.9 / 4.5 for the dense bfloat16
-layers they replace; Int4WeightOnlyConfig has no CPU packing format there (plain and preshuffled need
-mslk, plain_int32 refuses the CPU, tile_packed_to_4d needs CUDA). So the ops are called directly.
+  activations: float32 ones are rounded to bfloat16 for it, as its float32 path is many times slower)
+  or `dequant`.
+torchao 0.18 (the release for torch 2.13) was measured first (benchmarks/torchao_probe.py): its int8
+configs ran slower than the dense bfloat16 layers they replace, and its int4 config has no CPU packing
+format there (plain and preshuffled need mslk, plain_int32 refuses the CPU, tile_packed_to_4d needs
+CUDA). So the ops are called directly. Choosing among the kernels by timing is quant/tuning.py's.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, cast
@@ -41,9 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import CpuKernels
-from tokenmill.quant.cpu_dense import each_shape, tune_row_classes
 from tokenmill.quant.method import (
     FusedKind,
     Layer,
@@ -401,47 +398,3 @@ def get_head_method(spec: QuantSpec, kernels: CpuKernels | None) -> QuantizedLin
     if spec.head != "int8":
         raise ValueError(f"quantization_head: expected one of same, int8, got {spec.head!r}")
     return Int8LinearMethod(QuantSpec("int8"), kernels)
-
-
-def weights_by_shape(layers: Iterable[Layer]) -> dict[Shape, list[object]]:
-    """The quantized weights of `layers`, grouped by (out, in), in order."""
-    shapes: dict[Shape, list[object]] = {}
-    for layer in layers:
-        shapes.setdefault((layer.output_size, layer.input_size), []).append(layer.quantized)  # type: ignore[attr-defined]
-    return shapes
-
-
-def _over(kernel: Kernel, inputs: list[torch.Tensor], weights: Sequence[object]) -> Callable[[], None]:
-    def run() -> None:
-        for x in inputs:
-            for w in weights:
-                kernel(w, x, None)
-
-    return run
-
-
-def tune_quantized(
-    method: QuantizedLinearMethod,
-    shapes: dict[Shape, list[object]],
-    max_rows: dict[Shape, int],
-    dtype: torch.dtype,
-    tuner: Autotuner,
-) -> dict[str, str]:
-    """Fill `method.plan` from timings of each of its kernels for `dtype` activations on the weights of
-    each shape, class by class (`tune_row_classes`, as the dense plan). Returns a summary for the log."""
-    kernels = method.kernels(dtype)
-
-    def choose(shape: Shape, timed: Sequence[object], low: int, high: int, ends: list[int]) -> str:
-        inputs = [torch.randn(m, shape[1]).to(dtype) for m in ends]
-        group = getattr(timed[0], "group", shape[1])
-        what = (
-            f"{method.name} g{group} {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} "
-            f"rows {low}-{high} at {ends} x{len(timed)}"
-        )
-        allowed = {name: k for name, k in kernels.items() if high <= method.row_limits.get(name, high)}
-        candidates = {name: _over(k, inputs, timed) for name, k in (allowed or kernels).items()}
-        return tuner.choose("quant_linear", what, candidates).name
-
-    plans, summary = tune_row_classes(shapes, max_rows, each_shape(choose))
-    method.plan.update(plans)
-    return summary

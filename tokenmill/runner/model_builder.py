@@ -32,7 +32,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import gguf_layer_types, load_model, read_model_config, resolve_dtype
 from tokenmill.quant.config import QuantConfig, QuantSettings, build_quant_config
 from tokenmill.quant.cpu_dense import CpuLinearMethod, dense_weight_shapes, tune_linear
-from tokenmill.quant.int_methods import tune_quantized, weights_by_shape
+from tokenmill.quant.tuning import tune_quantized, weights_by_shape
 from tokenmill.runner import huge_pages
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 
