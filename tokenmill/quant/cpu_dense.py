@@ -159,9 +159,8 @@ def tune_linear(
     Decode classes are timed inside a step: every weight of every shape in layer order, as a decode
     step streams them, one shape at a time on each kernel while the others keep the kernels chosen so
     far (native to begin with). Timed apart, a shape's 8 weights back to back on one kernel misjudge
-    the step: on the AMX machine they put float32's three smaller projections on torch's GEMM at one
-    and 16 rows, whose decode steps then took 5.66 and 15.0 ms against 5.1 and 12.9 ms on the native
-    kernel (informal timers in `LLM.generate`). Prompt chunks (arithmetic, not weight reads) are
+    the step (the weights then sit in cache as they never do within a step, and the smaller projections
+    were seen to land on the slower kernel). Prompt chunks (arithmetic, not weight reads) are
     timed shape by shape."""
     kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
         "cpu": method.native_product,
