@@ -4,7 +4,8 @@ One loop drives one `EngineCore` on the thread that built it (see engine_thread)
 queued commands (requests, aborts, stops, shutdown), steps while there is work, and hands the steps'
 `EngineCoreOutputs` to `deliver`. Steps that only non-streamed requests await are handed together,
 at least every `OUTPUT_INTERVAL_S`, instead of one hand-over per step: each wakes the consumer,
-which on a small machine takes a core from the step's thread team. A finished, failed, streamed or stop-string request (`every_step`) is handed at once.
+which on a small machine takes a core from the step's thread team. A finished, failed, streamed
+or stop-string request (`every_step`) is handed at once.
 Commands that leave the core idle (aborts of everything it held) run no step, so the loop then hands
 over the stats alone: the front end's admission count and /metrics never wait on a step to come.
 
