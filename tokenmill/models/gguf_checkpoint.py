@@ -8,7 +8,7 @@ supported tensor type to float32 with `gguf.quants.dequantize` (or handing the Q
 matrices the model keeps quantized over as they are: gguf_blocks.py), and undoing the row permutation
 llama.cpp's converter applies to a llama model's Q and K projections (it stores each head's rotary
 pairs interleaved, `[x0, y0, x1, y1, ...]`, where the Hugging Face layout has `[x0, x1, ..., y0, y1, ...]`).
-The tokenizer the file describes is built by `engine/tokenizer.py`.
+The tokenizer the file describes is built by `text/tokenizer.py`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model's tokenizer and chat template, behind a small typed interface.
 
 Owns `Tokenizer` (a local-only `transformers.AutoTokenizer` of a model folder, or the one a GGUF
-file describes, `engine/gguf_tokenizer.py`: never downloads, never runs code from the folder) and
+file describes, `text/gguf_tokenizer.py`: never downloads, never runs code from the folder) and
 `TokenizerInfo`, the plain facts the engine needs about it: the ids that end generation (from
 `generation_config.json` when it lists them, as Llama 3 and Qwen checkpoints do), BOS, the
 vocabulary size, the special ids and whether a chat template exists. Every decode goes through

@@ -3,7 +3,7 @@
 Owns writing the folder: `model.safetensors` (every tensor dequantized, in the Hugging Face layout,
 in the chosen dtype; a tied LM head is not written twice), `config.json` (the metadata's config, with
 `model_type` and `dtype`), the tokenizer as the GGUF describes it (`tokenizer.json`,
-`tokenizer_config.json` with the chat template; engine/gguf_tokenizer.py) and
+`tokenizer_config.json` with the chat template; text/gguf_tokenizer.py) and
 `generation_config.json` (BOS and the ids that end generation). The folder is written beside its
 destination and renamed into place, so an interrupted conversion leaves no half-written model.
 """
