@@ -85,8 +85,10 @@ bench-quant: $(STAMP)
 
 # tokenmill against llama.cpp, vLLM's CPU build and transformers: needs the peers built first,
 # PEERS_DIR=DIR bash ../shared/peers/setup.sh (slow: it builds them), then make bench-peers PEERS_DIR=DIR
+# PEERS_MODEL=mid-llama: the 1.1B model and its GGUF files (setup.sh with WITH_MID=1)
+PEERS_MODEL ?= tiny-llama
 bench-peers: $(STAMP)
-	$(BIN)/python benchmarks/peers.py --peers-dir $(PEERS_DIR)
+	$(BIN)/python benchmarks/peers.py --peers-dir $(PEERS_DIR) --model $(PEERS_MODEL)
 
 clean:
 	rm -rf $(VENV) $(COMPAT) .pytest_cache .ruff_cache .mypy_cache
