@@ -2,7 +2,7 @@
 
 Owns the front end's side of serving. Only plain messages reach the cores (`engine.messages`, through
 `engine.core_client`): one core on a thread of this process by default, or N data-parallel replicas
-(`tokenmill.distributed`), each request routed to one (`distributed.router`: least loaded, or the replica
+(`tokenmill.distributed`), each request routed to one (`engine.router`: least loaded, or the replica
 holding the longest cached prefix of its prompt). Requests are tokenized, checked and fanned out on
 the event loop; the cores step while they have work and hand their outputs to the loop, where the
 output processor turns them into RequestOutputs for each request's asyncio queue — so the event loop
@@ -32,13 +32,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from tokenmill.distributed.router import ROUTING, Router, RouterConfig
 from tokenmill.engine.core_client import CoreClient, Restart
 from tokenmill.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, StopRequests
 from tokenmill.engine.metrics import EngineMetrics, sum_stats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request_checks import CheckedRequest
 from tokenmill.engine.request_stream import RequestStream
+from tokenmill.engine.router import ROUTING, Router, RouterConfig
 from tokenmill.errors import RequestFailed, describe
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams

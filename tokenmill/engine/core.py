@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.distributed.kv_transfer import TransferConnector
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.errors import ParamError, describe
@@ -29,7 +29,7 @@ from tokenmill.runner.worker import Worker
 from tokenmill.sched.kv_manager import KVManager
 from tokenmill.sched.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sched.static import StaticScheduler
-from tokenmill.spec_decode import SpeculativeConfig, make_proposer
+from tokenmill.spec_decode import make_proposer
 from tokenmill.spec_decode.speculation import Speculation
 
 logger = logging.getLogger("tokenmill")

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from tokenmill.layers.attention import KVCache, allocate_kv_cache
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
@@ -30,7 +30,6 @@ from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_builder import BuiltModel, build_draft, build_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.warm_up import GREEDY, WORST, WarmUpShape, warm_up
-from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.draft_model import DraftRunner
 from tokenmill.structured.grammar import GrammarCompiler
 
