@@ -19,8 +19,8 @@ from typing import Any
 
 from tokenmill.bench.cli import add_bench_parser
 from tokenmill.config import EngineConfig, check_settings, setting
-from tokenmill.distributed.router import ROUTING
 from tokenmill.doctor.cli import add_doctor_parser
+from tokenmill.engine.router import ROUTING
 from tokenmill.engine_args import (
     DEFAULT_MODEL,
     add_engine_args,

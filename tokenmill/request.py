@@ -60,6 +60,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+    send_kv: bool = False  # a prefill whose prompt's KV goes to another engine when it finishes by length
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     # chained hashes of the request's first full blocks, computed once each (kept across preemption and
     # failed admissions: the tokens and the salt do not change)

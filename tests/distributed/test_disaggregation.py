@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation without Ray: a prefill core and a decode core in this process behind
-the DisaggregatedEngine, the KV moved between them by the TransferConnector. Outputs equal one
+an AsyncEngine placed by `Disaggregation`, the KV moved between them by their TransferConnectors. Outputs equal one
 engine's; what moves and what does not; KV that does not arrive is recomputed; prefix caching works on
 both sides; no blocks leak on either. tests/distributed/test_ray_replicas.py runs it over Ray."""
 
@@ -11,11 +11,11 @@ import pytest
 
 from tests.helpers import assert_same_up_to_near_tie, top_logprobs
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.disaggregated import DisaggregatedEngine
+from tokenmill.distributed.disaggregated import Disaggregation, LocalTransferClient, disaggregated_engine
+from tokenmill.distributed.disaggregated import local_transfer_client as client
 from tokenmill.distributed.kv_transfer import TransferConnector
+from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.core_client import LocalCoreClient
-from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.llm import LLM
@@ -33,22 +33,22 @@ def config(tiny_model_dir) -> EngineConfig:
     )
 
 
-def client(config: EngineConfig) -> LocalCoreClient:
-    thread = EngineThread()
-    return LocalCoreClient(thread.run(lambda: EngineCore(config, TransferConnector(config.block_size))), thread)
-
-
-def make_engine(config: EngineConfig) -> DisaggregatedEngine:
+def make_engine(config: EngineConfig) -> AsyncEngine:
     prefill, decode = client(config), client(config)
     processor = OutputProcessor(Tokenizer(config.model), prefill.limits, seed=config.seed)
-    return DisaggregatedEngine([prefill], [decode], processor, EngineMetrics("tiny", num_replicas=2), log_interval=60)
+    return disaggregated_engine([prefill], [decode], processor, EngineMetrics("tiny", num_replicas=2), log_interval=60)
+
+
+def handoffs(engine: AsyncEngine) -> int:
+    assert isinstance(engine.placement, Disaggregation)
+    return engine.placement.handoffs
 
 
 async def run(engine, request_id, prompt, params, kind=OutputKind.FINAL_ONLY) -> list:
     return [o async for o in engine.generate(request_id, prompt, params, output_kind=kind)]
 
 
-def free(c: LocalCoreClient) -> bool:
+def free(c: LocalTransferClient) -> bool:
     s = c.core.stats()
     return s.kv_blocks_free == s.kv_blocks_total and s.running == s.waiting == 0
 
@@ -91,7 +91,7 @@ def test_moved_requests_give_one_engines_outputs_and_leak_nothing(config):
     assert [c.token_ids for c in got[5][-1].outputs] == [c.token_ids for c in want_pair.outputs]
     assert len(got[6][-1].outputs[0].token_ids) == 1 and got[6][-1].finished
     moved = 4 + 1 + 2  # "one" asked for one token: it ended on the prefill core
-    assert p_stats.kv_transfer_sent == d_stats.kv_transfer_received == moved == engine.handoffs
+    assert p_stats.kv_transfer_sent == d_stats.kv_transfer_received == moved == handoffs(engine)
     assert p_stats.kv_transfer_sent_bytes == d_stats.kv_transfer_received_bytes > 0
     assert d_stats.kv_transfer_recomputed == 0 and d_stats.prompt_tokens == 0  # the decode core ran no prompt
     assert free(prefill) and free(decode)
@@ -112,7 +112,7 @@ def test_kv_that_does_not_arrive_is_recomputed_and_prefixes_are_cached_on_both_s
         try:
             first = await run(engine, "a", prompt, params)
             again = await run(engine, "b", prompt, params)  # both sides hold the prompt's blocks now
-            monkeypatch.setattr(prefill.core.transfer, "take", lambda request_id: None)  # lost on the way
+            monkeypatch.setattr(prefill.transfer, "take", lambda request_id: None)  # lost on the way
             lost = await run(engine, "c", [*prompt[:20], 99], params)
             await asyncio.sleep(0.05)
             return first, again, lost, prefill.core.stats(), decode.core.stats()
@@ -130,9 +130,9 @@ def test_kv_that_does_not_arrive_is_recomputed_and_prefixes_are_cached_on_both_s
     assert d_stats.kv_transfer_received == 2 and d_stats.kv_transfer_recomputed == 1
     assert d_stats.prompt_tokens == 21 - 16  # only "c" ran prompt tokens on the decode core: past its hit
     assert free(prefill) and free(decode)
-    outbox = prefill.core.transfer._outbox  # "c"'s copy, never taken, goes after the time-to-live
+    outbox = prefill.transfer._outbox  # "c"'s copy, never taken, goes after the time-to-live
     assert len(outbox) == 1
-    prefill.core.transfer._expire(max(t for t, _ in outbox.values()) + kv_transfer.OUTBOX_TTL_S + 1)
+    prefill.transfer._expire(max(t for t, _ in outbox.values()) + kv_transfer.OUTBOX_TTL_S + 1)
     assert not outbox
 
 

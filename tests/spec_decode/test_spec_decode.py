@@ -14,7 +14,8 @@ import pytest
 
 from tests.engine.test_engine import assert_no_leaks, greedy, same_up_to_near_tie
 from tokenmill import LLM, SamplingParams
-from tokenmill.spec_decode import DraftRequest, NgramProposer, SpeculativeConfig
+from tokenmill.config import SpeculativeConfig
+from tokenmill.spec_decode import DraftRequest, NgramProposer
 from tokenmill.spec_decode.policy import Candidate, SpeculationPolicy, StepCurve
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.distributed.router import ROUTING
+from tokenmill.engine.router import ROUTING
 
 
 @dataclass(frozen=True)

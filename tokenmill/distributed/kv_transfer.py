@@ -1,11 +1,12 @@
 """TransferConnector: one engine core's KV transfer, both halves (prefill/decode disaggregation).
 
-The scheduler's half (`core.kv_connector.KVConnector`): a request sent with `kv_transfer.send` (a
-prefill) has the KV of its prompt copied out when it finishes by length after its first token; a
-request whose KV was `put` here (a decode) is admitted with that KV counted as computed, past any
-prefix of it this engine has cached itself. The worker's half (`KVWorkerConnector`), bound to the
-engine's cache: `run_loads` writes received blocks before the step's forward, `run_saves` copies a
-finished prefill's blocks out after the step's update.
+The engine core hands it to its scheduler and its worker (`sched.kv_connector.KVTransfer`) and never
+calls it itself. The scheduler's half: a request with `send_kv` (a prefill, sent with
+`kv_transfer.send`) has the KV of its prompt copied out when it finishes by length after its first
+token; a request whose KV was `put` here (a decode) is admitted with that KV counted as computed, past
+any prefix of it this engine has cached itself. The worker's half, bound to the engine's cache:
+`before_forward` writes received blocks before the step's forward, `after_update` copies a finished
+prefill's blocks out after the step's update.
 
 Between engines the copies travel as `runner.kv_blocks.KVBlocks` (one uint8 array and its layout):
 `take` hands a saved copy over once (the decode engine's side calls it through Ray, or directly in
@@ -18,7 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from tokenmill.layers.attention import KVCache
 from tokenmill.request import Request, RequestStatus
@@ -44,7 +47,6 @@ class TransferConnector:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.caches: list[KVCache] = []  # bound by the engine once its cache exists
-        self.sending: set[str] = set()  # prefills whose KV goes out when they finish by length
         self._lock = threading.Lock()  # inbox and outbox: the core's thread and the transfer's
         self._inbox: dict[str, KVBlocks] = {}
         self._outbox: dict[str, tuple[float, KVBlocks]] = {}
@@ -64,8 +66,8 @@ class TransferConnector:
             "kv_transfer_seconds": c.seconds,
         }
 
-    def bind(self, caches: list[KVCache]) -> None:
-        self.caches = caches
+    def bind(self, kv_caches: Sequence[object]) -> None:
+        self.caches = cast(list[KVCache], list(kv_caches))
 
     def add_seconds(self, seconds: float) -> None:
         """Time a transfer took outside this connector (fetching a handoff's KV)."""
@@ -91,16 +93,15 @@ class TransferConnector:
         request_id = request.request_id
         with self._lock:
             self._inbox.pop(request_id, None)  # finished (aborted) before its KV was loaded
-        if request_id not in self.sending:
+        if not request.send_kv:
             return
-        self.sending.discard(request_id)
         prompt = request.num_prompt_tokens
         if request.status is RequestStatus.FINISHED_LENGTH and request.num_computed_tokens >= prompt:
             self._saves.append(KVSave(request_id, block_ids[: -(-prompt // self.block_size)], prompt))
 
     # -- the worker's half -----------------------------------------------------------------------
 
-    def run_loads(self) -> None:
+    def before_forward(self) -> None:
         loads, self._loads = self._loads, []
         for load in loads:
             start = time.perf_counter()
@@ -113,7 +114,7 @@ class TransferConnector:
             self.counters.received_bytes += blocks.nbytes
             self.counters.seconds += time.perf_counter() - start
 
-    def run_saves(self) -> None:
+    def after_update(self) -> None:
         saves, self._saves = self._saves, []
         now = time.monotonic()
         for save in saves:

@@ -6,10 +6,11 @@ of `engine.messages`, as JSON bytes, cross the process boundary: commands arrive
 numbered by the client and applied in that order whatever order Ray delivers them in; steps' outputs
 leave through `poll`, which waits until there are some (or the loop has ended).
 
-`RayCoreClient` is the front end's `CoreClient` for one actor: a pump thread long-polls the actor and
-hands the outputs to the AsyncEngine; an actor whose process dies (or stops answering) ends the
-client with `stopped(error)`, and the AsyncEngine moves or fails that replica's requests and asks
-`start_replicas`'s restart for a new actor in its place.
+`RayCoreClient` is the front end's `CoreClient` for one actor (and a disaggregated server's
+`TransferClient`: its `handoff` has the decode actor fetch the prefill actor's KV through Ray's object
+store): a pump thread long-polls the actor and hands the outputs to the AsyncEngine; an actor whose
+process dies (or stops answering) ends the client with `stopped(error)`, and the AsyncEngine moves or
+fails that replica's requests and asks `start_replicas`'s restart for a new actor in its place.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class ReplicaActor:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = EngineConfig(**json.loads(config_json))
-        connector = TransferConnector(config.block_size) if transfer else None
+        self._transfer = TransferConnector(config.block_size) if transfer else None
         self._thread = EngineThread()
-        self._core = self._thread.run(lambda: EngineCore(config, connector))
+        self._core = self._thread.run(lambda: EngineCore(config, self._transfer))
         self._cond = threading.Condition()
         self._outbox: list[EngineCoreOutputs] = []
         self._ended = False
@@ -113,7 +114,7 @@ class ReplicaActor:
         before the command waits its turn (a slow fetch holds up no other command)."""
         blocks = None
         if kind == "handoff":
-            transfer = self._core.transfer
+            transfer = self._transfer
             assert transfer is not None, "a handoff goes to a disaggregated server's replica"
             start = time.perf_counter()
             blocks = _fetch(refs[0])  # from the prefill replica, through Ray's object store
@@ -128,8 +129,8 @@ class ReplicaActor:
         if kind == "handoff":
             batch = decode(payload, RequestBatch)
             (request,) = batch.requests
-            assert self._core.transfer is not None
-            self._core.transfer.put(request.request_id, blocks)
+            assert self._transfer is not None
+            self._transfer.put(request.request_id, blocks)
             self._loop.send_requests(batch.requests, batch.every_step)
         elif kind == "requests":
             batch = decode(payload, RequestBatch)
@@ -155,11 +156,11 @@ class ReplicaActor:
 
     def take_kv(self, request_id: str) -> KVBlocks | None:
         """A finished prefill's KV (once), for the decode replica its request goes to."""
-        return self._core.transfer.take(request_id) if self._core.transfer is not None else None
+        return self._transfer.take(request_id) if self._transfer is not None else None
 
     def drop_kv(self, request_ids: list[str]) -> None:
-        if self._core.transfer is not None:
-            self._core.transfer.drop(request_ids)
+        if self._transfer is not None:
+            self._transfer.drop(request_ids)
 
 
 class RayCoreClient:

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.doctor.draft_check import DraftAgreement
 from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.spec_decode import DraftRequest, NgramProposer
-from tokenmill.spec_decode.config import SpeculativeConfig
 
 QUESTION = "5. Per-token latency"
 K = 5

@@ -2,7 +2,7 @@
 
 Owns the front end's side of serving. Only plain messages reach the cores (`engine.messages`, through
 `engine.core_client`): one core on a thread of this process by default, or N data-parallel replicas
-(`tokenmill.distributed`), each request routed to one (`distributed.router`: least loaded, or the replica
+(`tokenmill.distributed`), each request routed to one (`engine.router`: least loaded, or the replica
 holding the longest cached prefix of its prompt). Requests are tokenized, checked and fanned out on
 the event loop; the cores step while they have work and hand their outputs to the loop, where the
 output processor turns them into RequestOutputs for each request's asyncio queue — so the event loop
@@ -20,6 +20,11 @@ nothing yet, which go to another replica when there is one; the router sends not
 the watchdog (`restart`: the same core reset under a new loop in this process, a new Ray replica)
 puts a core back in its place, which rejoins once ready. Nothing hangs: every open request gets an
 output or an error.
+
+Where a request runs beyond the router's pick is its `Placement`'s business (`engine/placement.py`):
+`Direct` (whole, where routed) by default; prefill/decode disaggregation is a placement composed in
+(`tokenmill.distributed.disaggregated`), which moves requests through `open_request`, `move` and
+`fail_request`.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from tokenmill.distributed.router import ROUTING, Router, RouterConfig
 from tokenmill.engine.core_client import CoreClient, Restart
 from tokenmill.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, StopRequests
 from tokenmill.engine.metrics import EngineMetrics, sum_stats
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.placement import Direct, Placement
 from tokenmill.engine.request_checks import CheckedRequest
 from tokenmill.engine.request_stream import RequestStream
+from tokenmill.engine.router import ROUTING, Router, RouterConfig
 from tokenmill.errors import RequestFailed, describe
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -92,6 +98,7 @@ class AsyncEngine:
         log_interval: float = 10.0,
         routing: str = "least_loaded",
         restart: Restart | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting: expected a positive integer, got {max_waiting}")
@@ -116,6 +123,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False  # draining or stopping: no new requests
         self._last_log = time.monotonic()
+        self.placement = placement or Direct()
+        self.placement.bind(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -269,31 +278,44 @@ class AsyncEngine:
         """Send a request's core requests to a replica the router picks, and return it; EngineStopped
         if none takes them."""
         first = requests[0]
-        exclude = [*exclude, *self._not_for_new_requests()]
+        exclude = [*exclude, *self.placement.excluded()]
         while True:
             try:
                 route = self.router.pick(first.prompt_token_ids, first.cache_salt, exclude)
             except LookupError:
                 raise EngineStopped("no engine replica is running") from None
-            if self._send(route.replica, requests, every_step):
+            if self.clients[route.replica].send_requests(self.placement.outgoing(route.replica, requests), every_step):
                 self.router.load[route.replica] += 1
                 self.metrics.observe_routed(route.replica, route.by_prefix)
                 return route.replica
             exclude = [*exclude, route.replica]
 
-    def _not_for_new_requests(self) -> list[int]:
-        """Replicas a new request never starts on (a disaggregated server's decode replicas)."""
-        return []
-
-    def _send(self, replica: int, requests: list[EngineCoreRequest], every_step: bool) -> bool:
-        """Hand a request's core requests to a replica; False if it has ended."""
-        return self.clients[replica].send_requests(requests, every_step)
-
     def _close(self, request_id: str) -> OpenRequest | None:
         entry = self._open.pop(request_id, None)
         if entry is not None:
             self.router.load[entry.replica] = max(0, self.router.load[entry.replica] - 1)
+            self.placement.closed(entry.requests)
         return entry
+
+    # -- for placements ----------------------------------------------------------------------------
+
+    def open_request(self, request_id: str) -> OpenRequest | None:
+        """An accepted request that has not finished (None: finished, failed or aborted)."""
+        return self._open.get(request_id)
+
+    def move(self, entry: OpenRequest, replica: int) -> None:
+        """An open request runs on `replica` now (the router's load follows it)."""
+        if entry.replica != replica:
+            self.router.load[entry.replica] = max(0, self.router.load[entry.replica] - 1)
+            self.router.load[replica] += 1
+            entry.replica = replica
+
+    def fail_request(self, request_id: str, error: BaseException) -> None:
+        """End an open request with `error` (its caller gets it; the front end forgets the request)."""
+        entry = self._close(request_id)
+        if entry is not None:
+            self.processor.abort_request(request_id)
+            entry.sink.put_nowait(error)
 
     def _abort(self, request_id: str) -> None:
         entry = self._close(request_id)
@@ -311,7 +333,9 @@ class AsyncEngine:
             self._on_outputs(replica, outputs)
 
     def _on_outputs(self, replica: int, outputs: EngineCoreOutputs) -> None:
-        """One core step's outputs: RequestOutputs to their queues, metrics."""
+        """One core step's outputs: RequestOutputs to their queues, metrics (the placement sees them
+        before and after)."""
+        self.placement.before_outputs(replica, outputs)
         processed = self.processor.process(outputs)
         if processed.stop_ids:
             self.clients[replica].send(StopRequests(processed.stop_ids))
@@ -336,6 +360,7 @@ class AsyncEngine:
         if now - self._last_log >= self.log_interval:
             self._last_log = now
             logger.info(self.metrics.log_line())
+        self.placement.after_outputs(replica)
 
     def _observe(self, entry: OpenRequest, out: RequestOutput, now: float) -> None:
         tokens = entry.tokens + sum(len(c.token_ids) for c in out.outputs)  # delta outputs: new tokens only

@@ -19,31 +19,31 @@ import dataclasses
 import logging
 import time
 
-from tokenmill.config import EngineConfig
-from tokenmill.distributed.kv_transfer import TransferConnector
+from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenmill.errors import ParamError, describe
 from tokenmill.outputs import EngineStats, SchedulerOutput, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.worker import Worker
+from tokenmill.sched.kv_connector import KVTransfer
 from tokenmill.sched.kv_manager import KVManager
 from tokenmill.sched.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sched.static import StaticScheduler
-from tokenmill.spec_decode import SpeculativeConfig, make_proposer
+from tokenmill.spec_decode import make_proposer
 from tokenmill.spec_decode.speculation import Speculation
 
 logger = logging.getLogger("tokenmill")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, transfer: TransferConnector | None = None) -> None:
-        """`transfer`: this core's part in prefill/decode disaggregation (KV out of finished
-        prefills, into received requests); None for a core that serves requests whole."""
+    def __init__(self, config: EngineConfig, kv_connector: KVTransfer | None = None) -> None:
+        """`kv_connector`: where KV computed elsewhere comes in and a finished prefill's goes out
+        (prefill/decode disaggregation), handed to the scheduler and the worker, never called here;
+        None for a core that serves requests whole."""
         self.config = config
-        self.transfer = transfer
-        if transfer is not None and config.speculative_config:
+        if kv_connector is not None and config.speculative_config:
             raise ValueError("speculative_config: not with prefill/decode disaggregation (the draft's KV stays behind)")
-        self.worker = Worker(config)
+        self.worker = Worker(config, kv_connector)
         self.model_config = self.worker.model_config
         self.max_model_len = self.worker.max_model_len
         self.block_size = self.worker.block_size
@@ -56,9 +56,7 @@ class EngineCore:
         )
         sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         scheduler_cls = StaticScheduler if config.scheduling == "static" else Scheduler
-        self.scheduler: Scheduler = scheduler_cls(sched_config, kv, transfer)
-        if transfer is not None:
-            transfer.bind(self.worker.runner.kv_caches)
+        self.scheduler: Scheduler = scheduler_cls(sched_config, kv, kv_connector)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
         self.num_step_failures = 0
         spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
@@ -73,8 +71,9 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; a ValueError (naming the field) if it can never run here. A request with
-        `kv_transfer.output_token_ids` continues after them (its KV `put` into `transfer` before). A
-        structured-output request's grammar is compiled here (once per spec), not in a step."""
+        `kv_transfer.output_token_ids` continues after them (its KV handed to the KV connector before);
+        one with `kv_transfer.send` keeps its prompt's KV for another engine. A structured-output
+        request's grammar is compiled here (once per spec), not in a step."""
         moved = req.kv_transfer
         spec = req.sampling_params.structured_outputs
         grammar = self.worker.runner.batch.grammar
@@ -92,11 +91,10 @@ class EngineCore:
             times=RequestTimes(arrival=req.arrival_time),
             cache_salt=req.cache_salt,
             output_token_ids=list(moved.output_token_ids) if moved is not None else [],
+            send_kv=moved is not None and moved.send,
         )
         wait_for = req.wait_for if self.config.enable_prefix_caching else None
         self.scheduler.add_request(request, wait_for)
-        if moved is not None and moved.send and self.transfer is not None:
-            self.transfer.sending.add(req.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -123,8 +121,6 @@ class EngineCore:
             scheduled.draft_next = spec.worth_proposing
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
-        if self.transfer is not None:
-            self.transfer.run_loads()  # received KV into the blocks just allocated, before the forward
         try:
             result = self.worker.execute(scheduled)
         except Exception as e:  # the step itself failed: its requests fail, the engine goes on
@@ -132,8 +128,7 @@ class EngineCore:
         if spec is not None:
             spec.after_step(result.drafts, result.draft_seconds)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
-        if self.transfer is not None:
-            self.transfer.run_saves()  # finished prefills' KV out, before anything reuses their blocks
+        self.worker.after_update()
         if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
             # (the target's share: a draft model's passes are the proposer's cost, counted apart)
             spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted - result.draft_seconds)
@@ -213,10 +208,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         stats = self.scheduler.stats(self.worker.weight_bytes)
-        extra: dict[str, float] = {}  # the structured-output and KV-transfer counters, where there are some
-        for part in (self.worker.runner.batch.grammar, self.transfer):
-            if part is not None:
-                extra.update(part.stats_fields())
+        extra = self.worker.stats_fields()  # the structured-output and KV-transfer counters
         return dataclasses.replace(stats, step_failures=self.num_step_failures, **extra)
 
     def reset_prefix_cache(self) -> bool:

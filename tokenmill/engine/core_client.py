@@ -5,7 +5,8 @@ and the core's end through `stopped` (both called from a background thread), rea
 implementations: `LocalCoreClient` here (the core on a thread of the server's process, the default)
 and `RayCoreClient` (`tokenmill.distributed.replica`: the core in a Ray actor, one per data-parallel
 replica). The AsyncEngine routes between any number of them, and restarts one whose loop ended
-unasked (`restart_in_place` for local cores).
+unasked (`restart_in_place` for local cores). Moving a request's KV between cores is not part of it:
+prefill/decode disaggregation's clients add that (`tokenmill.distributed.disaggregated.TransferClient`).
 """
 
 from __future__ import annotations
@@ -45,15 +46,6 @@ class CoreClient(Protocol):
         ...
 
     def send(self, command: AbortRequests | StopRequests) -> None: ...
-
-    def handoff(self, request: EngineCoreRequest, every_step: bool, source: CoreClient) -> bool:
-        """Queue a request whose prompt `source` (a prefill engine) has computed, with that prompt's KV
-        taken from there (prefill/decode disaggregation); False if this core has ended."""
-        ...
-
-    def drop_kv(self, request_ids: list[str]) -> None:
-        """Forget the saved KV of these finished prefills (nobody will take it)."""
-        ...
 
     def stats(self) -> EngineStats:
         """The core's stats now (may block briefly: not for the event loop's hot path)."""
@@ -104,16 +96,6 @@ class LocalCoreClient:
 
     def send(self, command: AbortRequests | StopRequests) -> None:
         self.loop.send(command)
-
-    def handoff(self, request: EngineCoreRequest, every_step: bool, source: CoreClient) -> bool:
-        assert isinstance(source, LocalCoreClient) and source.core.transfer is not None, "a local prefill core"
-        assert self.core.transfer is not None, "a core built with a TransferConnector"
-        self.core.transfer.put(request.request_id, source.core.transfer.take(request.request_id))
-        return self.send_requests([request], every_step)
-
-    def drop_kv(self, request_ids: list[str]) -> None:
-        if self.core.transfer is not None:
-            self.core.transfer.drop(request_ids)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -6,8 +6,10 @@ the scheduler may send (`max_num_batched_tokens` tokens of prompt, then `max_num
 scratch cache, and only then sizes the KV cache from the memory left (`kv_cache_memory` when given;
 otherwise the CPU default, or on a GPU a fraction of its memory less the warm-up's peak) and
 allocates it in the backend's own layout; then captures the CUDA graphs of decode steps where they
-apply. The engine core sees `num_blocks`, `block_size`, `max_model_len` and
-`execute(SchedulerOutput) -> StepOutput`; nothing else of torch crosses.
+apply. The engine core sees `num_blocks`, `block_size`, `max_model_len`,
+`execute(SchedulerOutput) -> StepOutput` and `after_update()`; nothing else of torch crosses. A KV
+connector it is given (prefill/decode disaggregation) is bound to the cache and runs around the
+forward: received KV written before it, finished prefills' KV copied out after the step's update.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_MEMORY_FRACTION, EngineConfig, SpeculativeConfig
 from tokenmill.layers.attention import KVCache, allocate_kv_cache
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
@@ -30,7 +32,7 @@ from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_builder import BuiltModel, build_draft, build_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.warm_up import GREEDY, WORST, WarmUpShape, warm_up
-from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.sched.kv_connector import KVWorkerConnector, NoKVConnector
 from tokenmill.spec_decode.draft_model import DraftRunner
 from tokenmill.structured.grammar import GrammarCompiler
 
@@ -50,7 +52,7 @@ def set_up_device(config: EngineConfig) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVWorkerConnector | None = None) -> None:
         self.device = set_up_device(config)
         self.heap = HeapTrimmer() if self.device.type == "cpu" else None  # (see runner/cpu_memory.py)
         built = build_model(config, self.device)
@@ -81,6 +83,8 @@ class Worker:
             caches = self._caches(self.num_blocks + scratch, draft.config)
             self.runner.draft = DraftRunner(draft, caches, self.backend, self.block_size, self.num_blocks, k)
         self.runner.greedy_head = built.greedy_head
+        self.kv_connector = kv_connector or NoKVConnector()
+        self.kv_connector.bind(self.runner.kv_caches)
 
     def _size_kv_cache(
         self, config: EngineConfig, built: BuiltModel, peak: int, draft: LlamaForCausalLM | None, graphed: bool
@@ -152,9 +156,21 @@ class Worker:
         return graphs
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
+        """The step: received KV written into the blocks just allocated, then the runner's forward."""
         if self.heap is not None:
             self.heap.tick()
+        self.kv_connector.before_forward()
         return self.runner.execute(scheduled)
+
+    def after_update(self) -> None:
+        """After the scheduler applied the step: finished prefills' KV copied out, before anything can
+        write into their freed blocks (the next step's forward)."""
+        self.kv_connector.after_update()
+
+    def stats_fields(self) -> dict[str, float]:
+        """The structured-output and KV-transfer counters, as `EngineStats` fields."""
+        grammar = self.runner.batch.grammar
+        return {**(grammar.stats_fields() if grammar is not None else {}), **self.kv_connector.stats_fields()}
 
     def _caches(self, num_blocks: int, cfg: ModelConfig | None = None) -> list[KVCache]:
         cfg = cfg or self.model_config

@@ -22,7 +22,7 @@ from tokenmill.errors import describe
 from tokenmill.outputs import EngineStats, NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sched.block_hash import chain_hashes
-from tokenmill.sched.kv_connector import KVConnector
+from tokenmill.sched.kv_connector import KVConnector, NoKVConnector
 from tokenmill.sched.kv_manager import KVManager
 
 logger = logging.getLogger("tokenmill")
@@ -76,7 +76,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.connector = connector  # KV computed elsewhere comes in, and a prefill's goes out, through it
+        # KV computed elsewhere comes in, and a prefill's goes out, through it (prefill/decode disaggregation)
+        self.connector: KVConnector = connector or NoKVConnector()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -130,8 +131,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         if status is RequestStatus.FINISHED_ABORTED:
             self.num_aborted += 1
-        if self.connector is not None:
-            self.connector.finished(request, self.kv.block_table(request_id))
+        self.connector.finished(request, self.kv.block_table(request_id))
         self.kv.free(request_id)
         self._finished_ids.append(request_id)
         del self.requests[request_id]
@@ -218,7 +218,7 @@ class Scheduler:
                     self.kv.free(request.request_id)
                     request.num_computed_tokens = 0
                 break
-            if external and self.connector is not None:  # admitted as a hit: its received KV is computed
+            if external:  # admitted as a hit: its received KV is computed
                 self.connector.allocated(request, self.kv.block_table(request.request_id), hit, external)
                 request.num_computed_tokens += external
             self._count_prefix(request, hit)
@@ -267,7 +267,7 @@ class Scheduler:
 
     def _external(self, request: Request, hit: int) -> int:
         """Tokens past the hit whose KV arrived from another engine (at a first admission only)."""
-        if self.connector is None or request.num_computed_tokens != hit:
+        if request.num_computed_tokens != hit:
             return 0
         return self.connector.external_tokens(request, hit)
 

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import cast
 
 import uvicorn
 
@@ -68,11 +69,12 @@ def build_server(
         clients, restart = start_replicas(config, parallel)
         metrics = EngineMetrics(name, num_replicas=len(clients))
         if parallel.disaggregated:
-            from tokenmill.distributed.disaggregated import DisaggregatedEngine
+            from tokenmill.distributed.disaggregated import TransferClient, disaggregated_engine
 
             processor = front_end(config, clients)
-            prefill, decode = clients[: parallel.prefill_size], clients[parallel.prefill_size :]
-            async_engine = DisaggregatedEngine(prefill, decode, processor, metrics, max_waiting, log_interval, restart)
+            movers = cast(list[TransferClient], clients)  # (RayCoreClients: each moves KV between actors)
+            prefill, decode = movers[: parallel.prefill_size], movers[parallel.prefill_size :]
+            async_engine = disaggregated_engine(prefill, decode, processor, metrics, max_waiting, log_interval, restart)
         else:
             routing = parallel.routing
             async_engine = build_async_engine(config, metrics, clients, restart, max_waiting, log_interval, routing)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.proposer import DraftModelProposer, DraftRequest, Proposer, speculates
 
@@ -19,7 +19,6 @@ __all__ = [
     "DraftRequest",
     "NgramProposer",
     "Proposer",
-    "SpeculativeConfig",
     "make_proposer",
     "speculates",
 ]

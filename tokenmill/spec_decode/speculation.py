@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.request import Request
-from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.policy import Candidate, SpeculationPolicy
 from tokenmill.spec_decode.proposer import DraftRequest, Proposer, speculates
 

@@ -3,7 +3,7 @@
 Pure Python, on the front end's event loop. `least_loaded`: the live replica with the fewest open
 requests (ties in turn). `prefix`: the live replica that holds the longest cached prefix of the
 prompt, as the router saw it: for each replica it remembers the chained block hashes of the prompts
-it sent there (the same hashes as the prefix cache: `core.block_hash`, block size and salt as the
+it sent there (the same hashes as the prefix cache: `sched.block_hash`, block size and salt as the
 replicas use), most recent last, at most the replica's KV blocks of them, so that what a replica had
 to evict is forgotten about as often here. A prefix shorter than `min_prefix_blocks`, or a replica
 with `max_imbalance` more open requests than the least loaded, falls back to load: a short shared

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.distributed.router import Router, RouterConfig
+from tokenmill.engine.router import Router, RouterConfig
 from tokenmill.sched.block_hash import chain_hashes
 
 
