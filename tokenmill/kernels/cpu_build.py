@@ -28,7 +28,15 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
-SOURCES = ("attention.cpp", "layer_ops.cpp", "linear.cpp", "linear_int4.cpp", "linear_int8.cpp", "decode_layer.cpp")
+SOURCES = (
+    "attention.cpp",
+    "layer_ops.cpp",
+    "linear.cpp",
+    "linear_int4.cpp",
+    "linear_int8.cpp",
+    "decode_layer.cpp",
+    "gguf_blocks.cpp",
+)
 HEADERS = ("convert.h", "int_dot.h", "linear_amx.h", "linear_broadcast.h", "ops.h")
 # no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
 CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")

@@ -1,0 +1,259 @@
+"""GGUF matrices kept as the file's own blocks: `GGUFMatrix`, the linear method `GGUFBlocksMethod` and the
+embedding table `GGUFEmbedding`.
+
+A matrix of a block type (the K-quants Q4_K / Q5_K / Q6_K, and Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, the
+types llama.cpp's Q4_K_M and Q5_K_M mixes fall back to where a row's width is not a multiple of 256) is
+held as the bytes the file stores, [N, K / W * block bytes] uint8, W weights a block along a row: exact
+by construction, and as many bytes as the file's. The native kernels (kernels/csrc/gguf_blocks.cpp)
+read them: `gguf_linear` for few rows (decode steps: int8 activations in runs of 32, the blocks read
+once), `gguf_dequant` for the rest (prompt chunks: the rows dequantized, a chunk of rows at a time,
+into a scratch buffer the method reuses, then torch's GEMM; and embedding lookups). The dequantized
+values are the `gguf` package's, bit for bit. Without the native kernels (no compiler, float16
+activations), the `gguf` package's own dequantizer serves the dequantizing path.
+
+A fused layer (q/k/v, gate/up) may mix types (Q4_K_M stores some v and down projections in Q6_K):
+the layer keeps one matrix per run of shards of one type, each product writing its columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels
+from tokenmill.quant.method import (
+    Layer,
+    LinearMethod,
+    ShardId,
+    WeightLoadError,
+    WeightShapeError,
+    register_bias,
+    set_weight_loader,
+)
+
+# type name -> (GGML type number, weights a block, bytes a block)
+BLOCKS = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+BLOCK_TYPES = tuple(BLOCKS)
+MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the dequantize-then-GEMM path
+SCRATCH_VALUES = 1 << 22  # dequantized values a prompt product holds at once (16 MiB in float32)
+
+
+def row_bytes(type_name: str, cols: int) -> int:
+    """Bytes a row of `cols` weights takes in `type_name`'s blocks (a ValueError if they do not fit)."""
+    _, weights, size = BLOCKS[type_name]
+    if cols % weights:
+        raise ValueError(f"{type_name} blocks hold {weights} weights; a row of {cols} is not a whole number of them")
+    return cols // weights * size
+
+
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """A [rows, cols] matrix as a GGUF file stores it: `data` [rows, row_bytes(type_name, cols)] uint8."""
+
+    type_name: str
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.data.shape[0]), self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def permute_rows(self, order: torch.Tensor) -> GGUFMatrix:  # order [N]: new row i = old row order[i]
+        return GGUFMatrix(self.type_name, self.data[order], self.cols)
+
+
+def dequantize(
+    m: GGUFMatrix,
+    ops: object | None,
+    dtype: torch.dtype,
+    ids: torch.Tensor | None = None,
+    rows: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows of `m` as floats in `dtype`: `ids` [R] (int64), or the range `rows` (start, end), or all;
+    into `out` [R, cols] when given. The values are `gguf.quants.dequantize`'s (float32, then rounded to
+    `dtype` as torch rounds)."""
+    start, end = rows or (0, m.shape[0])
+    count = ids.numel() if ids is not None else end - start
+    if out is None:
+        out = torch.empty(count, m.cols, dtype=dtype)
+    if ops is not None and dtype in NATIVE_DTYPES:
+        ops.gguf_dequant(out, m.data, BLOCKS[m.type_name][0], ids, start)  # type: ignore[attr-defined]
+        return out
+    import gguf
+
+    picked = m.data[ids] if ids is not None else m.data[start:end]
+    values = gguf.quants.dequantize(picked.numpy(), gguf.GGMLQuantizationType[m.type_name])
+    out.copy_(torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(count, m.cols))
+    return out
+
+
+def module_matrices(module: nn.Module) -> list[GGUFMatrix]:
+    """The GGUF matrices a module holds: a `GGUFBlocksMethod` layer's parts, a `GGUFEmbedding`'s table."""
+    if isinstance(module, GGUFEmbedding):
+        return [module.matrix] if module.matrix is not None else []
+    return [m for _, m in getattr(module, "gguf_parts", [])]
+
+
+def held_matrices(modules: Iterable[nn.Module]) -> list[GGUFMatrix]:
+    """The GGUF matrices the modules hold, each buffer once (a tied table and its head share one)."""
+    seen: dict[int, GGUFMatrix] = {}
+    for module in modules:
+        for m in module_matrices(module):
+            seen.setdefault(m.data.data_ptr(), m)
+    return list(seen.values())
+
+
+@dataclass(frozen=True)
+class GGUFShardLoader:
+    """The weight loader of a layer kept in GGUF blocks: each shard arrives as a `GGUFMatrix` and waits
+    in `pieces` until the layer joins them after loading."""
+
+    shards: dict[ShardId, object]
+    input_size: int
+    pieces: dict[ShardId, GGUFMatrix]
+
+    def __call__(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            names = ", ".join(repr(s) for s in self.shards)
+            raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
+        if not isinstance(loaded, GGUFMatrix):
+            raise WeightLoadError(f"expected GGUF blocks, got {type(loaded).__name__}")
+        size = getattr(shard, "size", None)
+        if loaded.shape != (size, self.input_size):
+            raise WeightShapeError(loaded.shape, (cast(int, size), self.input_size), shard_id)
+        self.pieces[shard_id] = loaded
+
+
+class GGUFBlocksMethod(LinearMethod):
+    """Each layer's matrices as their GGUF blocks (`layer.gguf_parts`: (first output column, matrix) per
+    run of shards of one type); products by the native kernels, or dequantized chunks and torch's GEMM."""
+
+    name = "gguf"
+    prequantized = True  # the loader hands its layers their checkpoint tensors as stored
+    keeps_blocks = True  # ... as `GGUFMatrix` blocks (not tokenmill's int formats)
+    types = BLOCK_TYPES
+
+    def __init__(self, kernels: CpuKernels | None, max_native_rows: int = MAX_NATIVE_ROWS) -> None:
+        self.ops = kernels.ops if kernels is not None else None
+        self.max_native_rows = max_native_rows
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
+
+    def create_weights(
+        self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        pieces: dict[ShardId, GGUFMatrix] = {}
+        layer.gguf_pieces = pieces
+        placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+        layer.register_parameter(
+            "weight", set_weight_loader(placeholder, GGUFShardLoader(layer.shards, input_size, pieces))
+        )
+        if bias:
+            register_bias(layer, dtype)
+
+    def process_weights_after_loading(self, layer: Layer) -> None:
+        """The shards in output order, neighbours of one type joined into one matrix."""
+        parts: list[tuple[int, GGUFMatrix]] = []
+        runs: list[list[GGUFMatrix]] = []
+        for sid in layer.shards:  # (in output order)
+            piece = layer.gguf_pieces[sid]
+            if runs and runs[-1][0].type_name == piece.type_name:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        start = 0
+        for run in runs:
+            data = run[0].data if len(run) == 1 else torch.cat([p.data for p in run])
+            parts.append((start, GGUFMatrix(run[0].type_name, data, layer.input_size)))
+            start += int(data.shape[0])
+        layer.gguf_parts = parts
+        del layer.gguf_pieces, layer.weight
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], layer.output_size, dtype=x.dtype)  # [M, out]
+        native = self.ops is not None and x.dtype in NATIVE_DTYPES and rows.shape[0] <= self.max_native_rows
+        for start, m in layer.gguf_parts:
+            cols = out[:, start : start + m.shape[0]]
+            if native:
+                self.ops.gguf_linear(cols, rows, m.data, BLOCKS[m.type_name][0])  # type: ignore[union-attr]
+            else:
+                self._dequant_product(m, rows, cols)
+        if bias is not None:
+            out += bias
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.output_size)
+
+    def _dequant_product(self, m: GGUFMatrix, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """cols [M, n] = rows [M, K] @ W^T, W dequantized a chunk of its rows at a time into the scratch."""
+        n, k = m.shape
+        chunk = max(1, min(n, SCRATCH_VALUES // k))
+        scratch = self._scratch.get(rows.dtype)
+        if scratch is None or scratch.numel() < chunk * k:
+            scratch = self._scratch[rows.dtype] = torch.empty(max(chunk * k, SCRATCH_VALUES), dtype=rows.dtype)
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            w = dequantize(m, self.ops, rows.dtype, rows=(r0, r1), out=scratch[: (r1 - r0) * k].view(r1 - r0, k))
+            cols[:, r0:r1] = F.linear(rows, w)
+
+    def rows(self, layer: Layer, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # ids [T] -> [T, in]
+        """Rows `ids` of the layer's weights, dequantized (a tied embedding table read from its head)."""
+        (_, m), *more = layer.gguf_parts
+        if more:
+            raise ValueError("rows: a layer of several GGUF matrices")
+        return dequantize(m, self.ops, dtype, ids=ids.reshape(-1)).view(*ids.shape, m.cols)
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept in its GGUF blocks: each looked-up row dequantized. Its `weight` is a
+    placeholder whose loader takes the table's `GGUFMatrix`; a tied output projection of
+    `GGUFBlocksMethod` gets the same matrix (`share_with`), one copy for both."""
+
+    def __init__(self, vocab: int, hidden: int, method: GGUFBlocksMethod, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape = (vocab, hidden)
+        self.method = method
+        self.dtype = dtype
+        self.matrix: GGUFMatrix | None = None
+        placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.register_parameter("weight", set_weight_loader(placeholder, self._load))
+
+    def _load(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
+        if shard_id is not None:
+            raise WeightLoadError(f"shard {shard_id!r} sent to an unfused parameter")
+        if not isinstance(loaded, GGUFMatrix):
+            raise WeightLoadError(f"expected GGUF blocks, got {type(loaded).__name__}")
+        if loaded.shape != self.shape:
+            raise WeightShapeError(loaded.shape, self.shape, None)
+        self.matrix = loaded
+
+    def finish_loading(self) -> None:
+        """Drop the placeholder once the table is in."""
+        if "weight" in self._parameters:
+            del self.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        assert self.matrix is not None, "GGUFEmbedding used before its table was loaded"
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        return dequantize(self.matrix, self.method.ops, self.dtype, ids=flat).view(*ids.shape, self.shape[1])
