@@ -1,5 +1,5 @@
 """The `tokenmill` command line: one subcommand per job (`make-model`, `convert`, `quantize`, `generate`,
-`serve`, `prefix-report`, `eval-quant`, `bench`, `doctor`).
+`serve`, `tune`, `prefix-report`, `eval-quant`, `bench`, `doctor`).
 
 The engine flags and `--config` come from engine_args.py (derived from `EngineConfig`); serve's own
 flags from `ServeSettings` here, the same way. `bench` lives in bench/cli.py, which imports nothing
@@ -287,6 +287,14 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from tokenmill.runner.tune import tune
+
+    file_values = read_config_file(args.config, EngineConfig, ServeSettings)  # a serve --config file reads here too
+    print(tune(engine_config(args, file_values)).render())
+    return 0
+
+
 def _prefix_report(args: argparse.Namespace) -> int:
     from tokenmill.doctor.prefix_report import analyse, read_trace
     from tokenmill.text.tokenizer import Tokenizer
@@ -414,6 +422,14 @@ def _add_runners(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
+
+    tn = sub.add_parser(
+        "tune",
+        help="measure once the kernel choices `serve` with the same flags would take by default (into the cache)",
+    )
+    tn.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    add_engine_args(tn)
+    tn.set_defaults(func=_tune)
 
 
 def _add_prefix_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.kernels.defaults import CpuKind
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
@@ -156,7 +157,9 @@ def test_tuning_fills_the_plan_and_a_seeded_cache_pins_it(tiny_model_dir, tmp_pa
     path.write_text(json.dumps(data))
     pinned = get_dense_linear_method("cpu")
     tuner = Autotuner(torch.device("cpu"), path)
-    tuner.choose = types.MethodType(lambda self, op, shape, c, repeats=5: _cached(self, op, shape, c), tuner)
+    tuner.choose = types.MethodType(
+        lambda self, op, shape, c, repeats=5, default=None: _cached(self, op, shape, c, default), tuner
+    )
     tune_linear(pinned, shapes, rows, tuner)
     assert not any(any(t) for t in pinned.native.values())
 
@@ -186,7 +189,9 @@ def test_decode_classes_are_timed_inside_a_step(tiny_model_dir, monkeypatch):
     asked: list[tuple[str, str]] = []
 
     class Tuner:  # picks torch for the first shape at one row, the native kernel otherwise
-        def choose(self, op, what, candidates, repeats=5):
+        cpu = CpuKind.from_flags("avx2 fma")
+
+        def choose(self, op, what, candidates, repeats=5, default=None):
             asked.append((op, what))
             shape = tuple(int(n) for n in what.split(" ")[0].split("x"))
             one_row = " rows 1-1 " in what
@@ -208,8 +213,8 @@ def test_decode_classes_are_timed_inside_a_step(tiny_model_dir, monkeypatch):
     assert all(all(method.native[s][2:65]) for s in order)
 
 
-def _cached(tuner, op, shape, candidates):
-    choice = Autotuner.choose(tuner, op, shape, candidates)
+def _cached(tuner, op, shape, candidates, default):
+    choice = Autotuner.choose(tuner, op, shape, candidates, default=default)
     assert choice.cached, f"{op} {shape} was measured again"
     return choice
 

@@ -10,6 +10,12 @@ by the op and its shape. The cache is one JSON file, `$TOKENMILL_CACHE_DIR/autot
 
 A measurement: each candidate runs once untimed, then `repeats` rounds in which every candidate runs
 once in turn (interleaved, so a noisy moment hits all of them); the median per candidate decides.
+
+Two modes. Measuring (`measure=True`: `tokenmill tune`, `--dtype fastest`, the offline tools) times
+a choice the cache lacks, with a progress bar when one is attached (`progress`). Not measuring (a
+server's start-up): a choice the cache lacks is the caller's `default` (kernels/defaults.py's table
+by CPU kind and row class), returned at once, marked `source="default"` and not written, so a later
+`tokenmill tune` measures it. `counts` tallies each source for the start-up's log line.
 """
 
 from __future__ import annotations
@@ -20,25 +26,45 @@ import logging
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
 
 from tokenmill.kernels.cpu_build import cpu_flags, sources_hash
+from tokenmill.kernels.defaults import CpuKind
 
 logger = logging.getLogger("tokenmill")
 
 
+Source = Literal["cache", "measured", "default"]
+# (candidates, repeats, sync) -> median milliseconds per candidate
+Timer = Callable[[Mapping[str, Callable[[], object]], int, Callable[[], None]], dict[str, float]]
+
+
+class Progress(Protocol):
+    """What the tuner needs of a progress bar (tqdm's)."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> object: ...
+
+
 @dataclass(frozen=True)
 class Choice:
-    """The candidate picked, each candidate's median time in milliseconds, and whether it was read
-    from the cache rather than measured now."""
+    """The candidate picked, each candidate's median time in milliseconds (none for a default), and
+    where it came from: read from the cache, measured now, or the untimed default."""
 
     name: str
     timings_ms: dict[str, float]
-    cached: bool
+    source: Source
+
+    @property
+    def cached(self) -> bool:
+        return self.source == "cache"
 
 
 def default_cache_path() -> Path:
@@ -71,27 +97,61 @@ def time_candidates(
 
 
 class Autotuner:
-    """Choices by measurement, remembered per machine in a JSON file (None: in memory only)."""
+    """Choices by measurement (or, not measuring, by default), remembered per machine in a JSON file
+    (None: in memory only). `timer` is what measures (tests swap it)."""
 
-    def __init__(self, device: torch.device, path: Path | None) -> None:
+    def __init__(
+        self, device: torch.device, path: Path | None, measure: bool = True, timer: Timer = time_candidates
+    ) -> None:
         self.device = device
         self.path = path
         self.key = machine_key(device)
+        self.cpu = CpuKind.from_flags(cpu_flags())  # what the defaults go by
+        self.measure = measure
+        self.timer = timer
+        self.progress: Progress | None = None
+        self.counts: Counter[str] = Counter()  # source -> choices made so
+        self.missed: list[str] = []  # the choices given a default, in order ("op|shape")
         self._entries: dict[str, dict[str, object]] = self._read().get(self.key, {}) if path else {}
 
-    def choose(self, op: str, shape: str, candidates: Mapping[str, Callable[[], object]], repeats: int = 5) -> Choice:
+    def choose(
+        self,
+        op: str,
+        shape: str,
+        candidates: Mapping[str, Callable[[], object]],
+        repeats: int = 5,
+        default: str | None = None,
+    ) -> Choice:
         """The fastest of `candidates` for `op` at `shape` (a string the caller makes of what the
-        timing depends on); measured on the first call on this machine, read back after that (while the
-        candidates are the same ones)."""
-        entry = self._entries.get(f"{op}|{shape}")
+        timing depends on): read back from the cache while the candidates are the same ones, else
+        measured now, or (not measuring) `default`, which must then be one of the candidates."""
+        key = f"{op}|{shape}"
+        entry = self._entries.get(key)
         # a choice made among other candidates (a kernel added since, or AMX granted now) is made again
         if entry is not None and set(entry.get("ms", {})) == set(candidates):
-            return Choice(str(entry["choice"]), dict(entry["ms"]), cached=True)  # type: ignore[call-overload]
-        timings = time_candidates(candidates, repeats, self._sync)
+            self.counts["cache"] += 1
+            return Choice(str(entry["choice"]), dict(entry["ms"]), "cache")  # type: ignore[call-overload]
+        if not self.measure:
+            if default not in candidates:
+                raise ValueError(f"autotune: {op} has no default among {', '.join(candidates)} (got {default!r})")
+            self.counts["default"] += 1
+            self.missed.append(key)
+            return Choice(default, {}, "default")
+        timings = self.timer(candidates, repeats, self._sync)
         name = min(timings, key=lambda n: timings[n])
-        self._entries[f"{op}|{shape}"] = {"choice": name, "ms": {n: round(t, 4) for n, t in timings.items()}}
+        self._entries[key] = {"choice": name, "ms": {n: round(t, 4) for n, t in timings.items()}}
         self._write()
-        return Choice(name, timings, cached=False)
+        self.counts["measured"] += 1
+        if self.progress is not None:
+            self.progress.set_postfix_str(f"{op} {shape.split(' at ')[0].split(' in a step')[0]}", refresh=False)
+            self.progress.update(1)
+        return Choice(name, timings, "measured")
+
+    def summary(self) -> str:
+        """The choices made so far by source, for the log: "12 (9 cached, 3 defaults)"."""
+        words = {"cache": "cached", "measured": "measured", "default": "defaults"}
+        parts = [f"{self.counts[s]} {w}" for s, w in words.items() if self.counts[s]]
+        return f"{sum(self.counts.values())} ({', '.join(parts) or 'none'})"
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +154,8 @@ def choose(field: str, choices: Mapping[str, Callable[[], T]], name: str) -> T:
 def _build(csrc: Path, build_dir: Path) -> None:
     from torch.utils import cpp_extension
 
-    logger.info("building the native CPU kernels for this CPU into %s (once)", build_dir)
+    logger.info("start-up: building the native CPU kernels for this CPU into %s (once) ...", build_dir)
+    start = time.perf_counter()
     # ninja from this environment's bin folder (the `ninja` package) when it is not on PATH already
     env_bin = str(Path(sys.executable).parent)
     if env_bin not in os.environ.get("PATH", "").split(os.pathsep):
@@ -168,3 +170,4 @@ def _build(csrc: Path, build_dir: Path) -> None:
         is_python_module=False,
         verbose=False,
     )
+    logger.info("start-up: native CPU kernels built: %.1f s", time.perf_counter() - start)

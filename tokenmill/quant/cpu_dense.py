@@ -1,5 +1,6 @@
 """Dense linear layers on the CPU: the native few-row kernel or torch's GEMM, chosen per weight shape
-and class of row counts by measurement on the CPU at hand.
+and class of row counts by measurement on the CPU at hand (`tokenmill tune`; until then, and on every
+server start, the autotune cache's choice or kernels/defaults.py's rule for the CPU kind).
 
 `CpuLinearMethod` holds the same dense weight as `UnquantizedLinearMethod` (the checkpoint's
 [out, in] layout, nothing repacked) and applies it through `product`: the native kernel
@@ -10,7 +11,8 @@ rows costs twice its single row; on an AVX2 machine torch's bfloat16 GEMM runs a
 native kernel's speed even on prompt chunks, while its float32 GEMM is faster than the native kernel
 there), so `tune_linear` times both on the model's own weights for each row class in `ROW_CLASSES`
 (decode classes inside a pass over the whole step's weights, prompt chunks shape by shape) through the
-autotune cache, and the plan it returns says, per (out, in) shape, which rows go native.
+autotune cache (which, not measuring, answers a choice it lacks with the default), and the plan it
+returns says, per (out, in) shape, which rows go native.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, choose, native_choices
+from tokenmill.kernels.defaults import default_choice, row_class
 from tokenmill.quant.method import FusedKind, Layer, Shape, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
@@ -167,12 +170,15 @@ def tune_linear(
         "torch": F.linear,
     }
 
+    def default(dtype: torch.dtype, low: int) -> str:  # without timing (kernels/defaults.py)
+        return default_choice("linear", row_class(low), _name(dtype), tuner.cpu, kernels)
+
     def alone(shape: Shape, timed: Sequence[torch.Tensor], low: int, high: int, ends: list[int]) -> str:
         dtype = timed[0].dtype
         inputs = [torch.randn(m, shape[1]).to(dtype) for m in ends]
-        what = f"{shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} rows {low}-{high} at {ends} x{len(timed)}"
+        what = f"{shape[0]}x{shape[1]} {_name(dtype)} rows {low}-{high} at {ends} x{len(timed)}"
         candidates = {name: _over(kernel, inputs, timed) for name, kernel in kernels.items()}
-        return tuner.choose("linear", what, candidates).name
+        return tuner.choose("linear", what, candidates, default=default(dtype, low)).name
 
     def in_step(members: Members[torch.Tensor], low: int, high: int) -> dict[Shape, str]:
         if low > MAX_DECODE_ROWS:
@@ -182,15 +188,19 @@ def tune_linear(
         step = ", ".join(f"{s[0]}x{s[1]} at {ends} x{len(timed)}" for s, (timed, ends) in members.items())
         picks = dict.fromkeys(members, "cpu")
         for shape in members:  # (the others' kernels so far follow from the earlier choices: not in the key)
-            what = f"{shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} rows {low}-{high} in a step of [{step}]"
+            what = f"{shape[0]}x{shape[1]} {_name(dtype)} rows {low}-{high} in a step of [{step}]"
             candidates = {name: _step_pass(members, inputs, {**picks, shape: name}, kernels) for name in kernels}
-            picks[shape] = tuner.choose("linear_step", what, candidates).name
+            picks[shape] = tuner.choose("linear_step", what, candidates, default=default(dtype, low)).name
         return picks
 
     plans, summary = tune_row_classes(shapes, max_rows, in_step)
     for shape, table in plans.items():
         method.native[shape] = tuple(name == "cpu" for name in table)
     return summary
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _step_pass(

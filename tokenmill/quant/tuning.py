@@ -1,6 +1,7 @@
 """Kernel choice for the quantized linear methods: each method's kernels timed on the weights of each
 shape, class of row counts by class (as the dense plan, quant/cpu_dense.py), through the autotune cache,
-so the plan follows the CPU at hand and not the machine a default was measured on."""
+so the plan follows the CPU at hand; a start-up that does not measure takes kernels/defaults.py's rule
+for the CPU kind and row class where the cache has no choice yet."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from tokenmill.kernels.autotune import Autotuner
+from tokenmill.kernels.defaults import default_choice, row_class
 from tokenmill.quant.cpu_dense import each_shape, tune_row_classes
 from tokenmill.quant.int_methods import Kernel, QuantizedLinearMethod
 from tokenmill.quant.method import Layer, Shape
@@ -51,7 +53,8 @@ def tune_quantized(
         )
         allowed = {name: k for name, k in kernels.items() if high <= method.row_limits.get(name, high)}
         candidates = {name: _over(k, inputs, timed) for name, k in (allowed or kernels).items()}
-        return tuner.choose("quant_linear", what, candidates).name
+        default = default_choice(method.name, row_class(low), str(dtype).removeprefix("torch."), tuner.cpu, candidates)
+        return tuner.choose("quant_linear", what, candidates, default=default).name
 
     plans, summary = tune_row_classes(shapes, max_rows, each_shape(choose))
     method.plan.update(plans)

@@ -2,25 +2,32 @@
 
 `build_model(config, device)` opens the checkpoint (a GGUF file is parsed once, then built from as
 often as needed), resolves the settings (`resolve`: the dtype, the attention backend, the layer
-ops, the dense linear method and the quantization, as a `QuantConfig`), loads the model, tunes the
-native kernels' plans and fuses the decode layers where they apply (`prepare_native`), times the
-greedy head where it is `auto`, and hands back a `BuiltModel`. `--dtype fastest` wraps this: each
-candidate dtype is built and `runner/dtype_choice.py` keeps the fastest faithful one. The draft model
-of speculative decoding is built the same way (`build_draft`).
+ops, the dense linear method and the quantization, as a `QuantConfig`), loads the model (a float
+checkpoint quantized at load reads its quantized weights from runner/quantized_cache.py after the
+first start), plans the native kernels per weight shape and row class and fuses the decode layers
+where they apply (`prepare_native`), picks the greedy head where it is `auto`, and hands back a
+`BuiltModel`. A server's start measures nothing: every kernel choice is the autotune cache's, or,
+where it has none, kernels/defaults.py's rule for the CPU kind (the resolution line counts them);
+`tokenmill tune` (runner/tune.py) measures those once and fills the cache. `--dtype fastest` is a
+request to measure: each candidate dtype is built and `runner/dtype_choice.py` keeps the fastest
+faithful one, with a progress bar. The draft model of speculative decoding is built the same way
+(`build_draft`). Each long phase logs a start-up line before and after (runner/startup_log.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.autotune import Autotuner, default_cache_path
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, load_cpu_kernels
+from tokenmill.kernels.defaults import DECODE, default_choice
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.fused_decode import FusedDecode
@@ -35,6 +42,8 @@ from tokenmill.quant.cpu_dense import CpuLinearMethod, dense_weight_shapes, tune
 from tokenmill.quant.tuning import tune_quantized, weights_by_shape
 from tokenmill.runner import huge_pages
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
+from tokenmill.runner.quantized_cache import CacheMismatch, cache_for
+from tokenmill.runner.startup_log import phase
 
 logger = logging.getLogger("tokenmill")
 
@@ -94,7 +103,10 @@ def default_dtype(config_dtype: str, checkpoint: ModelConfig, device: torch.devi
 
 def open_checkpoint(model: str) -> Source:
     """A GGUF file opened (its metadata parse takes seconds, so once), or the folder's path."""
-    return GGUFCheckpoint(model) if is_gguf(model) else model
+    if not is_gguf(model):
+        return model
+    with phase(f"reading the GGUF file {Path(model).name}'s metadata"):
+        return GGUFCheckpoint(model)
 
 
 def resolve(config: EngineConfig, device: torch.device, source: Source, dtype: torch.dtype) -> Resolved:
@@ -125,24 +137,55 @@ def build_in(
     config: EngineConfig, device: torch.device, source: Source, dtype: torch.dtype, tuner: Autotuner
 ) -> BuiltModel:
     """The model in `dtype` with its attention backend, layer ops and linear methods; with
-    `linear_backend` auto, the methods' kernel per weight shape and row class tuned here."""
+    `linear_backend` auto, the methods' kernel per weight shape and row class planned here."""
     resolved = resolve(config, device, source, dtype)
     backend = get_attention_backend(resolved.attention)
     ops = get_layer_ops(resolved.layer_ops)
-    model = load_model(source, dtype=dtype, device=device, backend=backend, ops=ops, quant=resolved.quant)
+    model = _load(config, device, source, resolved, backend, ops)
     if device.type == "cpu" and config.cpu_huge_pages and huge_pages.available():
         logger.info("weights on 2 MB pages: %.1f MiB", huge_pages.move_to_huge_pages(model) / 2**20)
     tune = config.linear_backend == "auto"
     prepare_native(
         model, tuner, config.max_num_seqs, config.max_num_batched_tokens, tune=tune, fused=config.fused_decode
     )
-    return BuiltModel(model, backend, ops, dtype, resolved.quant)
+    return BuiltModel(model, backend, ops, resolved.dtype, resolved.quant)
 
 
-def build_model(config: EngineConfig, device: torch.device) -> BuiltModel:
-    """The engine's model (module docstring), its resolution logged as one line."""
+def _load(
+    config: EngineConfig,
+    device: torch.device,
+    source: Source,
+    resolved: Resolved,
+    backend: AttentionBackend,
+    ops: LayerOps,
+) -> LlamaForCausalLM:
+    """The checkpoint loaded (and quantized where asked); a float checkpoint quantized at load reads
+    its quantized weights from the cache after the first start, and writes them there on that one."""
+    name = Path(source.path if isinstance(source, GGUFCheckpoint) else source).name
+    dtype, quant = resolved.dtype, resolved.quant
+    cache = cache_for(source, quant, dtype, device)
+    if cache is not None and cache.exists():
+        try:
+            with phase(f"reading {name}'s {config.quantization} weights from the cache {cache.folder}"):
+                return cache.load(str(source), dtype, backend, ops, quant)
+        except (CacheMismatch, OSError) as exc:
+            logger.warning("quantized weights cache %s unusable (%s): quantizing again", cache.folder, exc)
+    what = f"reading the weights of {name} in {str(dtype).removeprefix('torch.')}"
+    if cache is not None:
+        what += f" and quantizing them to {config.quantization} (once: then cached)"
+    with phase(what):
+        model = load_model(source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant)
+    if cache is not None:
+        with phase(f"writing the {config.quantization} weights to the cache {cache.folder}"):
+            cache.save(model)
+    return model
+
+
+def build_model(config: EngineConfig, device: torch.device, tuner: Autotuner | None = None) -> BuiltModel:
+    """The engine's model (module docstring), its resolution logged as one line. `tuner` (default: the
+    machine's autotune cache, not measuring) makes the kernel choices."""
     source = open_checkpoint(config.model)
-    tuner = Autotuner(device, default_cache_path())
+    tuner = tuner or Autotuner(device, default_cache_path(), measure=False)
     if config.dtype == "fastest":
         built = _fastest(config, device, source, tuner)
     else:
@@ -152,29 +195,40 @@ def build_model(config: EngineConfig, device: torch.device) -> BuiltModel:
         built.greedy_head = greedy_head_is_faster(built, config.max_num_seqs, tuner)
     else:
         built.greedy_head = config.greedy_head == "head"
-    _log(config, built)
+    _log(config, built, tuner)
     return built
 
 
 def _fastest(config: EngineConfig, device: torch.device, source: Source, tuner: Autotuner) -> BuiltModel:
-    """`--dtype fastest`: every candidate built, the fastest faithful one kept."""
+    """`--dtype fastest`: every candidate built, the fastest faithful one kept. An explicit request to
+    measure: the tuner measures what its cache lacks, a progress bar counting the choices."""
     built: dict[torch.dtype, BuiltModel] = {}
 
     def build(dtype: torch.dtype) -> tuple[LlamaForCausalLM, AttentionBackend]:
         built[dtype] = build_in(config, device, source, dtype, tuner)
         return built[dtype].model, built[dtype].backend
 
-    report = fastest_dtype(build, CANDIDATES, config.max_num_seqs, tuner)
+    measure, progress = tuner.measure, tuner.progress
+    logger.info("dtype fastest: building %d candidate dtypes and timing what the cache lacks", len(CANDIDATES))
+    with tqdm(desc="dtype fastest: kernel choices measured", unit=" choice", mininterval=1.0) as bar:
+        tuner.measure, tuner.progress = True, progress or bar
+        try:
+            report = fastest_dtype(build, CANDIDATES, config.max_num_seqs, tuner)
+        finally:
+            tuner.measure, tuner.progress = measure, progress
     log_report(report)
     return built[report.dtype]
 
 
-def _log(config: EngineConfig, built: BuiltModel) -> None:
-    """The one line that says what every setting resolved to, and the weights' size."""
+def _log(config: EngineConfig, built: BuiltModel, tuner: Autotuner) -> None:
+    """The one line that says what every setting resolved to, the weights' size, and where the kernel
+    choices came from (cache, measured, defaults)."""
     model = built.model
+    defaults = tuner.counts["default"]
+    hint = f" (`tokenmill tune {config.model}` measures the defaults once)" if defaults else ""
     logger.info(
         "model: dtype %s (%s), %s attention, %s layer ops, %s linear layers, quantization %s (%s), greedy %s; "
-        "weights %.1f MiB (%.1f MiB unquantized)",
+        "weights %.1f MiB (%.1f MiB unquantized); kernel choices %s%s",
         str(built.dtype).removeprefix("torch."),
         config.dtype,
         built.backend.name,
@@ -185,6 +239,8 @@ def _log(config: EngineConfig, built: BuiltModel) -> None:
         "argmax in the head" if built.greedy_head else "logits",
         model.weight_bytes() / 2**20,
         model.dense_weight_bytes() / 2**20,
+        tuner.summary(),
+        hint,
     )
 
 
@@ -194,7 +250,8 @@ def build_draft(
     """The draft model of speculative decoding, built as the target is (dtype, kernels, quantization),
     with the target's vocabulary (`vocab_size`)."""
     try:
-        model = build_in(config, device, open_checkpoint(draft), dtype, Autotuner(device, default_cache_path())).model
+        tuner = Autotuner(device, default_cache_path(), measure=False)
+        model = build_in(config, device, open_checkpoint(draft), dtype, tuner).model
     except (OSError, ValueError) as e:
         raise ValueError(f"speculative_config.model: {e}") from None
     if model.config.vocab_size != vocab_size:
@@ -209,26 +266,33 @@ def build_draft(
 def prepare_native(
     model: LlamaForCausalLM, tuner: Autotuner, max_seqs: int, max_tokens: int, *, tune: bool, fused: bool
 ) -> None:
-    """What the engine does to a loaded model beyond loading it: with `tune`, the native linear
-    method's kernel per weight shape and row class (through `tuner`: up to `max_tokens` rows, prompt
-    chunks included; up to `max_seqs` for the output projection, which sees one row a sequence); with
-    `fused`, the decoder layers as one native call a step where that applies."""
+    """What the engine does to a loaded model beyond loading it: with `tune`, the kernel plans
+    (`plan_kernels`); with `fused`, the decoder layers as one native call a step where that applies."""
+    if tune:
+        plan_kernels(model, tuner, max_seqs, max_tokens)
+    kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
+    if kernels is not None:
+        model.fused_decode = FusedDecode(kernels, model)
+
+
+def plan_kernels(model: LlamaForCausalLM, tuner: Autotuner, max_seqs: int, max_tokens: int) -> None:
+    """The native linear method's kernel per weight shape and row class, and each quantized method's
+    (through `tuner`: cached, measured, or by default; up to `max_tokens` rows, prompt chunks
+    included; up to `max_seqs` for the output projection, which sees one row a sequence)."""
     method = model.dense
     head = (model.config.vocab_size, model.config.hidden_size)
-    if tune and isinstance(method, CpuLinearMethod):
+    if isinstance(method, CpuLinearMethod):
         shapes = dense_weight_shapes(model, model.tied_head())
         rows = {shape: max_tokens for shape in shapes}
         rows[head] = min(max_seqs, max_tokens)
-        start = time.perf_counter()  # (timed once per machine, then read from the autotune cache)
         plan = tune_linear(method, shapes, rows, tuner)
         native = sorted(k for k, v in plan.items() if v == "cpu")
         logger.info(
-            "linear layers (%s, tuned in %.1f s): native kernel for %s; torch's GEMM otherwise",
+            "linear layers (%s): native kernel for %s; torch's GEMM otherwise",
             model.dtype,
-            time.perf_counter() - start,
             ", ".join(native) or "none",
         )
-    for quantized in model.quantized_methods() if tune else []:
+    for quantized in model.quantized_methods():
         shapes = weights_by_shape(layer for _, layer in model.quantized_layers() if layer.linear_method is quantized)
         rows = {shape: max_tokens for shape in shapes}
         if head in rows:
@@ -237,16 +301,13 @@ def prepare_native(
         logger.info(
             "%s linear layers (%s): %s", quantized.name, model.dtype, ", ".join(f"{k} {v}" for k, v in plan.items())
         )
-    kernels = load_cpu_kernels() if fused and FusedDecode.supports(model) else None  # built already then
-    if kernels is not None:
-        model.fused_decode = FusedDecode(kernels, model)
 
 
 def greedy_head_is_faster(built: BuiltModel, rows: int, tuner: Autotuner) -> bool:
     """Whether `greedy_tokens` (the output projection in cache-sized chunks, argmax as it goes)
     beats logits + argmax for `rows` greedy rows here: it depends on the CPU and the dtype. Timed on
-    random hidden states through the autotune cache; within a machine's noise either may win, and
-    both pick the argmax."""
+    random hidden states through the autotune cache (not measuring: its cached choice, else the
+    default, logits); within a machine's noise either may win, and both pick the argmax."""
     model, dtype = built.model, built.dtype
     cfg = model.config
     hidden = torch.randn(rows, cfg.hidden_size, device=model.norm.weight.device).to(dtype)
@@ -254,19 +315,23 @@ def greedy_head_is_faster(built: BuiltModel, rows: int, tuner: Autotuner) -> boo
         if model.greedy_tokens(hidden) is None:
             return False
         shape = f"{rows} rows {dtype} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
-        choice = tuner.choose(
-            "greedy_head",
-            shape,
-            {
-                "head": lambda: model.greedy_tokens(hidden),
-                "logits": lambda: model.ops.argmax(model.compute_logits(hidden)),
-            },
-            repeats=7,
-        )
+        candidates = {
+            "head": lambda: model.greedy_tokens(hidden),
+            "logits": lambda: model.ops.argmax(model.compute_logits(hidden)),
+        }
+        default = default_choice("greedy_head", DECODE, str(dtype).removeprefix("torch."), tuner.cpu, candidates)
+        choice = tuner.choose("greedy_head", shape, candidates, repeats=7, default=default)
+    timings = ", ".join(f"{n} {t:.2f} ms" for n, t in choice.timings_ms.items()) or "by default"
     logger.info(
-        "greedy steps: %s (at %d rows: %s)",
-        "argmax in the head" if choice.name == "head" else "logits",
-        rows,
-        ", ".join(f"{n} {t:.2f} ms" for n, t in choice.timings_ms.items()),
+        "greedy steps: %s (at %d rows: %s)", "argmax in the head" if choice.name == "head" else "logits", rows, timings
     )
     return choice.name == "head"
+
+
+def refine(built: BuiltModel, config: EngineConfig, tuner: Autotuner) -> None:
+    """The kernel choices of a built model made again through `tuner` (measuring, for `tokenmill
+    tune`): the kernel plans and the greedy head, as `build_model` made them."""
+    if config.linear_backend == "auto":
+        plan_kernels(built.model, tuner, config.max_num_seqs, config.max_num_batched_tokens)
+    if config.greedy_head == "auto":
+        built.greedy_head = greedy_head_is_faster(built, config.max_num_seqs, tuner)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tokenmill.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.startup_log import phase
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
@@ -55,6 +56,11 @@ class WarmUpShape:
 def warm_up(runner: ModelRunner, shape: WarmUpShape, params: SamplingParams) -> None:
     """Run the prefill step, then the decode step, on `runner` (whose cache holds
     `shape.num_blocks` blocks), every request sampled with `params`."""
+    with phase(f"warm-up: a {shape.prompt_len}-token prompt chunk, then {shape.decodes} decodes"):
+        _steps(runner, shape, params)
+
+
+def _steps(runner: ModelRunner, shape: WarmUpShape, params: SamplingParams) -> None:
     prompt = [0] * shape.prompt_len
     runner.execute(
         SchedulerOutput(

@@ -1,0 +1,140 @@
+"""The kernel a start-up takes without timing anything: one explicit rule per CPU kind and row class.
+
+A server start never measures (kernels/autotune.py's no-measure mode): a choice the autotune cache
+holds is read back, and one it does not hold is taken from the table here, marked `default`, until
+`tokenmill tune` measures it on the machine at hand. So the table is not any one machine's timings; it
+is what the kernels' designs say each CPU kind should run, by three facts about the CPU
+(`CpuKind.from_flags`, from /proc/cpuinfo's flags) and the class of row counts:
+
+- **decode** (1-8 rows): the step reads every weight once and does little arithmetic on it, so the
+  time is the weights' bytes over the memory bandwidth. tokenmill's own kernels stream each weight in
+  its stored form once (dense in its checkpoint layout, int8 as a byte a weight, int4 as half a byte)
+  and win on every CPU kind; torch's GEMMs pack or dequantize first.
+- **batch** (9-64 rows): still close to one read of the weights a step, and enough rows that
+  register tiling pays. Where the CPU has AMX, its tiles (the `amx` kernels) multiply 16 rows at a
+  time; elsewhere the tiled native loops (`tiled`: 4 weight rows x 4 input rows) keep the weights read
+  once. A dequantizing kernel here would write a dense copy of the weights every step, the cost the
+  quantization exists to avoid, so it is the last resort (int4 without AMX, where tokenmill's int4
+  kernel's int8 activations are kept to decode rows).
+- **prompt** (65+ rows): arithmetic, not weight reads, bounds the product, so torch's GEMM (oneDNN /
+  MKL, packed panels) takes it wherever it runs the dtype in hardware: float32 everywhere, bfloat16
+  where the CPU has bfloat16 arithmetic (AVX-512 BF16 or AMX). Without it (AVX2 alone) torch's
+  bfloat16 GEMM emulates every product, and the native kernel, which widens bfloat16 to float32 once
+  per load, takes the class. Quantized weights are dequantized once per product for this class
+  (`dequant`), except W8A8, whose integer GEMM (`int_mm`: oneDNN, VNNI where present) keeps the
+  activations in int8, and AMX's own int8 tiles where the CPU has them.
+
+The greedy head (`greedy_head`: the argmax taken inside the output projection, or logits then
+argmax) defaults to logits: the plain product at the kernels' chosen shape, the chunked head's gain
+(no [rows, vocab] float32 logits written) being small beside the product itself.
+
+Each rule is a preference list: the first name among the candidates the caller offers wins (a
+candidate is offered only where it runs: AMX kernels where the CPU has AMX and Linux grants its
+tiles, `tiled` for per-channel int8, the native kernels where they built), so a rule written for a
+kind degrades to what is there. `tokenmill tune` replaces any of these by a measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+DECODE, BATCH, PROMPT = "decode", "batch", "prompt"
+ANY = "*"  # a rule for every CPU kind, or every dtype
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """What the defaults depend on: AVX-512 at all, its VNNI int8 dot products, bfloat16 arithmetic
+    (AVX-512 BF16 or AMX-BF16), AMX tiles; `name` for the log."""
+
+    avx512: bool
+    vnni: bool
+    bf16: bool
+    amx: bool
+
+    @classmethod
+    def from_flags(cls, flags: str) -> CpuKind:
+        """From a CPU's flags as /proc/cpuinfo lists them (kernels/cpu_build.py `cpu_flags`)."""
+        have = set(flags.split())
+        amx = "amx_tile" in have and bool({"amx_bf16", "amx_int8"} & have)
+        return cls(
+            avx512="avx512f" in have,
+            vnni="avx512_vnni" in have or "avx512vnni" in have,
+            bf16="avx512_bf16" in have or "amx_bf16" in have,
+            amx=amx,
+        )
+
+    @property
+    def name(self) -> str:
+        if self.amx:
+            return "AMX"
+        if self.avx512:
+            return "AVX-512" + (" VNNI" if self.vnni else "") + (" BF16" if self.bf16 else "")
+        return "AVX2 or older"
+
+    def has(self, feature: str) -> bool:
+        return feature == ANY or bool(getattr(self, feature))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """For `op` at `rows` (a row class) with `dtype` activations (or ANY) on a CPU that has `cpu`
+    (a `CpuKind` field, or ANY): the candidates in order of preference."""
+
+    op: str
+    rows: str
+    dtype: str
+    cpu: str
+    prefer: tuple[str, ...]
+
+
+# The first rule that matches wins (the specific before the general). Ops: `linear` (dense: `cpu`,
+# the native kernel, or `torch`'s GEMM), `int8` / `w8a8` / `int4` (quant/int_methods.py's kernels).
+RULES: tuple[Rule, ...] = (
+    # dense
+    Rule("linear", DECODE, ANY, ANY, ("cpu", "torch")),
+    Rule("linear", BATCH, ANY, ANY, ("cpu", "torch")),
+    Rule("linear", PROMPT, "float32", ANY, ("torch", "cpu")),
+    Rule("linear", PROMPT, "bfloat16", "bf16", ("torch", "cpu")),
+    Rule("linear", PROMPT, ANY, ANY, ("cpu", "torch")),  # AVX2: torch's bfloat16 GEMM is emulated
+    # int8 weight-only
+    Rule("int8", DECODE, ANY, ANY, ("native", "tiled", "dequant")),
+    Rule("int8", BATCH, ANY, "amx", ("amx", "tiled", "native", "dequant")),
+    Rule("int8", BATCH, ANY, ANY, ("tiled", "native", "dequant")),
+    Rule("int8", PROMPT, "float32", ANY, ("dequant", "tiled", "native")),
+    Rule("int8", PROMPT, "bfloat16", "bf16", ("dequant", "amx", "tiled", "native")),
+    Rule("int8", PROMPT, ANY, ANY, ("tiled", "native", "dequant")),  # AVX2: no bfloat16 GEMM to dequantize to
+    # W8A8: int8 activations, integer products
+    Rule("w8a8", DECODE, ANY, ANY, ("native", "tiled", "int_mm")),
+    Rule("w8a8", BATCH, ANY, "amx", ("amx", "tiled", "native", "int_mm")),
+    Rule("w8a8", BATCH, ANY, ANY, ("tiled", "native", "int_mm")),
+    Rule("w8a8", PROMPT, ANY, "amx", ("amx", "int_mm", "tiled")),
+    Rule("w8a8", PROMPT, ANY, "vnni", ("int_mm", "tiled", "native")),
+    Rule("w8a8", PROMPT, ANY, ANY, ("tiled", "int_mm", "native")),  # AVX2: its own integer loop
+    # int4 weight-only (`native` is kept to decode rows by the method; `int4pack`: torch's kernel,
+    # offered only where tokenmill's kernels do not build)
+    Rule("int4", DECODE, ANY, ANY, ("native", "int4pack", "amx", "dequant")),
+    Rule("int4", BATCH, ANY, "amx", ("amx", "int4pack", "dequant")),
+    Rule("int4", BATCH, ANY, ANY, ("int4pack", "dequant")),
+    Rule("int4", PROMPT, ANY, ANY, ("dequant", "int4pack", "amx")),
+    # the greedy head
+    Rule("greedy_head", ANY, ANY, ANY, ("logits", "head")),
+)
+
+
+def row_class(low: int) -> str:
+    """The class of row counts a range starting at `low` falls in (quant/cpu_dense.py ROW_CLASSES)."""
+    return DECODE if low <= 8 else BATCH if low <= 64 else PROMPT
+
+
+def default_choice(op: str, rows: str, dtype: str, cpu: CpuKind, candidates: Collection[str]) -> str:
+    """The candidate the first matching rule prefers among `candidates`; with no rule (or none of its
+    names offered), the first candidate."""
+    for rule in RULES:
+        if rule.op == op and rule.rows in (rows, ANY) and rule.dtype in (dtype, ANY) and cpu.has(rule.cpu):
+            for name in rule.prefer:
+                if name in candidates:
+                    return name
+            break
+    return next(iter(candidates))
