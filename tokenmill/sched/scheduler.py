@@ -7,6 +7,11 @@ order while there is room (`max_num_seqs`, budget, KV blocks). When blocks run o
 running request is preempted: its blocks are freed and it waits, at the head of the queue, to be
 recomputed. Chunked prefill and preemption fall out of this rule; there is no prefill phase.
 
+Two edges are protocols it calls and never branches on: a `KVConnector` (KV computed elsewhere comes
+in at admission, a finished prefill's goes out; `NoKVConnector` by default) and a `DraftPolicy`
+(which running requests send drafts this step, from the runner's guesses of the step before; `NoDrafts`
+by default).
+
 An error that belongs to one request (its KV allocation, applying its step's results, or one the
 runner reports in `StepOutput.failed`) fails that request alone: it finishes as `FINISHED_ERROR`, its
 blocks freed, and `take_failed` hands the engine why.
