@@ -4,7 +4,7 @@ Speed: `tokenmill bench offline --workload code-edit --compare speculative_confi
 speculative_config=<adaptive> [speculative_config=<fixed>]`, variants interleaved in each of 3
 repeats, EOS respected (outputs with and without speculation are the same tokens, so both sides run
 the same work), at 1, 4, 16 and 32 concurrent requests (4, 8, 32, 64 requests of ~256-token
-snippets). `adaptive`: prompt lookup with k = 5 under the measured rule (spec_decode/policy.py);
+snippets). `adaptive`: prompt lookup with k = 5 under the measured rule (sched/spec_policy.py);
 `fixed`: the same, every draft verified (at 1 and 32 requests). Reported per variant: output
 tokens/s, the ratio over none (median [min-max]), TPOT, the share of drafts kept and the tokens a
 verification step yields.
@@ -129,13 +129,13 @@ def outputs_and_curve() -> dict[str, Any]:
         params = [SamplingParams(temperature=0, max_tokens=limits[i % 64]) for i in picked]
         outs = llm.generate([prompts[i % 64] for i in picked], params, use_tqdm=False)
         outputs += [o.outputs[0].token_ids for o in outs]
-        points = sorted(llm.engine.core.speculation.policy.curve.buckets.values())  # type: ignore[union-attr]
+        points = sorted(llm.engine.core.scheduler.drafts.policy.curve.buckets.values())  # type: ignore[attr-defined]
         curve[f"b{batch}"] = [{"tokens": n, "step_ms": t * 1e3} for n, t in points]
     grams = [tuple(o[i : i + 4]) for o in outputs for i in range(len(o) - 3)]
     share = len(set(grams)) / len(grams) if grams else None
     even = {}
-    last = sorted(llm.engine.core.speculation.policy.curve.buckets.values())  # type: ignore[union-attr]
-    curve_fn = llm.engine.core.speculation.policy.curve  # type: ignore[union-attr]
+    last = sorted(llm.engine.core.scheduler.drafts.policy.curve.buckets.values())  # type: ignore[attr-defined]
+    curve_fn = llm.engine.core.scheduler.drafts.policy.curve  # type: ignore[attr-defined]
     for batch in (1, 4, 16, 32):
         plain, spec_t = curve_fn.seconds(batch), curve_fn.seconds(batch * (1 + K))
         if plain and spec_t:

@@ -42,8 +42,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData]
     chunks: list[ScheduledChunk]
     finished_request_ids: list[str]  # finished since the last step: the runner drops their state
-    # a draft model (speculative decoding) guesses for the next step: speculation may still pay
-    draft_next: bool = True
+    # the runner's proposer guesses drafts for the next step (speculative decoding: the drafts may still pay)
+    draft_next: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,8 +66,8 @@ class StepOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per new token
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # rows of this chunk
     forward_seconds: float = 0.0  # time in the model forward and the logits
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's guesses for the next step
-    draft_seconds: float = 0.0  # the draft model's share of the step (its pass over the step's tokens, its guesses)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # the proposer's guesses for the next step
+    draft_seconds: float = 0.0  # the proposer's share of the step (a draft model's pass over its tokens, the guesses)
     # request id -> why the runner failed it alone (its own processors, a NaN row); it sampled nothing
     failed: dict[str, str] = field(default_factory=dict)
 

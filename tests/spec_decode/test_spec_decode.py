@@ -15,8 +15,9 @@ import pytest
 from tests.engine.test_engine import assert_no_leaks, greedy, same_up_to_near_tie
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
+from tokenmill.sched.draft_policy import Drafting
+from tokenmill.sched.spec_policy import Candidate, SpeculationPolicy, StepCurve
 from tokenmill.spec_decode import DraftRequest, NgramProposer
-from tokenmill.spec_decode.policy import Candidate, SpeculationPolicy, StepCurve
 
 
 def ngram(k: int = 3, adaptive: bool = False) -> dict[str, object]:
@@ -367,15 +368,15 @@ def test_a_draft_idle_for_a_while_catches_up_before_it_guesses_again(llama, plai
     caught up first: the target as its own draft still keeps (nearly) every guess."""
     ps = repetitive_prompts(6, seed=29)
     spec = LLM(llama, max_model_len=128, kv_cache_memory=64 * 24576, speculative_config=draft_config(llama, 3))
-    speculation = spec.engine.core.speculation
-    assert speculation is not None
-    draft, steps = speculation.draft, itertools.count()
+    drafts = spec.engine.core.scheduler.drafts
+    assert isinstance(drafts, Drafting)
+    choose, steps = drafts.choose, itertools.count()
 
-    def on_and_off(*args: object) -> None:
-        draft(*args)  # type: ignore[arg-type]
-        speculation.worth_proposing = next(steps) % 4 < 2  # two steps guessing, two idle
+    def on_and_off(*args: object) -> bool:
+        choose(*args)  # type: ignore[arg-type]
+        return next(steps) % 4 < 2  # two steps guessing, two idle (SchedulerOutput.draft_next)
 
-    speculation.draft = on_and_off  # type: ignore[method-assign]
+    drafts.choose = on_and_off  # type: ignore[method-assign]
     got = spec.generate(ps, greedy(), use_tqdm=False)
     want = plain.generate(ps, greedy(), use_tqdm=False)
     assert all(same_up_to_near_tie(a, b) for a, b in zip(got, want, strict=True))

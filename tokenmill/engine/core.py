@@ -1,6 +1,9 @@
 """EngineCore: token ids in, plain messages out — schedule -> execute -> update, once per step.
 
-Owns the scheduler (and through it the KV manager) and the worker that runs the model. It takes
+Owns the scheduler (and through it the KV manager) and the worker that runs the model. The step has
+no feature branches: speculative decoding is the scheduler's draft policy (which requests take
+drafts) and the runner's proposer (the guesses, handed back in `StepOutput`); KV transfer is a
+connector the scheduler and the worker call at their edges. The core only puts them together. It takes
 `EngineCoreRequest`s, aborts and stops (a stop string the front end matched: the request finishes
 as stopped and its blocks are freed here, in the core, like every other finish), and each `step()`
 returns `EngineCoreOutputs`: per request that changed, the new token ids and logprobs, the
@@ -25,12 +28,11 @@ from tokenmill.errors import ParamError, describe
 from tokenmill.outputs import EngineStats, SchedulerOutput, StepOutput, StepStats
 from tokenmill.request import Request, RequestStatus, RequestTimes
 from tokenmill.runner.worker import Worker
-from tokenmill.sched.kv_connector import KVTransfer
+from tokenmill.sched.draft_policy import Drafting, NoDrafts
+from tokenmill.sched.kv_connector import KVConnector, KVTransfer
 from tokenmill.sched.kv_manager import KVManager
 from tokenmill.sched.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sched.static import StaticScheduler
-from tokenmill.spec_decode import make_proposer
-from tokenmill.spec_decode.speculation import Speculation
 
 logger = logging.getLogger("tokenmill")
 
@@ -48,24 +50,9 @@ class EngineCore:
         self.max_model_len = self.worker.max_model_len
         self.block_size = self.worker.block_size
         self.num_blocks = self.worker.num_blocks
-        kv = KVManager(
-            self.num_blocks,
-            config.block_size,
-            watermark_blocks=max(1, self.num_blocks // 100),
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        scheduler_cls = StaticScheduler if config.scheduling == "static" else Scheduler
-        self.scheduler: Scheduler = scheduler_cls(sched_config, kv, kv_connector)
+        self.scheduler = make_scheduler(config, self.num_blocks, self.max_model_len, kv_connector)
         self.last_step = StepStats(0, 0, 0.0, 0.0, 0, 0)
         self.num_step_failures = 0
-        spec = SpeculativeConfig.parse(config.speculative_config) if config.speculative_config else None
-        counts = self.scheduler.spec
-        self.speculation = (
-            Speculation(spec, make_proposer(spec), self.max_model_len, counts.reached_per_pos, counts.accepted_per_pos)
-            if spec
-            else None
-        )
 
     # -- requests in -----------------------------------------------------------------------------
 
@@ -112,26 +99,21 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        spec = self.speculation
-        if spec is not None:
-            spec.draft(self.scheduler.running, self.config.max_num_batched_tokens)
-        drafted = time.perf_counter()
         scheduled = self.scheduler.schedule(time.monotonic())
-        if spec is not None:
-            scheduled.draft_next = spec.worth_proposing
         requests = self.scheduler.requests
         had = {c.request_id: len(requests[c.request_id].output_token_ids) for c in scheduled.chunks}
         try:
             result = self.worker.execute(scheduled)
         except Exception as e:  # the step itself failed: its requests fail, the engine goes on
             return self._step_failed(scheduled, e, start)
-        if spec is not None:
-            spec.after_step(result.drafts, result.draft_seconds)  # a draft model's guesses, for the next step
         changed = self.scheduler.update(scheduled, result, time.monotonic())
-        self.worker.after_update()
-        if spec is not None and all(len(c.token_ids) == 1 + c.num_draft_tokens for c in scheduled.chunks):
-            # (the target's share: a draft model's passes are the proposer's cost, counted apart)
-            spec.observe_step(scheduled.num_batched_tokens, time.perf_counter() - drafted - result.draft_seconds)
+        self.worker.after_update()  # (the worker's end of the step: KV a connector sends out)
+        return self._step_outputs(scheduled, result, changed, had, start)
+
+    def _step_outputs(
+        self, scheduled: SchedulerOutput, result: StepOutput, changed: list[Request], had: dict[str, int], start: float
+    ) -> EngineCoreOutputs:
+        """The step's outputs: what changed for each request, prompt-logprob rows, failures; its stats."""
         outputs = [self._output(r, result, had[r.request_id]) for r in changed]
         reported = {r.request_id for r in changed}
         for request_id, rows in result.prompt_logprobs.items():  # a prompt chunk that sampled nothing
@@ -214,3 +196,22 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (as vLLM's reset_prefix_cache); False while requests are in flight."""
         return self.scheduler.kv.reset_prefix_cache()
+
+
+def make_scheduler(
+    config: EngineConfig, num_blocks: int, max_model_len: int, kv_connector: KVConnector | None = None
+) -> Scheduler:
+    """The scheduler the settings ask for, over a KV manager of `num_blocks` blocks: static batching or
+    continuous, with speculative decoding's draft policy where a speculative_config is given."""
+    kv = KVManager(
+        num_blocks,
+        config.block_size,
+        watermark_blocks=max(1, num_blocks // 100),
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+    sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    if config.scheduling == "static":
+        return StaticScheduler(sched_config, kv, kv_connector)
+    spec = config.speculative_config
+    drafts = Drafting(SpeculativeConfig.parse(spec), max_model_len) if spec else NoDrafts()
+    return Scheduler(sched_config, kv, kv_connector, drafts)

@@ -29,8 +29,8 @@ from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.batch import ModelInputs, prepare_inputs
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.spec_decode.draft_model import DraftRow, DraftRunner
-from tokenmill.spec_decode.proposer import speculates
+from tokenmill.sched.draft_policy import speculates
+from tokenmill.spec_decode.proposer import DraftRequest, NoProposer, Proposer
 from tokenmill.spec_decode.rejection import RejectionSampler, Verification
 from tokenmill.structured.grammar import GrammarCompiler
 
@@ -57,7 +57,8 @@ class ModelRunner:
         # Greedy-only steps take their tokens from `model.greedy_tokens` (no logits kept) where the
         # worker measured it faster than logits + argmax on this machine and dtype.
         self.greedy_head = False
-        self.draft: DraftRunner | None = None  # speculative decoding's draft model, where one is configured
+        # speculative decoding's guesses for the next step (prompt lookup, or a draft model), where configured
+        self.proposer: Proposer = NoProposer()
         self.rejection = RejectionSampler()  # verifies unseeded sampled requests' drafts
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, where captured
 
@@ -66,8 +67,7 @@ class ModelRunner:
         if result.failed:  # their chunks are not computed
             chunks = [c for c in scheduled.chunks if c.request_id not in result.failed]
             scheduled = dataclasses.replace(scheduled, chunks=chunks)
-        if self.draft is not None:
-            self.draft.begin_step(scheduled)
+        self.proposer.begin_step(scheduled)
         if not scheduled.chunks:
             return result
         for c in scheduled.chunks:  # the scheduler sends only new block ids; the tables live here
@@ -84,9 +84,9 @@ class ModelRunner:
             and s.next_prompt_logprob < len(s.prompt_token_ids)
         }
         tables = [self.batch.state(c.request_id).block_table for c in scheduled.chunks]
-        graphs = self.graphs  # a decode-only step replays a CUDA graph (the draft model's steps: eager)
+        graphs = self.graphs  # a decode-only step replays a CUDA graph (those a draft model mirrors: eager)
         if graphs is not None and (
-            (self.draft is not None and scheduled.draft_next)
+            (self.proposer.mirrors and scheduled.draft_next)
             or not graphs.covers([len(c.token_ids) for c in scheduled.chunks])
         ):
             graphs = None
@@ -98,9 +98,9 @@ class ModelRunner:
             start = time.perf_counter()
             if events:
                 events[0].record()
-            if self.draft is not None and scheduled.draft_next:  # the draft's KV for the step's tokens
-                self.draft.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
-                result.draft_seconds = time.perf_counter() - start  # (the draft's share of the step)
+            if scheduled.draft_next:  # a draft model's KV for the step's tokens
+                self.proposer.mirror(inputs.input_ids, inputs.positions, inputs.metadata)
+                result.draft_seconds = time.perf_counter() - start  # (the proposer's share of the step)
             if graphs is not None:
                 hidden = graphs.forward(inputs.input_ids, inputs.positions)
             else:
@@ -147,11 +147,10 @@ class ModelRunner:
         return failed
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop every per-request state of these requests (a failed step's): their rows, the draft's."""
+        """Drop every per-request state of these requests (a failed step's): their rows, the proposer's."""
         for request_id in request_ids:
             self.batch.remove(request_id)
-        if self.draft is not None:
-            self.draft.forget(request_ids)
+        self.proposer.forget(request_ids)
 
     def _greedy_from_head(self, wanted: torch.Tensor, inputs: ModelInputs, result: StepOutput) -> bool:
         """Greedy tokens from the hidden states [R, hidden] without logits (False where the head
@@ -212,30 +211,28 @@ class ModelRunner:
         return blamed
 
     def _propose(self, scheduled: SchedulerOutput, result: StepOutput) -> None:
-        """The draft model's guesses after each request's newest token, for the next step."""
-        if self.draft is None:
-            return
-        self.draft.end_step(scheduled, result.sampled, mirrored=scheduled.draft_next)
-        if not scheduled.draft_next or not result.sampled:
+        """The proposer's guesses after each request's newest token (those that sampled and may take
+        drafts), for the next step, where the scheduler asked for them."""
+        if not scheduled.draft_next:
             return
         start = time.perf_counter()
-        rows, contexts = [], []
+        requests = []
         for c in scheduled.chunks:
-            sampled = result.sampled.get(c.request_id)
             state = self.batch.state(c.request_id)
-            if not sampled or not speculates(state.params):
-                continue
-            # the newest token's position: after the chunk's computed tokens (its drafts: the kept ones)
-            position = c.start_position + len(c.token_ids) - c.num_draft_tokens + len(sampled) - 1
-            first_output = len(state.output_token_ids)  # the first guess's output index (its newest token is in)
-            rows.append(
-                DraftRow(c.request_id, sampled[-1], position, state.block_table, state.params, state.seed, first_output)
-            )
-            if self.draft.synced.get(c.request_id, 0) < position:  # it fell behind while the draft was idle
-                context = (state.prompt_token_ids + state.output_token_ids)[:position]
-                contexts.append((c.request_id, context, state.block_table))
-        self.draft.catch_up(contexts, self.device)  # positions it missed while idle
-        result.drafts = self.draft.propose(rows, self.device)
+            if result.sampled.get(c.request_id) and speculates(state.params):
+                # (its newest token is in its output: position and output index follow from the lists)
+                requests.append(
+                    DraftRequest(
+                        c.request_id,
+                        state.prompt_token_ids,
+                        self.proposer.num_drafts,
+                        state.output_token_ids,
+                        state.block_table,
+                        state.params,
+                        state.seed,
+                    )
+                )
+        result.drafts = self.proposer.guess(scheduled, result.sampled, requests)
         result.draft_seconds += time.perf_counter() - start
 
     def _sample(self, logits: torch.Tensor, inputs: ModelInputs, argmax_only: bool, result: StepOutput) -> None:
@@ -266,7 +263,7 @@ class ModelRunner:
             state = self.batch.state(request_id)
             if state.params.greedy or state.params.seed is not None:
                 continue
-            q = self.draft.draft_probs(request_id, guess) if self.draft is not None else None
+            q = self.proposer.draft_probs(request_id, guess)
             out.append(Verification(firsts[request_id], guess, q, state.seed, len(state.output_token_ids)))
         return out
 

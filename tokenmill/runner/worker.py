@@ -1,15 +1,17 @@
 """Worker: the model side of an engine, built from its EngineConfig, and its steps.
 
 In order: sets up the device (threads, the freed-memory policy), builds the model
-(`runner/model_builder.py`: every "auto" resolved there), runs a warm-up step at the largest batch
-the scheduler may send (`max_num_batched_tokens` tokens of prompt, then `max_num_seqs` decodes) on a
-scratch cache, and only then sizes the KV cache from the memory left (`kv_cache_memory` when given;
-otherwise the CPU default, or on a GPU a fraction of its memory less the warm-up's peak) and
-allocates it in the backend's own layout; then captures the CUDA graphs of decode steps where they
-apply. The engine core sees `num_blocks`, `block_size`, `max_model_len`,
-`execute(SchedulerOutput) -> StepOutput` and `after_update()`; nothing else of torch crosses. A KV
-connector it is given (prefill/decode disaggregation) is bound to the cache and runs around the
-forward: received KV written before it, finished prefills' KV copied out after the step's update.
+(`runner/model_builder.py`: every "auto" resolved there; a draft model too), runs a warm-up step at
+the largest batch the scheduler may send (`max_num_batched_tokens` tokens of prompt, then
+`max_num_seqs` decodes) on a scratch cache, and only then sizes the KV cache from the memory left
+(`kv_cache_memory` when given; otherwise the CPU default, or on a GPU a fraction of its memory less
+the warm-up's peak) and allocates it in the backend's own layout; then captures the CUDA graphs of
+decode steps where they apply, and gives the runner its speculative decoding proposer (prompt
+lookup, or the draft model with its own KV cache). The engine core sees `num_blocks`, `block_size`,
+`max_model_len`, `execute(SchedulerOutput) -> StepOutput` and `after_update()`; nothing else of
+torch crosses. A KV connector it is given (prefill/decode disaggregation) is bound to the cache and
+runs around the forward: received KV written before it, finished prefills' KV copied out after the
+step's update.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.warm_up import GREEDY, WORST, WarmUpShape, warm_up
 from tokenmill.sched.kv_connector import KVWorkerConnector, NoKVConnector
 from tokenmill.spec_decode.draft_model import DraftRunner
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("tokenmill")
@@ -77,14 +81,21 @@ class Worker:
         self.runner = ModelRunner(model, caches, self.backend, self.block_size, grammar)
         if graphed:
             self.runner.graphs = self._capture(model, caches, config.max_num_seqs)
-        if draft is not None and spec is not None:
-            k = spec.num_speculative_tokens
-            scratch = DraftRunner.scratch_blocks(config.max_num_seqs, k, self.block_size)
-            caches = self._caches(self.num_blocks + scratch, draft.config)
-            self.runner.draft = DraftRunner(draft, caches, self.backend, self.block_size, self.num_blocks, k)
+        if spec is not None:
+            self.runner.proposer = self._proposer(spec, draft, config.max_num_seqs)
         self.runner.greedy_head = built.greedy_head
         self.kv_connector = kv_connector or NoKVConnector()
         self.kv_connector.bind(self.runner.kv_caches)
+
+    def _proposer(self, spec: SpeculativeConfig, draft: LlamaForCausalLM | None, max_num_seqs: int) -> Proposer:
+        """Speculative decoding's proposer, on the runner's side: prompt lookup, or the draft model with
+        a KV cache of its own in the target's block layout (and scratch blocks for its guesses)."""
+        k = spec.num_speculative_tokens
+        if draft is None:
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        scratch = DraftRunner.scratch_blocks(max_num_seqs, k, self.block_size)
+        caches = self._caches(self.num_blocks + scratch, draft.config)
+        return DraftRunner(draft, caches, self.backend, self.block_size, self.num_blocks, k)
 
     def _size_kv_cache(
         self, config: EngineConfig, built: BuiltModel, peak: int, draft: LlamaForCausalLM | None, graphed: bool

@@ -7,6 +7,11 @@ order while there is room (`max_num_seqs`, budget, KV blocks). When blocks run o
 running request is preempted: its blocks are freed and it waits, at the head of the queue, to be
 recomputed. Chunked prefill and preemption fall out of this rule; there is no prefill phase.
 
+Two edges are protocols it calls and never branches on: a `KVConnector` (KV computed elsewhere comes
+in at admission, a finished prefill's goes out; `NoKVConnector` by default) and a `DraftPolicy`
+(which running requests send drafts this step, from the runner's guesses of the step before; `NoDrafts`
+by default).
+
 An error that belongs to one request (its KV allocation, applying its step's results, or one the
 runner reports in `StepOutput.failed`) fails that request alone: it finishes as `FINISHED_ERROR`, its
 blocks freed, and `take_failed` hands the engine why.
@@ -16,12 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.errors import describe
 from tokenmill.outputs import EngineStats, NewRequestData, ScheduledChunk, SchedulerOutput, StepOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sched.block_hash import chain_hashes
+from tokenmill.sched.draft_policy import DraftPolicy, NoDrafts, count_positions
 from tokenmill.sched.kv_connector import KVConnector, NoKVConnector
 from tokenmill.sched.kv_manager import KVManager
 
@@ -41,39 +47,16 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
 
 
-@dataclass
-class SpecCounts:
-    """Speculative decoding's running totals (vLLM's spec_decode_* counters)."""
-
-    num_drafts: int = 0  # chunks that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at position j
-    reached_per_pos: list[int] = field(default_factory=list)  # [j]: drafts at j verified, all before j kept
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        count_positions(self.reached_per_pos, self.accepted_per_pos, drafted, accepted)
-
-
-def count_positions(reached: list[int], kept: list[int], drafted: int, accepted: int) -> None:
-    """One verification's outcome by draft position: drafts 0..accepted were reached (the one after the
-    last kept is where the target parted, if any), 0..accepted - 1 kept."""
-    if len(reached) < drafted:
-        reached.extend([0] * (drafted - len(reached)))
-        kept.extend([0] * (drafted - len(kept)))
-    for j in range(min(accepted + 1, drafted)):
-        reached[j] += 1
-    for j in range(accepted):
-        kept[j] += 1
-
-
 class Scheduler:
-    speculative = True  # takes the drafts the engine sets on running requests
-
-    def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVManager,
+        connector: KVConnector | None = None,
+        drafts: DraftPolicy | None = None,
+    ) -> None:
+        """`connector`: KV transfer's edge (NoKVConnector: none); `drafts`: which requests take the
+        runner's drafts each step (NoDrafts: none)."""
         self.config = config
         self.kv = kv
         # KV computed elsewhere comes in, and a prefill's goes out, through it (prefill/decode disaggregation)
@@ -92,7 +75,8 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
-        self.spec = SpecCounts()
+        self.drafts: DraftPolicy = drafts or NoDrafts()
+        self.spec = self.drafts.counts  # speculative decoding's counters
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -160,6 +144,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        draft_next = self.drafts.choose(self.running, budget)  # (this step's drafts set on the running requests)
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
         preempted = False
@@ -191,14 +176,14 @@ class Scheduler:
             budget = self._admit(budget, chunks, new, now)
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(new_requests=new, chunks=chunks, finished_request_ids=finished)
+        return SchedulerOutput(new_requests=new, chunks=chunks, finished_request_ids=finished, draft_next=draft_next)
 
     def _schedule_drafts(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> bool:
         """A decoding request with draft tokens: its last token and the drafts that fit the budget and
         the free blocks, as one chunk. False (nothing scheduled) when it has none or none fits: it then
         decodes one token as usual (drafts never preempt anyone)."""
         drafts = request.draft_token_ids[: budget - 1]
-        if not drafts or not self.speculative or request.num_tokens - request.num_computed_tokens != 1:
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
             return False
         if not self._allocate(request, request.num_tokens + len(drafts)):
             return False
@@ -348,6 +333,7 @@ class Scheduler:
                     logger.warning("request %s: its step results could not be applied", chunk.request_id, exc_info=True)
                     why = describe("its step results could not be applied", e)
             self.fail_request(chunk.request_id, why)
+        self.drafts.observe(scheduled, result)  # the runner's guesses for the next step
         return changed
 
     def _update_one(self, request: Request, chunk: ScheduledChunk, result: StepOutput, now: float) -> None:

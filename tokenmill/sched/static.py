@@ -8,11 +8,23 @@ is done. Kept so that every claim about continuous batching is a measured ratio 
 from __future__ import annotations
 
 from tokenmill.outputs import NewRequestData, ScheduledChunk
-from tokenmill.sched.scheduler import Scheduler
+from tokenmill.sched.draft_policy import DraftPolicy, NoDrafts
+from tokenmill.sched.kv_connector import KVConnector
+from tokenmill.sched.kv_manager import KVManager
+from tokenmill.sched.scheduler import Scheduler, SchedulerConfig
 
 
 class StaticScheduler(Scheduler):
-    speculative = False  # the baseline decodes a token a step (its KV is reserved up front)
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVManager,
+        connector: KVConnector | None = None,
+        drafts: DraftPolicy | None = None,
+    ) -> None:
+        """As the Scheduler's; `drafts` is ignored: the baseline decodes a token a step (its KV is
+        reserved up front)."""
+        super().__init__(config, kv, connector, NoDrafts())
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], new: list[NewRequestData], now: float) -> int:
         if self.running:

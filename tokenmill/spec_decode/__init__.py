@@ -1,24 +1,10 @@
-"""Speculative decoding: proposers guess tokens ahead, the target model verifies them in one step."""
+"""Speculative decoding, the runner's side: proposers guess tokens ahead (prompt lookup, a draft model),
+the target model verifies them in one step (rejection sampling for unseeded sampled requests). Which
+requests take drafts is the scheduler's (`sched/draft_policy.py`, `sched/spec_policy.py`)."""
 
 from __future__ import annotations
 
-from tokenmill.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.spec_decode.proposer import DraftModelProposer, DraftRequest, Proposer, speculates
+from tokenmill.spec_decode.proposer import DraftRequest, NoProposer, Proposer
 
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer `config.method` names (a draft model's: what the runner's draft proposed)."""
-    if config.method == "draft_model":
-        return DraftModelProposer()
-    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-
-
-__all__ = [
-    "DraftModelProposer",
-    "DraftRequest",
-    "NgramProposer",
-    "Proposer",
-    "make_proposer",
-    "speculates",
-]
+__all__ = ["DraftRequest", "NgramProposer", "NoProposer", "Proposer"]

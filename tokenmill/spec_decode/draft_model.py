@@ -10,13 +10,14 @@ that only the draft's cache has (ids from num_blocks on, a few per batch row), s
 runs the kept tokens through the draft again anyway. While the measured rule has the draft idle
 (guessing would not pay) it runs nothing at all; a request that went on meanwhile has its missed
 positions run through the draft, as a prompt chunk, before its next guesses.
-Core side: `DraftModelProposer` (proposer.py) hands the engine's speculation what the runner proposed.
+It is the runner's `Proposer` (proposer.py) where the speculative_config names a draft model: its
+guesses go back to the scheduler in `StepOutput.drafts`, and the q it sampled them from (unseeded
+sampled requests) stays here, by request, until they are verified (`draft_probs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,25 +26,14 @@ from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCa
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.proposer import DraftRequest
 
 DRAFT_STREAM = 0xD4AF_7000_5EED_0001  # xor-ed into an unseeded request's seed: the stream of its draft samples
 
 
-@dataclass
-class DraftRow:
-    """A request the draft guesses for after this step."""
-
-    request_id: str
-    token: int  # its newest token
-    position: int  # that token's position
-    block_table: list[int]
-    params: SamplingParams
-    seed: int  # the effective seed (the user's, or the engine's draw)
-    output_position: int  # output index of the first guess
-
-
 class DraftRunner:
+    mirrors = True  # (each step the draft guesses after runs the step's tokens first)
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -64,7 +54,8 @@ class DraftRunner:
         # rule has the draft idle; it catches up before it guesses again)
         self.synced: dict[str, int] = {}
         self.sampler = Sampler(model.ops.argmax)
-        # request -> (the latest guesses, q at each [k, V]) for unseeded sampled requests
+        self.device = model.norm.weight.device
+        # request -> (its latest guesses, q at each [k, V]) for unseeded sampled requests
         self._probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     @staticmethod
@@ -81,6 +72,7 @@ class DraftRunner:
     def begin_step(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
             self.synced.pop(request_id, None)
+            self._probs.pop(request_id, None)
         for c in scheduled.chunks:
             if c.replace_block_table:  # (re)started in other blocks: nothing of it is there
                 self.synced[c.request_id] = 0
@@ -100,7 +92,21 @@ class DraftRunner:
             kept = len(sampled.get(c.request_id, ())) - 1 if c.num_draft_tokens else 0
             self.synced[c.request_id] = c.start_position + len(c.token_ids) - c.num_draft_tokens + kept
 
-    def catch_up(self, rows: list[tuple[str, list[int], list[int]]], device: torch.device) -> None:
+    def guess(
+        self, scheduled: SchedulerOutput, sampled: dict[str, list[int]], requests: list[DraftRequest]
+    ) -> dict[str, list[int]]:
+        """After a step it mirrored: the positions made valid, the catch-up of requests that fell
+        behind while it was idle, then k guesses for each request."""
+        self.end_step(scheduled, sampled, mirrored=True)
+        behind = [
+            (r.request_id, (list(r.prompt_token_ids) + list(r.output_token_ids))[: r.position], r.block_table)
+            for r in requests
+            if self.synced.get(r.request_id, 0) < r.position
+        ]
+        self.catch_up(behind)  # positions it missed while idle
+        return self._guess(requests)
+
+    def catch_up(self, rows: list[tuple[str, list[int], list[int]]]) -> None:
         """rows: (request id, its tokens up to its newest one, its block table): the draft's KV for the
         positions it missed, one prompt-like chunk each."""
         behind = [(i, tokens, table) for i, tokens, table in rows if self.synced.get(i, 0) < len(tokens)]
@@ -119,20 +125,22 @@ class DraftRunner:
             seq_lens.append(len(tokens))
             tables.append(table)
             self.synced[request_id] = len(tokens)
-        md = self.backend.build_metadata(query_lens, seq_lens, tables, self.block_size, device)
-        as_tensor = partial(torch.tensor, dtype=torch.int64, device=device)
+        md = self.backend.build_metadata(query_lens, seq_lens, tables, self.block_size, self.device)
+        as_tensor = partial(torch.tensor, dtype=torch.int64, device=self.device)
         self.model(as_tensor(ids), as_tensor(positions), self.caches, md)
 
-    def propose(self, rows: list[DraftRow], device: torch.device) -> dict[str, list[int]]:
+    def _guess(self, rows: list[DraftRequest]) -> dict[str, list[int]]:
         """k draft tokens for each row. Row i writes past its table into scratch blocks num_blocks +
         i * scratch_per_row ... Greedy requests get the draft's argmax; sampled ones a sample of its
         distribution q (their temperature, top-k, top-p and min-p applied): a seeded request's from
         the noise its target samples with at that output position (the two agree wherever the
         distributions are close), an unseeded one's from a stream of its own, with q kept for the
         rejection sampling that verifies it (`draft_probs`)."""
-        self._probs = {}
+        for row in rows:
+            self._probs.pop(row.request_id, None)
         if not rows:
             return {}
+        device = self.device
         k, bs = self.num_drafts, self.block_size
         tables = []
         for i, row in enumerate(rows):
@@ -144,7 +152,7 @@ class DraftRunner:
         out: list[list[int]] = [[] for _ in rows]
         unseeded = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.seed is None]
         kept: list[list[torch.Tensor]] = [[] for _ in unseeded]  # [k][V] each
-        sampling = None if all(row.params.greedy for row in rows) else self._metadata(rows, device)
+        sampling = None if all(row.params.greedy for row in rows) else self._metadata(rows)
         for j in range(k):
             positions = [row.position + j for row in rows]
             md = self.backend.build_metadata([1] * len(rows), [p + 1 for p in positions], tables, bs, device)
@@ -153,8 +161,8 @@ class DraftRunner:
             logits = self.model.compute_logits(hidden)  # [B, V] float32
             if sampling is None:
                 tokens = self.model.ops.argmax(logits).tolist()
-            else:  # guess j samples output position output_position + j
-                at_j = dataclasses.replace(sampling, output_positions=[row.output_position + j for row in rows])
+            else:  # guess j samples output position len(output) + j
+                at_j = dataclasses.replace(sampling, output_positions=[len(row.output_token_ids) + j for row in rows])
                 probs = self.sampler.probabilities(logits, at_j)  # [B, V] (one-hot rows: greedy)
                 tokens = self.sampler.argmax(probs / self.sampler.exponential_noise(probs, at_j)).tolist()
                 for slot, i in enumerate(unseeded):
@@ -166,8 +174,8 @@ class DraftRunner:
         return {row.request_id: drafts for row, drafts in zip(rows, out, strict=True)}
 
     def draft_probs(self, request_id: str, drafts: list[int]) -> torch.Tensor | None:
-        """[len(drafts), V]: q at each of these drafts, which the latest `propose` sampled for this
-        (unseeded) request; None where it sampled none for it."""
+        """[len(drafts), V]: q at each of these drafts, which its latest guesses sampled for this
+        (unseeded) request; None where they sampled none for it."""
         entry = self._probs.get(request_id)
         if entry is None:
             return None
@@ -176,11 +184,11 @@ class DraftRunner:
             raise RuntimeError(f"request {request_id!r}: drafts to verify {drafts} are not the ones proposed {tokens}")
         return probs[: len(drafts)]
 
-    def _metadata(self, rows: list[DraftRow], device: torch.device) -> SamplingMetadata:
+    def _metadata(self, rows: list[DraftRequest]) -> SamplingMetadata:
         """The sampling of each row's first guess: a seeded request on its own seed's stream, an unseeded
         one on the draft's stream of its seed."""
         seeds = [row.seed if row.params.seed is not None else row.seed ^ DRAFT_STREAM for row in rows]
-        positions = [row.output_position for row in rows]
+        positions = [len(row.output_token_ids) for row in rows]
         params = [row.params for row in rows]
         vocab = self.model.config.vocab_size
-        return SamplingMetadata.build(params, seeds, positions, vocab, [], list(range(len(rows))), device)
+        return SamplingMetadata.build(params, seeds, positions, vocab, [], list(range(len(rows))), self.device)

@@ -4,6 +4,8 @@ For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens of pro
 looked for earlier in them (the latest earlier occurrence); the first n that is found proposes the
 tokens that followed that occurrence, up to the request's max_drafts. The search runs over the
 tokens as int32 bytes (`bytes.rfind`, C speed), a hit kept only where it falls on a token boundary.
+A `Proposer` (spec_decode/proposer.py) on the runner's side: after a step, it looks up each request's
+tokens as the runner holds them, its newest token included.
 """
 
 from __future__ import annotations
@@ -11,21 +13,44 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.outputs import SchedulerOutput
 from tokenmill.spec_decode.proposer import DraftRequest
 
 WIDTH = 4  # bytes a token in the search buffer
 
 
 class NgramProposer:
-    def __init__(self, min_n: int, max_n: int) -> None:
+    mirrors = False  # (no model of its own)
+
+    def __init__(self, min_n: int, max_n: int, num_drafts: int = 0) -> None:
+        """`num_drafts`: k, what the runner asks for each request (`propose` takes each one's max_drafts)."""
         self.min_n = min_n
         self.max_n = max_n
+        self.num_drafts = num_drafts
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Per request, in order: the tokens that followed its longest suffix's latest earlier match."""
         return [self._one(r.prompt_token_ids, r.output_token_ids, r.max_drafts) for r in requests]
 
-    def take(self, drafts: dict[str, list[int]]) -> None:
-        pass  # (it looks up the requests' own tokens)
+    def guess(
+        self, scheduled: SchedulerOutput, sampled: dict[str, list[int]], requests: list[DraftRequest]
+    ) -> dict[str, list[int]]:
+        return {r.request_id: drafts for r, drafts in zip(requests, self.propose(requests), strict=True)}
+
+    def begin_step(self, scheduled: SchedulerOutput) -> None:
+        pass
+
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        pass
+
+    def draft_probs(self, request_id: str, drafts: list[int]) -> torch.Tensor | None:
+        return None  # (a lookup's drafts are point masses)
+
+    def forget(self, request_ids: list[str]) -> None:
+        pass
 
     def _one(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         tokens = array("i", prompt)

@@ -21,8 +21,9 @@ outrun what the longer step costs. Both sides are measured as the engine runs:
 the products fall with j) and keeps the count that maximizes (decoding requests + expected extra tokens) /
 (step time at that many tokens + what proposing still costs); none, when no count beats plain
 decoding. Asked first as if every request were offered its k drafts, with the proposer's time: when
-that does not pay, the step proposes nothing at all (acceptance starts optimistic, so proposing gets
-tried before it is judged).
+that does not pay, the runner proposes nothing for the next step (acceptance starts optimistic, so
+proposing gets tried before it is judged). Pure Python: the scheduler's draft policy
+(`sched/draft_policy.py`) asks it.
 """
 
 from __future__ import annotations
