@@ -298,7 +298,20 @@ def load_model(
     else:
         load_weights(model, folder)
     _finish(model, cfg, device)
+    if checkpoint:
+        release_freed_memory()
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`): a GGUF load's tensors are
+    read and reordered through buffers of many sizes, and the holes they leave would otherwise stay
+    resident (about 8% of a 1.1B Q4_K_M file's size). Elsewhere a no-op."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # (not glibc)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _finish(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:
