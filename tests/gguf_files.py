@@ -1,12 +1,14 @@
 """Small GGUF files for the tests, written with the `gguf` package's writer as llama.cpp's converter
 lays them out: a Hugging Face folder's config as metadata, its tokenizer as `tokenizer.ggml.*`, its
 tensors under llama.cpp's names with the Q/K rows permuted, in one tensor type for every matrix
-(norms stay F32). Where `gguf` cannot quantize a type (the K-quants), the matrices are raw blocks of
-random bits with small finite scales: both loaders dequantize the same bits."""
+(norms stay F32), or a type per tensor as llama.cpp's mixes choose them (`q4_k_m_types`). Where `gguf`
+cannot quantize a type (the K-quants), the matrices are raw blocks of random bits with small finite
+scales: both loaders dequantize the same bits."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -18,7 +20,7 @@ from tokenmill.models.gguf_checkpoint import BLOCK_TENSORS, GLOBAL_TENSORS, perm
 
 Q = gguf.GGMLQuantizationType
 # K-quant block layouts: (bytes per 256 weights, byte offsets of the float16 scales in a block)
-K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,))}
 HF_TO_GGUF = {v: k for k, v in GLOBAL_TENSORS.items()} | {v: k for k, v in BLOCK_TENSORS.items()}
 
 
@@ -30,13 +32,36 @@ def gguf_name(hf_name: str) -> str:
 
 
 def raw_k_quant_rows(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
-    """[rows, bytes] of random K-quant blocks whose float16 scales are small and finite."""
+    """[rows, bytes] of random K-quant blocks whose float16 scales are small and finite. Q4_K's and Q5_K's
+    minimums centre each run (min = scale: the same 6-bit value, dmin = d times the middle q), so the
+    weights average about zero as a trained model's do (a model of same-signed weights amplifies any
+    rounding of its activations layer by layer)."""
     size, scale_offsets = K_QUANT_BLOCKS[type_name]
     blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    for offset in scale_offsets:
-        scales = rng.uniform(1e-4, 4e-4, size=(rows, cols // 256)).astype(np.float16)
-        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // 256, 2)
+    d = rng.uniform(1e-4, 4e-4, size=(rows, cols // 256)).astype(np.float16)
+    if type_name in ("Q4_K", "Q5_K"):
+        blocks[:, :, 8:12] = blocks[:, :, 4:8]  # the mins' 6-bit codes equal the scales'
+        low = blocks[:, :, 12:16] & 15
+        blocks[:, :, 12:16] = low | (low << 4)
+        middle = 7.5 if type_name == "Q4_K" else 15.5
+        blocks[:, :, 2:4] = (d.astype(np.float32) * middle).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    blocks[:, :, scale_offsets[0] : scale_offsets[0] + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
     return blocks.reshape(rows, -1)
+
+
+def q4_k_m_types(k_quant: str = "Q4_K", tied: bool = False) -> Callable[[str, tuple[int, ...]], str]:
+    """llama.cpp's Q4_K_M mix (`k_quant` Q5_K: Q5_K_M), simplified: the value and down projections and
+    the output projection (a tied table: the table) in Q6_K, the rest in `k_quant`; a row width that is
+    not a multiple of 256 falls back as llama.cpp's does: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0."""
+    fallback = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+    def choose(gguf_tensor: str, shape: tuple[int, ...]) -> str:
+        high = gguf_tensor.endswith(("attn_v.weight", "ffn_down.weight")) or gguf_tensor == "output.weight"
+        high = high or (tied and gguf_tensor == "token_embd.weight")
+        wanted = "Q6_K" if high else k_quant
+        return wanted if shape[1] % 256 == 0 else fallback[wanted]
+
+    return choose
 
 
 def encode_tensor(array: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
@@ -53,16 +78,18 @@ def encode_tensor(array: np.ndarray, type_name: str, rng: np.random.Generator) -
 def write_gguf(
     folder: Path,
     out: Path,
-    type_name: str = "F32",
+    type_name: str | Callable[[str, tuple[int, ...]], str] = "F32",
     pre: str = "gpt-2",
     arch: str = "llama",
     seed: int = 0,
     drop_keys: tuple[str, ...] = (),
     set_keys: dict[str, int] | None = None,
+    untie: bool = False,
 ) -> Path:
     """The model folder `folder` (a Llama with a byte-level BPE tokenizer) as the GGUF file `out`;
-    `drop_keys`: metadata keys left out, `set_keys`: integer keys given other values (to test what
-    such a file does)."""
+    `type_name`: every matrix's type, or (GGUF tensor name, shape) -> its type; `drop_keys`: metadata
+    keys left out, `set_keys`: integer keys given other values (to test what such a file does);
+    `untie`: a tied folder's table written as the output projection too (an untied file)."""
     from transformers import AutoTokenizer
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -117,6 +144,8 @@ def write_gguf(
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights |= load_file(str(file))
+    if untie and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     for name, tensor in weights.items():
         t = tensor.float()
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):  # llama.cpp permutes llama's only
@@ -124,7 +153,11 @@ def write_gguf(
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = permute_rotary_rows(t, kv_heads)
         array = t.numpy()
-        data, qtype = encode_tensor(array, type_name, rng) if array.ndim == 2 else (array, Q.F32)
+        if array.ndim != 2:
+            data, qtype = array, Q.F32
+        else:
+            kind = type_name(gguf_name(name), array.shape) if callable(type_name) else type_name
+            data, qtype = encode_tensor(array, kind, rng)
         w.add_tensor(gguf_name(name), data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -198,8 +198,8 @@ def test_another_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = write_gguf(DEMO_MODEL, tmp_path / "q5.gguf", "Q5_0")
-    with pytest.raises(ModelLoadError, match=r"q5\.gguf: tensor 'token_embd.weight' has type Q5_0"):
+    path = write_gguf(DEMO_MODEL, tmp_path / "q3.gguf", "Q3_K")
+    with pytest.raises(ModelLoadError, match=r"q3\.gguf: tensor 'token_embd.weight' has type Q3_K"):
         load_model(path)
 
 

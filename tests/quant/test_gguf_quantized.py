@@ -1,7 +1,8 @@
 """GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept quantized at load (`quantization="auto"`): the blocks read
 into tokenmill's int8 / int4 formats exactly (against the `gguf` package's own dequantization, not
-the loader's code), the kept model computing what the dequantized one does, and the K-quants and
-mixed fused layers dequantized as before."""
+the loader's code), the kept model computing what the dequantized one does, and the types a
+config does not map dequantized as before (the engine's map keeps the K-quants too:
+test_gguf_kquant_models.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tokenmill.models.config import ModelLoadError
 from tokenmill.models.gguf_blocks import decode, pack
 from tokenmill.models.loader import load_model
 from tokenmill.quant.config import QuantConfig
+from tokenmill.quant.gguf_method import GGUFEmbedding
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod
 from tokenmill.quant.method import UnquantizedLinearMethod
 from tokenmill.quant.quantize import Int4Weight, Int8Weight, QuantSpec, dequantize_int4, dequantize_int8
@@ -102,7 +104,7 @@ def test_a_kept_model_computes_what_its_dequantized_weights_do(gguf_file, type_n
         assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
 
-def test_k_quants_and_mixed_layers_are_dequantized_with_a_log_line(gguf_file, caplog):
+def test_types_the_config_does_not_keep_are_dequantized_with_a_log_line(gguf_file, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         model = load_model(gguf_file("Q4_K"), dtype="float32", quant=kept(methods(None)))
     assert not any(hasattr(m, "quantized") for m in model.modules())
@@ -125,7 +127,8 @@ def test_the_engine_keeps_a_gguf_quantized_by_default(gguf_file, type_name, capl
     kwargs = {"dtype": "float32", "kv_cache_memory": 16 * 2**20, "max_num_seqs": 4}
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         kept = LLM(str(gguf_file(type_name)), **kwargs)
-    assert f"GGUF matrices kept quantized: 28 {type_name}" in caplog.text  # 4 layers x 7 projections
+    # 4 layers x 7 projections (a Q4_1 table: the tied head's and the embedding's, its blocks kept once)
+    assert f"GGUF matrices kept quantized: {28 if type_name == 'Q8_0' else 29} {type_name}" in caplog.text
     dense = LLM(str(gguf_file(type_name)), quantization="none", **kwargs)
     assert kept.stats().weight_bytes < dense.stats().weight_bytes
     model = kept.engine.core.worker.runner.model
@@ -137,8 +140,9 @@ def test_the_engine_keeps_a_gguf_quantized_by_default(gguf_file, type_name, capl
         assert isinstance(head, Int8Weight) and head.group == 32
         assert np.array_equal(dequantize_int8(head, torch.float32).numpy(), blocks)
         assert not isinstance(model.embed_tokens, torch.nn.Embedding)  # the dense table dropped
-    else:
-        assert model.head_from_table  # (a Q4 table: the head reads the dequantized table)
+    else:  # a Q4_1 table: kept in its blocks, the head reading the same bytes
+        assert isinstance(model.embed_tokens, GGUFEmbedding)
+        assert model.lm_head.gguf_parts[0][1].data is model.embed_tokens.matrix.data
     outs = kept.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False)
     for a, b in zip(*outs, strict=True):
         x, y = a.outputs[0], b.outputs[0]

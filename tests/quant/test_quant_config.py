@@ -10,7 +10,8 @@ import torch
 from tokenmill.quant.awq_gptq import CheckpointInt4Method, CheckpointInt8Method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.compressed import CompressedInt4Method
-from tokenmill.quant.config import GGUF_TABLE, QuantConfig, QuantSettings, build_quant_config
+from tokenmill.quant.config import GGUF_EMBEDDING, GGUF_TABLE, QuantConfig, QuantSettings, build_quant_config
+from tokenmill.quant.gguf_method import GGUFBlocksMethod
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, W8A8LinearMethod
 from tokenmill.quant.method import UnquantizedLinearMethod
 
@@ -89,16 +90,25 @@ def test_a_stored_checkpoint_refuses_other_settings():
         build("int8", stored=stored)
 
 
-GGUF = {QKV: "Q8_0", DOWN: "Q4_1", "layers.0.self_attn.o_proj": "Q4_K", "layers.0.mlp.gate_up_proj": "mixed"}
+GGUF = {
+    QKV: "Q8_0",
+    DOWN: "Q4_1",
+    "layers.0.self_attn.o_proj": "Q4_K",
+    "layers.0.mlp.gate_up_proj": "Q4_K+Q6_K",
+    "layers.1.mlp.gate_up_proj": "F16+Q4_K",
+}
 
 
-def test_gguf_layers_keep_q8_0_and_q4_x_as_stored_and_dequantize_the_rest():
+def test_gguf_layers_keep_q8_0_and_q4_x_in_int_formats_the_other_block_types_in_their_blocks():
     quant = build(gguf=GGUF)
     q8, q4 = quant.method_for(QKV, SHAPE), quant.method_for(DOWN, SHAPE)
     assert isinstance(q8, Int8LinearMethod) and q8.prequantized and q8.spec.group_size == 32
     assert isinstance(q4, Int4LinearMethod) and q4.prequantized and q4.spec.group_size == 32
-    for prefix in ("layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj", "layers.9.mlp.down_proj"):
-        assert type(quant.method_for(prefix, SHAPE)) is UnquantizedLinearMethod  # K-quant, mixed, unknown
+    blocks = quant.method_for("layers.0.self_attn.o_proj", SHAPE)
+    assert isinstance(blocks, GGUFBlocksMethod)  # a K-quant
+    assert quant.method_for("layers.0.mlp.gate_up_proj", SHAPE) is blocks  # block types mixed
+    for prefix in ("layers.1.mlp.gate_up_proj", "layers.9.mlp.down_proj"):
+        assert type(quant.method_for(prefix, SHAPE)) is UnquantizedLinearMethod  # a float type mixed in, unknown
     assert type(quant.method_for(HEAD, SHAPE)) is UnquantizedLinearMethod  # untied, no lm_head type given
 
 
@@ -107,7 +117,18 @@ def test_a_gguf_untied_q8_0_head_is_kept_and_a_tied_q8_0_table_gives_an_int8_hea
     assert isinstance(untied, Int8LinearMethod) and untied.prequantized
     tied = build(gguf={GGUF_TABLE: "Q8_0"}).method_for(HEAD, SHAPE)
     assert isinstance(tied, Int8LinearMethod) and not tied.prequantized and tied.spec.group_size == 32
-    assert type(build(gguf={GGUF_TABLE: "Q4_0"}).method_for(HEAD, SHAPE)) is UnquantizedLinearMethod
+    assert type(build(gguf={GGUF_TABLE: "F16"}).method_for(HEAD, SHAPE)) is UnquantizedLinearMethod
+
+
+def test_a_gguf_table_of_a_block_type_stays_in_its_blocks_and_a_tied_head_reads_them():
+    tied = build(gguf={GGUF_TABLE: "Q6_K", GGUF_EMBEDDING: "Q6_K"})
+    assert isinstance(tied.method_for(HEAD, SHAPE), GGUFBlocksMethod)
+    assert tied.embedding_blocks(tied=True) is tied.method_for(HEAD, SHAPE)
+    q8 = build(gguf={GGUF_TABLE: "Q8_0", GGUF_EMBEDDING: "Q8_0"})  # tied: an int8 head, the table dense
+    assert q8.embedding_blocks(tied=True) is None
+    untied = build(gguf={HEAD: "Q6_K", GGUF_EMBEDDING: "Q8_0"})
+    assert isinstance(untied.embedding_blocks(tied=False), GGUFBlocksMethod)
+    assert build(gguf={GGUF_EMBEDDING: "F16"}).embedding_blocks(tied=False) is None
 
 
 def test_gguf_types_are_kept_on_a_cpu_under_auto_only():

@@ -4,8 +4,10 @@ Owns opening a GGUF with the `gguf` package's reader (never parsing the format b
 llama.cpp's metadata keys to the fields of a Hugging Face `config.json` (validated by the same
 `parse_config` as a folder's, errors naming the GGUF key), mapping tensor names (`blk.3.attn_q.weight`)
 to the model's checkpoint names (`model.layers.3.self_attn.q_proj.weight`), dequantizing every
-supported tensor type to float32 with `gguf.quants.dequantize` (or handing the Q8_0 / Q4_0 / Q4_1
-matrices the model keeps quantized over as they are: gguf_blocks.py), and undoing the row permutation
+supported tensor type to float32 with `gguf.quants.dequantize` (or handing the matrices the model keeps
+quantized over as they are: Q8_0 / Q4_0 / Q4_1 in tokenmill's int formats, gguf_blocks.py, or any block
+type as its bytes, a `GGUFMatrix`, read from the file into memory of their own, not through the
+memory map), and undoing the row permutation
 llama.cpp's converter applies to a llama model's Q and K projections (it stores each head's rotary
 pairs interleaved, `[x0, y0, x1, y1, ...]`, where the Hugging Face layout has `[x0, x1, ..., y0, y1, ...]`).
 The tokenizer the file describes is built by `text/tokenizer.py`.
@@ -18,7 +20,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -26,12 +28,13 @@ import torch
 from tokenmill.model_files import ModelLoadError
 from tokenmill.models.config import ModelConfig, parse_config
 from tokenmill.models.gguf_blocks import decode, pack
+from tokenmill.quant.gguf_method import GGUFMatrix, row_bytes
 from tokenmill.quant.quantize import Int4Weight, Int8Weight
 
 # general.architecture -> the Hugging Face architecture it is (llama.cpp writes Mistral as llama).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Tensor types read and dequantized at load (names as gguf.GGMLQuantizationType spells them).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # config.json field -> the GGUF metadata key (after the architecture prefix) that gives it.
 CONFIG_KEYS = {
@@ -234,31 +237,59 @@ class GGUFCheckpoint:
         return {"F16": "float16", "BF16": "bfloat16"}.get(types.pop(), "float32") if len(types) == 1 else "float32"
 
     def tensors(
-        self, keep: frozenset[str] = frozenset()
-    ) -> Iterator[tuple[str, torch.Tensor | Int8Weight | Int4Weight]]:
+        self, keep: dict[str, str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | Int8Weight | Int4Weight | GGUFMatrix]]:
         """(checkpoint name, float32 tensor in the Hugging Face layout) for every tensor, read one at a
-        time; the Q8_0 / Q4_0 / Q4_1 matrices named in `keep` as they are stored (gguf_blocks.py)."""
+        time; the matrices named in `keep` as they are stored: "int" (Q8_0 / Q4_0 / Q4_1) in tokenmill's
+        formats (gguf_blocks.py), "blocks" as a `GGUFMatrix` of the file's bytes."""
+        keep = keep or {}
+        with open(self.path, "rb") as file:
+            for info in self.infos:
+                t = self._stored[info.gguf_name]
+                how = keep.get(info.hf_name)
+                if how is not None:
+                    yield info.hf_name, self._kept(file, t, info, how)
+                else:
+                    yield info.hf_name, self._dequantized(t, info)
+
+    def _raw(self, file: BinaryIO, t: Any) -> np.ndarray:
+        """A tensor's bytes read into memory of their own (the memory map's pages stay untouched)."""
+        raw = np.empty(int(t.n_bytes), dtype=np.uint8)
+        file.seek(int(t.data_offset))
+        if file.readinto(memoryview(raw)) != raw.size:
+            raise ModelLoadError(f"{self.path}: tensor '{t.name}' runs past the end of the file")
+        return raw
+
+    def _kept(self, file: BinaryIO, t: Any, info: GGUFTensorInfo, how: str) -> Int8Weight | Int4Weight | GGUFMatrix:
+        rows, cols = info.shape[0], info.shape[1]
+        heads = self._rotary_heads(info.gguf_name)
+        order = unpermute_rotary_rows(torch.arange(rows), heads) if heads else None
+        raw = self._raw(file, t)
+        try:
+            if how == "blocks":
+                matrix = GGUFMatrix(info.type_name, torch.from_numpy(raw).view(rows, -1), cols)
+                if matrix.data.shape[1] != row_bytes(info.type_name, cols):
+                    raise ValueError(
+                        f"{info.type_name} data of {raw.size} bytes does not hold a [{rows}, {cols}] matrix"
+                    )
+                return matrix.permute_rows(order) if order is not None else matrix  # (rows in the HF order)
+            blocks = decode(info.type_name, raw, (rows, cols))
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}': {e}") from None
+        if order is not None:  # the rows in the Hugging Face order, scales with them
+            blocks = blocks.permute_rows(order)
+        return pack(blocks)
+
+    def _dequantized(self, t: Any, info: GGUFTensorInfo) -> torch.Tensor:
         import gguf
 
-        for info in self.infos:
-            t = self._stored[info.gguf_name]
-            if info.hf_name in keep:
-                try:
-                    blocks = decode(info.type_name, np.asarray(t.data), (info.shape[0], info.shape[1]))
-                except ValueError as e:
-                    raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}': {e}") from None
-                heads = self._rotary_heads(info.gguf_name)
-                if heads:  # the rows in the Hugging Face order, scales with them
-                    blocks = blocks.permute_rows(unpermute_rotary_rows(torch.arange(info.shape[0]), heads))
-                yield info.hf_name, pack(blocks)
-                continue
-            try:
-                array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-            except (ValueError, NotImplementedError) as e:
-                raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}' cannot be dequantized ({e})") from None
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(info.shape)  # a writable copy
-            heads = self._rotary_heads(info.gguf_name)
-            yield info.hf_name, unpermute_rotary_rows(tensor, heads) if heads else tensor
+        try:
+            array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except (ValueError, NotImplementedError) as e:
+            raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}' cannot be dequantized ({e})") from None
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(info.shape)  # a writable copy
+        heads = self._rotary_heads(info.gguf_name)
+        return unpermute_rotary_rows(tensor, heads) if heads else tensor
 
     def _rotary_heads(self, gguf_name: str) -> int:
         """The heads whose rows llama.cpp's converter permuted in this tensor (0: none)."""

@@ -26,6 +26,7 @@ from tokenmill.layers.ops import LayerOps, TorchOps
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.quant.config import QuantConfig
+from tokenmill.quant.gguf_method import GGUFEmbedding, held_matrices
 from tokenmill.quant.int_methods import HeadRows, QuantizedLinearMethod
 from tokenmill.quant.method import ShardId, UnquantizedLinearMethod
 
@@ -187,9 +188,14 @@ class LlamaForCausalLM(nn.Module):
         # the decoder layers as one native call a step where it applies (set by the worker; None: the modules)
         self.fused_decode: FusedDecode | None = None
         self.ops = ops = ops or TorchOps()
-        table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
-        # the table, or (tied and quantized, once loaded: `finish_loading`) rows read from the quantized head
-        self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
+        # the table, or (tied and quantized, once loaded: `finish_loading`) rows read from the quantized head,
+        # or (a GGUF table of a block type) the file's blocks, each looked-up row dequantized
+        blocks = quant.embedding_blocks(cfg.tie_word_embeddings)
+        if blocks is not None:
+            self.embed_tokens: nn.Module = GGUFEmbedding(cfg.vocab_size, cfg.hidden_size, blocks, dtype)
+        else:
+            table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # uninitialized: the loader fills it
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, quant, dtype, ops) for i in range(cfg.num_layers))
         self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # a tied output projection is the embedding table itself, but for a quantized method: then the
@@ -246,15 +252,17 @@ class LlamaForCausalLM(nn.Module):
         return methods
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight as held: parameters (the embedding table once) and quantized layers."""
+        """Bytes of every weight as held: parameters (the embedding table once), quantized layers, GGUF blocks."""
         params = sum(p.numel() * p.element_size() for p in self.parameters())
-        return params + sum(layer.quantized.nbytes for _, layer in self.quantized_layers())  # type: ignore[attr-defined]
+        blocks = sum(m.nbytes for m in held_matrices(self.modules()))
+        return params + blocks + sum(layer.quantized.nbytes for _, layer in self.quantized_layers())  # type: ignore[attr-defined]
 
     def dense_weight_bytes(self) -> int:
         """Bytes the weights would take unquantized, in the model's dtype (a tied head once: the table)."""
         element = torch.empty((), dtype=self.dtype).element_size()
         params = sum(p.numel() * p.element_size() for p in self.parameters())
         tied = self.config.tie_word_embeddings
+        params += sum(m.shape[0] * m.shape[1] * element for m in held_matrices(self.modules()))
         return params + sum(
             layer.output_size * layer.input_size * element
             for name, layer in self.quantized_layers()
@@ -264,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
     def finish_loading(self) -> None:
         """After the layers are quantized: a tied table whose head is a quantized layer of its own is
         dropped, its lookups reading the head's rows (int8: a byte a weight instead of the dtype's)."""
+        if isinstance(self.embed_tokens, GGUFEmbedding):  # (a tied head of its blocks shares them)
+            self.embed_tokens.finish_loading()
+            return
         quantized_head = not self.head_from_table and isinstance(self.lm_head.linear_method, QuantizedLinearMethod)
         if self.config.tie_word_embeddings and quantized_head:  # (another method's head keeps the table)
             self.embed_tokens = HeadRows(self.lm_head, self.dtype)
@@ -272,7 +283,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy the embedding table into a tied head that is a layer of its own (before it is quantized)."""
         if self.config.tie_word_embeddings and not self.head_from_table:
             weight = cast(nn.Parameter, self.lm_head.weight)
-            weight_loader_of(weight)(weight, cast(torch.Tensor, self.embed_tokens.weight).data, None)
+            table = self.embed_tokens
+            loaded = table.matrix if isinstance(table, GGUFEmbedding) else cast(torch.Tensor, table.weight).data
+            weight_loader_of(weight)(weight, cast(torch.Tensor, loaded), None)  # (a GGUF table: its blocks, shared)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         if self.head_from_table:

@@ -10,10 +10,13 @@ and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
   projection by `quantization_head` (`same`, or `int8` per channel); a checkpoint stored quantized
   already refuses them.
 - `quantization` auto: a stored AWQ / GPTQ / compressed-tensors checkpoint loads as stored (CPU only;
-  its output projection dense); a GGUF file's Q8_0 matrices load into int8 and its Q4_0 / Q4_1 ones
-  into int4 as stored (groups of 32: the same grids), layer by layer where every tensor of the layer
-  shares that type (on a CPU); a tied output projection over a Q8_0 table becomes an int8 layer of its
-  own, quantized from the table in groups of 32 (Q8_0's grid again, exactly). Otherwise dense.
+  its output projection dense); a GGUF file's layers stay quantized on a CPU: Q8_0 matrices load into
+  int8 and Q4_0 / Q4_1 ones into int4 (groups of 32: the same grids) where every tensor of the layer
+  shares that type; the K-quants (Q4_K, Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay
+  in the file's own blocks (quant/gguf_method.py), the embedding table too where its type is one of
+  those (`embedding_blocks`); a tied output projection over a Q8_0 table becomes an int8 layer of its
+  own, quantized from the table in groups of 32 (Q8_0's grid again, exactly), over a table of another
+  block type the table's blocks themselves. Otherwise dense.
 - `quantization` none: dense (the `linear_backend` method); a stored quantized checkpoint refuses it.
 2:4 checkpoints take the dense method; the loader moves their weights to the sparse tensor cores
 (quant/sparse24.py).
@@ -30,6 +33,7 @@ from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, load_cpu_kern
 from tokenmill.quant.awq_gptq import checkpoint_method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.cpu_dense import get_dense_linear_method
+from tokenmill.quant.gguf_method import GGUFBlocksMethod
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, get_head_method, get_quant_method
 from tokenmill.quant.method import LinearMethod, Shape, UnquantizedLinearMethod
 from tokenmill.quant.quantize import QuantSpec
@@ -37,6 +41,7 @@ from tokenmill.quant.quantize import QuantSpec
 GGUF_BLOCK = 32  # the group of GGUF's Q8_0 / Q4_0 / Q4_1 blocks
 HEAD = "lm_head"  # the output projection's prefix
 GGUF_TABLE = "embed_tokens"  # `gguf_types` key of a tied output projection's table
+GGUF_EMBEDDING = "model.embed_tokens"  # `gguf_types` key of the embedding table's type (tied or not)
 
 
 @dataclass(frozen=True)
@@ -88,15 +93,42 @@ class QuantConfig:
 
     def method_for(self, prefix: str, shape: Shape) -> LinearMethod:
         """The method of the layer at `prefix` (its module name in the model), of (out, in) `shape`."""
-        kept = self.gguf.get(self.gguf_types.get(prefix, ""))
+        kept = self._gguf_method(self.gguf_types.get(prefix, ""))
         if kept is not None:
             return kept
         if prefix == HEAD:
             if self.head is not None:
                 return self.head
-            if self.tied_gguf_head is not None and self.gguf_types.get(GGUF_TABLE) == "Q8_0":
+            table = self.gguf_types.get(GGUF_TABLE, "")
+            if self.tied_gguf_head is not None and table == "Q8_0":
                 return self.tied_gguf_head
+            blocks = self._blocks()
+            if blocks is not None and table in blocks.types:  # the table's own blocks
+                return blocks
         return self.layers
+
+    def _blocks(self) -> GGUFBlocksMethod | None:
+        return next((m for m in self.gguf.values() if isinstance(m, GGUFBlocksMethod)), None)
+
+    def _gguf_method(self, type_name: str) -> LinearMethod | None:
+        """The method keeping a layer of `type_name` (types joined by '+': a fused layer mixing them)."""
+        kept = self.gguf.get(type_name)
+        blocks = self._blocks()
+        mixed = "+" in type_name and blocks is not None and all(t in blocks.types for t in type_name.split("+"))
+        if kept is None and mixed:
+            return blocks
+        return kept
+
+    def embedding_blocks(self, tied: bool) -> GGUFBlocksMethod | None:
+        """The blocks method when the embedding table stays in its GGUF blocks (a tied table whose
+        output projection is not one of them stays dense: that head reads or quantizes it)."""
+        blocks = self._blocks()
+        table = self.gguf_types.get(GGUF_EMBEDDING, "")
+        if blocks is None or table not in blocks.types:
+            return None
+        if tied and self.method_for(HEAD, (0, 0)) is not blocks:
+            return None
+        return blocks
 
     def describe(self) -> str:
         """One phrase for the log: the method, the head's when it differs, the GGUF types kept."""
@@ -161,10 +193,12 @@ def build_quant_config(
 
 def gguf_methods(kernels: CpuKernels | None) -> dict[str, LinearMethod]:
     """A GGUF tensor type -> the method that keeps such matrices as stored: Q8_0 in int8, Q4_0 and
-    Q4_1 in int4, in groups of 32 (the same grids)."""
+    Q4_1 in int4, in groups of 32 (the same grids); the K-quants and Q5_0 / Q5_1 in their own blocks
+    (which also take layers mixing block types, and embedding tables)."""
     int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)
     int4 = Int4LinearMethod(QuantSpec("int4", GGUF_BLOCK), kernels, prequantized=True)
-    return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
+    blocks = GGUFBlocksMethod(kernels)
+    return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4} | {t: blocks for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
 
 
 def _gguf_config(dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None) -> QuantConfig:
