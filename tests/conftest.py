@@ -22,6 +22,12 @@ from tokenmill.tools.make_model import ARCHS, make_model
 SHARDED = {"llama", "qwen3"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _quantized_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Quantized weights the tests' engines cache go to this session's folder, not the user's cache."""
+    os.environ.setdefault("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path_factory.mktemp("quantized-cache")))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Path]:
     """(arch, tied) -> folder of a tiny random-weight checkpoint, built on first request."""

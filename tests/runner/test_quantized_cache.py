@@ -12,14 +12,12 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.autotune import Autotuner
-from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.runner import model_builder
 from tokenmill.runner.dtype_choice import probe_logits
 from tokenmill.runner.model_builder import build_model
 from tokenmill.runner.quantized_cache import cache_root
 
 CPU = torch.device("cpu")
-KERNELS = load_cpu_kernels()  # built (or loaded) once, from the usual cache, before a test moves the cache dir
 
 
 def build(folder, tmp_path, **settings):
@@ -46,7 +44,7 @@ def state(model) -> dict[str, torch.Tensor]:
     [("int8", False, "float32"), ("int4", True, "bfloat16"), ("w8a8", False, "float32"), ("int8", True, "float32")],
 )
 def test_the_cache_round_trips_exactly(tiny_model_dir, tmp_path, monkeypatch, caplog, quantization, tied, dtype):
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
     folder = tiny_model_dir("llama", tied=tied)
     built = build(folder, tmp_path, quantization=quantization, dtype=dtype)
     first = built.model
@@ -67,7 +65,7 @@ def test_the_cache_round_trips_exactly(tiny_model_dir, tmp_path, monkeypatch, ca
 
 
 def test_other_settings_are_another_key_and_a_bad_cache_quantizes_again(tiny_model_dir, tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
     folder = tiny_model_dir("llama")
     loads = []
     real = model_builder.load_model
@@ -97,6 +95,6 @@ def test_other_settings_are_another_key_and_a_bad_cache_quantizes_again(tiny_mod
 
 
 def test_no_cache_for_a_dense_model(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
     build(tiny_model_dir("llama"), tmp_path)
     assert not cache_root().exists()

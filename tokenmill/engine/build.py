@@ -12,6 +12,7 @@ each step calls the constructors as they are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
@@ -30,10 +31,13 @@ def local_cores(config: EngineConfig) -> tuple[list[CoreClient], Restart]:
     return [LocalCoreClient(core, thread)], restart_in_place([core], [thread])
 
 
-def front_end(config: EngineConfig, clients: Sequence[CoreClient]) -> OutputProcessor:
-    """The output processor for these cores (sized by the first); a core in this process shares its
-    grammar compiler."""
-    processor = OutputProcessor(Tokenizer(config.model), clients[0].limits, config.seed, config.grammar_compile_timeout)
+def front_end(
+    config: EngineConfig, clients: Sequence[CoreClient], tokenizer: Tokenizer | None = None
+) -> OutputProcessor:
+    """The output processor for these cores (sized by the first; `tokenizer`: loaded already, else
+    now); a core in this process shares its grammar compiler."""
+    tokenizer = tokenizer or Tokenizer(config.model)
+    processor = OutputProcessor(tokenizer, clients[0].limits, config.seed, config.grammar_compile_timeout)
     for client in clients:
         if isinstance(client, LocalCoreClient) and client.core.worker.runner.batch.grammar is not None:
             client.core.worker.runner.batch.grammar.use_compiler(processor.grammar)
@@ -49,8 +53,13 @@ def build_async_engine(
     log_interval: float = 10.0,
     routing: str = "least_loaded",
 ) -> AsyncEngine:
-    """The AsyncEngine over `clients` (None: one local core, see `local_cores`)."""
+    """The AsyncEngine over `clients` (None: one local core, see `local_cores`; the tokenizer loads on a
+    second thread meanwhile, where this one would only wait for the core's start-up)."""
+    tokenizer = None
     if clients is None:
-        clients, restart = local_cores(config)
-    processor = front_end(config, clients)
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            loading = pool.submit(Tokenizer, config.model)
+            clients, restart = local_cores(config)
+            tokenizer = loading.result()
+    processor = front_end(config, clients, tokenizer)
     return AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing, restart)

@@ -14,6 +14,8 @@ meaningless.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,13 +97,28 @@ def allocate_kv_cache(
     shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
 
     def layer() -> KVCache:
-        k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        k, v = zeros(shape, dtype, device), zeros(shape, dtype, device)
         if dtype != torch.int8:
             return KVCache(k, v)
         scales = backend.kv_scale_shape(num_blocks, block_size, num_kv_heads)
-        return KVCache(k, v, torch.zeros(scales, device=device), torch.zeros(scales, device=device))
+        return KVCache(k, v, zeros(scales, torch.float32, device), zeros(scales, torch.float32, device))
 
     return [layer() for _ in range(num_layers)]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor; on the CPU, anonymous memory the kernel maps as zero pages on first touch
+    (`torch.frombuffer`: the tensor keeps the mapping alive), so a cache of gigabytes costs nothing at
+    start (`torch.zeros` writes every page) and each page is faulted in as requests first fill it. The
+    mapping is kept on 4 KB pages (MADV_NOHUGEPAGE where there is one): a 2 MB page met for the first
+    time inside a step can stall it (runner/huge_pages.py)."""
+    numel = math.prod(shape)
+    if torch.device(device).type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, numel * dtype.itemsize)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 def check_batch(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int) -> None:

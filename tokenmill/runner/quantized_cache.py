@@ -2,17 +2,18 @@
 `int4`, `w8a8`) is quantized once, written, and read back on every later start instead.
 
 The cache of one build is the folder `$TOKENMILL_CACHE_DIR/quantized/<key>/` (default
-`~/.cache/tokenmill/quantized/`), the key a hash of everything the quantized values depend on: the
-checkpoint's folder and files (names, sizes, modification times: a rewritten file is a new key), the dtype the
-weights were loaded in before quantizing, each quantized method (its class, its `QuantSpec`: method,
-group size, fallback, head; and whether tokenmill's native kernels are there, which picks the int4
-layout), the quantization code's own source, and this file's `FORMAT`. It holds one safetensors file
-(never pickle): every parameter the model keeps (embedding table, norms, biases, a dense head) under
-its own name, and each quantized layer's tensors as `<layer>::<field>` (`Int8Weight.q`, `.scales`,
-`.wsums`; `Int4Weight.packed`, ...), the layers' formats and plain fields (group, rows) in the file's
-metadata beside the key's text. It is written beside its place and renamed in (a second process
-starting at once writes its own and one rename wins), streamed tensor by tensor (no second copy of
-the weights in memory).
+`~/.cache/tokenmill/quantized/`; `$TOKENMILL_QUANTIZED_CACHE_DIR` moves it elsewhere), the key a hash
+of everything the quantized values depend on: the checkpoint's folder and files (names, sizes,
+modification times: a rewritten file is a new key), the dtype the weights were loaded in before
+quantizing, each quantized method (its class, its `QuantSpec`: method, group size, fallback, head;
+and whether tokenmill's native kernels are there, which picks the int4 layout), the quantization
+code's own source, and this file's `FORMAT`. It holds one safetensors file (never pickle): every
+parameter the model keeps (embedding table, norms, biases, a dense head) under its own name, and
+each quantized layer's tensors as `<layer>::<field>` (`Int8Weight.q`, `.scales`, `.wsums`;
+`Int4Weight.packed`, ...), the layers' formats and plain fields (group, rows) in the file's metadata
+beside the key's text. It is written beside its place and renamed in (a second process starting at
+once writes its own and one rename wins), streamed tensor by tensor (no second copy of the weights
+in memory).
 
 A cached build makes the model's modules as a load does (the quantized layers' dense weights are
 allocated and never touched), hands each quantized layer its weights, then every parameter its
@@ -198,4 +199,7 @@ def cache_for(source: object, quant: QuantConfig, dtype: torch.dtype, device: to
 
 
 def cache_root() -> Path:
+    """`$TOKENMILL_QUANTIZED_CACHE_DIR` (the weights elsewhere: another disk), else `$TOKENMILL_CACHE_DIR/quantized`."""
+    if os.environ.get("TOKENMILL_QUANTIZED_CACHE_DIR"):
+        return Path(os.environ["TOKENMILL_QUANTIZED_CACHE_DIR"])
     return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill")) / "quantized"

@@ -33,6 +33,7 @@ from tokenmill.runner.cuda_graphs import DecodeGraphs, PaddedMetadata, graph_bat
 from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_builder import BuiltModel, build_draft, build_model
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.startup_log import phase
 from tokenmill.runner.warm_up import GREEDY, WORST, WarmUpShape, warm_up
 from tokenmill.sched.kv_connector import KVWorkerConnector, NoKVConnector
 from tokenmill.spec_decode.draft_model import DraftRunner
@@ -77,7 +78,8 @@ class Worker:
         grammar = functools.partial(
             GrammarCompiler.for_model, config.model, self.model_config.vocab_size, config.grammar_compile_timeout
         )
-        caches = self._caches(self.num_blocks + (1 if graphed else 0))
+        with phase(f"allocating the KV cache ({self.num_blocks} blocks)"):  # (zeroed: every page touched)
+            caches = self._caches(self.num_blocks + (1 if graphed else 0))
         self.runner = ModelRunner(model, caches, self.backend, self.block_size, grammar)
         if graphed:
             self.runner.graphs = self._capture(model, caches, config.max_num_seqs)

@@ -1,0 +1,148 @@
+"""Start-up benchmark: the seconds from launching `tokenmill serve` until /health answers 200, cold
+and warm, per dtype and quantization.
+
+Cold: an empty `$TOKENMILL_CACHE_DIR` (no autotune choices, no quantized weights), except for the
+native kernels' build, which is linked in (built once per machine and tokenmill version, by the
+first run ever, whatever the model). Warm: the same cache folder again, right after. Each variant
+(`bf16`: `--dtype bfloat16`; `int8`, `int4`, `w8a8`: that `--quantization` over bfloat16) runs
+cold then warm, the variants interleaved in each of `--repeats` rounds; the median per (model,
+variant, cold / warm) is reported, with every run's seconds and the server's own start-up lines
+(the phases and the resolution line's kernel-choice count) from the last run. Writes
+benchmarks/results/startup.json (or `--out`).
+
+Usage: python benchmarks/startup.py [--model models/tokenmill-demo] [--model /tmp/peers/mid-llama]
+       [--variants bf16,int8,int4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+VARIANTS = {
+    "bf16": ["--dtype", "bfloat16"],
+    "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4"],
+    "w8a8": ["--dtype", "bfloat16", "--quantization", "w8a8"],
+}
+KEEP = re.compile(r"start-up:|kernel choices|KV cache:|listening|Uvicorn running|ready")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kernels_dir() -> Path:
+    """The native kernels' build folder of the usual cache (linked into every cold cache)."""
+    base = Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill"))
+    return base / "kernels"
+
+
+def start_once(model: Path, flags: list[str], cache: Path, timeout: float) -> tuple[float, list[str]]:
+    """Seconds from launch to /health 200 for one `tokenmill serve` with `cache` as its cache folder,
+    and the start-up lines it logged; the server is stopped after."""
+    port = free_port()
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    env.pop("TOKENMILL_QUANTIZED_CACHE_DIR", None)
+    log = cache.parent / f"{cache.name}.log"
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), *flags]
+    with open(log, "w") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"the server exited ({proc.returncode}); its log: {log.read_text()[-2000:]}")
+                if time.perf_counter() - start > timeout:
+                    raise SystemExit(f"no /health 200 after {timeout} s; its log: {log.read_text()[-2000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        seconds = time.perf_counter() - start
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    lines = [line.strip()[:300] for line in log.read_text().splitlines() if KEEP.search(line)]
+    return seconds, lines
+
+
+def fresh_cache(root: Path, name: str) -> Path:
+    """An empty cache folder but for the native kernels' build, linked in."""
+    cache = root / name
+    cache.mkdir()
+    if kernels_dir().is_dir():
+        (cache / "kernels").symlink_to(kernels_dir())
+    return cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", default=None, help="model folder (repeatable)")
+    parser.add_argument("--variants", default="bf16,int8,int4")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", default=str(RESULTS / "startup.json"))
+    args = parser.parse_args()
+    models = [Path(m) for m in (args.model or [ROOT / "models" / "tokenmill-demo"])]
+    variants = args.variants.split(",")
+    runs: dict[str, dict[str, list[float]]] = {}
+    lines: dict[str, dict[str, list[str]]] = {}
+    root = Path(tempfile.mkdtemp(prefix="tokenmill-startup-"))
+    try:
+        for r in range(args.repeats):
+            for model in models:
+                for variant in variants:
+                    key = f"{model.name} {variant}"
+                    cache = fresh_cache(root, f"{model.name}-{variant}-{r}")
+                    for state in ("cold", "warm"):
+                        seconds, logged = start_once(model, VARIANTS[variant], cache, args.timeout)
+                        runs.setdefault(key, {}).setdefault(state, []).append(round(seconds, 2))
+                        lines.setdefault(key, {})[state] = logged
+                        print(f"{key} {state}: {seconds:.1f} s", flush=True)
+                    shutil.rmtree(cache, ignore_errors=True)  # (a quantized 1B model: a gigabyte or two)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((ln.split(":", 1)[1] for ln in cpuinfo if ln.startswith("flags")), "")
+    result = {
+        "what": "seconds from `tokenmill serve` launched to /health 200; median of the repeats",
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_flags": " ".join(sorted(flags.split())),
+        "cores": os.cpu_count(),
+        "repeats": args.repeats,
+        "median_s": {k: {s: statistics.median(v) for s, v in states.items()} for k, states in runs.items()},
+        "runs_s": runs,
+        "startup_lines_last_run": lines,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'model variant':32} {'cold s':>8} {'warm s':>8}")
+    for key, med in result["median_s"].items():
+        print(f"{key:32} {med['cold']:8.1f} {med['warm']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
