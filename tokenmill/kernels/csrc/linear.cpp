@@ -128,9 +128,9 @@ inline __m256 sum8(const __m256* in) {
 #endif
 
 #if defined(TM_TREE)
-// out[r * MB + m] = the lane sum of acc[r][m]: whole runs of Lanes::W by the shuffle tree (in acc's
-// order), the rest one by one.
-template <int RR, int MM>
+// out[r * OS + m] = the lane sum of acc[r][m]: whole runs of Lanes::W by the shuffle tree (in acc's
+// order), the rest one by one. OS >= MM: the row stride of `out`.
+template <int RR, int MM, int OS>
 inline void store_sums(const typename Lanes::V (&acc)[RR][MM], float* out) {
   constexpr int n = RR * MM;
   const typename Lanes::V* flat = &acc[0][0];
@@ -139,20 +139,22 @@ inline void store_sums(const typename Lanes::V (&acc)[RR][MM], float* out) {
   for (; i + Lanes::W <= n; i += Lanes::W) Lanes::store(sums + i, TM_TREE(flat + i));
   for (; i < n; ++i) sums[i] = Lanes::sum(flat[i]);
   for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < MM; ++m) out[r * MB + m] = sums[r * MM + m];
+    for (int m = 0; m < MM; ++m) out[r * OS + m] = sums[r * MM + m];
 }
 #else
-template <int RR, int MM>
+template <int RR, int MM, int OS>
 inline void store_sums(const typename Lanes::V (&acc)[RR][MM], float* out) {
   for (int r = 0; r < RR; ++r)
-    for (int m = 0; m < MM; ++m) out[r * MB + m] = Lanes::sum(acc[r][m]);
+    for (int m = 0; m < MM; ++m) out[r * OS + m] = Lanes::sum(acc[r][m]);
 }
 #endif
 
 // acc[r][m] = sum over k < K of w[r][k] * x[m][k], for RR weight rows and MM x rows (compile-time
-// counts, so the accumulators stay in registers). Returns the float32 sums in out[r * MB + m].
+// counts, so the accumulators stay in registers). Returns the float32 sums in out[r * OS + m]: the
+// blocked tiles' row stride is MB; a caller with more x rows than MB (the few-row path's 2 x 4 tile
+// on AVX2, where MB is 3) passes its own, or the rows' sums would overlap.
 // x is in the weights' dtype T, or float32 (bfloat16 weights without the BF16 dot instruction).
-template <int RR, int MM, typename T, typename X>
+template <int RR, int MM, int OS = MB, typename T, typename X>
 inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x_row, float* out) {
   int64_t k = 0;
 #if defined(__AVX512BF16__)
@@ -170,7 +172,7 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
         for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
       }
     }
-    store_sums<RR, MM>(acc, out);
+    store_sums<RR, MM, OS>(acc, out);
   } else
 #endif
   {
@@ -202,12 +204,12 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
     }
     for (; k + Lanes::W <= K; k += Lanes::W) TM_DOT_STEP(k)
 #undef TM_DOT_STEP
-    store_sums<RR, MM>(acc, out);
+    store_sums<RR, MM, OS>(acc, out);
   }
   for (; k < K; ++k)  // the tail shorter than a vector
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < MM; ++m)
-        out[r * MB + m] += static_cast<float>(w[r * w_row + k]) * static_cast<float>(x[m * x_row + k]);
+        out[r * OS + m] += static_cast<float>(w[r * w_row + k]) * static_cast<float>(x[m * x_row + k]);
 }
 
 // More than seq_rows x rows (AVX2: up to 15; the outer-product tiles of linear_broadcast.h take 16 and
@@ -308,17 +310,17 @@ constexpr int64_t seq_rows = TM_SEQ_ROWS;
 template <int MM, typename T, typename X>
 inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows, int64_t K, const X* x,
                             int64_t x_row, T* y, int64_t y_row) {
-  float sums[R * MB > MM ? R * MB : MM];
+  float sums[2 * MM];
   int64_t r = 0;
   for (; MM <= 4 && r + 2 <= rows; r += 2) {
-    dot_tile<2, MM>(w + r * K, K, K, x, x_row, sums);
+    dot_tile<2, MM, MM>(w + r * K, K, K, x, x_row, sums);  // (row stride MM: MB may be smaller)
     for (int rr = 0; rr < 2; ++rr) {
       const float b = bias ? static_cast<float>(bias[n0 + r + rr]) : 0.f;
-      for (int m = 0; m < MM; ++m) y[m * y_row + n0 + r + rr] = from_float<T>(sums[rr * MB + m] + b);
+      for (int m = 0; m < MM; ++m) y[m * y_row + n0 + r + rr] = from_float<T>(sums[rr * MM + m] + b);
     }
   }
   for (; r < rows; ++r) {
-    dot_tile<1, MM>(w + r * K, K, K, x, x_row, sums);
+    dot_tile<1, MM, MM>(w + r * K, K, K, x, x_row, sums);
     const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
     for (int m = 0; m < MM; ++m) y[m * y_row + n0 + r] = from_float<T>(sums[m] + b);
   }
