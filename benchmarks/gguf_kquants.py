@@ -7,9 +7,9 @@ blocks (v, down and the output projection Q6_K, the rest Q4_K), about 600 MB.
 Measured, each load in a process of its own: the resident memory the load adds (VmRSS after
 `load_model` minus before) over the file's tensor bytes, and the load's seconds, for `quantization`
 auto (kept) and none (every matrix dequantized to bfloat16 by `gguf` at load). Then decode: both
-engines (bfloat16, prefix caching off) in one process, 1 request of a 16-token prompt and `--tokens`
-new tokens (EOS ignored), the two interleaved in each of `--repeats` repeats; output tokens/s, median
-[min-max]. Writes benchmarks/results/gguf_kquants.json.
+models (bfloat16, the native layer ops and attention, the modules' path) in one process, one sequence
+of a 16-token prompt and `--tokens` greedy steps, the two interleaved in each of `--repeats` repeats;
+steps (tokens) a second, median [min-max]. Writes benchmarks/results/gguf_kquants.json.
 
 Usage: python benchmarks/gguf_kquants.py [--gguf FILE] [--repeats 3] [--tokens 32]
 """
@@ -133,20 +133,49 @@ def measure_load(path: str, quantization: str) -> dict[str, float]:
 
 
 def decode_rates(path: str, repeats: int, tokens: int) -> dict[str, list[float]]:
-    from tokenmill import LLM, SamplingParams
+    """Decode steps of one sequence (a 16-token prompt, then `tokens` greedy steps of one token) on the
+    model loaded each way, bfloat16, native layer ops and attention; the two interleaved per repeat."""
+    import torch
 
-    kwargs = {"dtype": "bfloat16", "enable_prefix_caching": False, "max_num_seqs": 4, "kv_cache_memory": 2**28}
-    engines = {q: LLM(path, quantization=q, **kwargs) for q in ("auto", "none")}
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 116))}
-    for llm in engines.values():  # warm-up
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    rates: dict[str, list[float]] = {q: [] for q in engines}
+    sys.path.insert(0, str(ROOT.parent))
+    from tests.helpers import PagedRunner
+    from tokenmill.layers.backends import get_attention_backend
+    from tokenmill.layers.ops import get_layer_ops
+    from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
+    from tokenmill.models.loader import gguf_layer_types, load_model
+    from tokenmill.quant.config import QuantSettings, build_quant_config
+
+    checkpoint = GGUFCheckpoint(path)
+    models = {}
+    for q in ("auto", "none"):
+        quant = build_quant_config(
+            QuantSettings(q), device=torch.device("cpu"), dtype=torch.bfloat16,
+            dense_backend=lambda: "cpu", stored=None, gguf_types=gguf_layer_types(checkpoint),
+        )  # fmt: skip
+        models[q] = load_model(
+            checkpoint,
+            dtype=torch.bfloat16,
+            quant=quant,
+            backend=get_attention_backend("cpu"),
+            ops=get_layer_ops("cpu"),
+        )
+    blocks = (16 + tokens) // 16 + 2
+
+    def run(model: torch.nn.Module, steps: int) -> float:
+        runner = PagedRunner(model, num_blocks=blocks, block_size=16, block_order=list(range(blocks)))
+        logits = runner.step({0: torch.arange(100, 116)})[0]
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = runner.step({0: logits[-1:].argmax(-1)})[0]
+        return steps / (time.perf_counter() - start)
+
+    for model in models.values():
+        run(model, 2)  # warm-up
+    rates: dict[str, list[float]] = {q: [] for q in models}
     for _ in range(repeats):
-        for q, llm in engines.items():
-            start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)
-            rates[q].append(len(out[0].outputs[0].token_ids) / (time.perf_counter() - start))
+        for q, model in models.items():
+            rates[q].append(run(model, tokens))
     return rates
 
 
