@@ -16,6 +16,7 @@ from 32 below it that divides.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import cast
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 MIN_GROUP = 32
-INT4_ROWS = 64  # torch's CPU int4 layout packs output rows in blocks of this many
+INT4_ROWS = 64  # torch's CPU int4 layout takes output rows in multiples of this many
 
 
 @dataclass(frozen=True)
@@ -245,13 +246,31 @@ def quantize_int4pack(w: torch.Tensor, group: int) -> Int4PackWeight:
     return Int4PackWeight(packed, scales_zeros, group, (n, k))
 
 
-def unpack_int4pack(w: Int4PackWeight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
-    """The values torch's CPU int4 layout holds: per block of 64 output rows, for each input k, 32
-    bytes, byte j holding row j (low nibble) and row 32 + j (high nibble). Checked against the packing
-    op by the tests (torch is pinned)."""
-    n, k = w.shape
-    b = w.packed.reshape(n // INT4_ROWS, k, INT4_ROWS // 2)
+@functools.cache
+def int4pack_block() -> int:
+    """How many output rows torch's CPU int4 packing interleaves on this CPU: its layout follows the
+    vector width it was built for (64 rows with AVX-512, 32 with AVX2). Read off the packing op once,
+    on a matrix whose rows are told apart by their values."""
+    q = (torch.arange(INT4_ROWS, dtype=torch.int32)[:, None] % 16).expand(INT4_ROWS, 16).contiguous()
+    q = q ^ (torch.arange(INT4_ROWS, dtype=torch.int32)[:, None] // 16)  # rows j and j + 16 differ too
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    for block in (INT4_ROWS, INT4_ROWS // 2):
+        if torch.equal(_unpack_blocks(packed, INT4_ROWS, 16, block), q):
+            return block
+    raise RuntimeError("torch's CPU int4 layout is neither of the two known ones")
+
+
+def _unpack_blocks(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:  # -> [n, k] int32
+    b = packed.reshape(n // block, k, block // 2)
     return torch.cat([b & 15, b >> 4], -1).permute(0, 2, 1).reshape(n, k).to(torch.int32)
+
+
+def unpack_int4pack(w: Int4PackWeight) -> torch.Tensor:  # -> q [N, K] int32 in 0..15
+    """The values torch's CPU int4 layout holds: per block of B output rows (`int4pack_block`), for
+    each input k, B / 2 bytes, byte j holding row j (low nibble) and row B / 2 + j (high nibble).
+    Checked against the packing op by the tests (torch is pinned)."""
+    n, k = w.shape
+    return _unpack_blocks(w.packed, n, k, int4pack_block())
 
 
 def dequantize_int4pack(w: Int4PackWeight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
@@ -278,12 +297,14 @@ def int4_rows(w: Int4Weight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [
 
 
 def int4pack_rows(w: Int4PackWeight, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, K] float32
-    """Rows of torch's layout: row n is byte (n % 64) % 32 of its block's 32 per k, high nibble from 32."""
+    """Rows of torch's layout: row n is byte (n % B) % (B / 2) of its block's B / 2 per k, the high
+    nibble from B / 2 on (B: `int4pack_block`)."""
     n, k = w.shape
-    blocks = w.packed.view(n // INT4_ROWS, k, INT4_ROWS // 2)
-    within = ids % INT4_ROWS
-    b = blocks[ids // INT4_ROWS, :, within % (INT4_ROWS // 2)].to(torch.int32)  # [T, K]
-    q = (b >> (4 * (within >= INT4_ROWS // 2).to(torch.int32))[:, None]) & 15
+    block = int4pack_block()
+    blocks = w.packed.view(n // block, k, block // 2)
+    within = ids % block
+    b = blocks[ids // block, :, within % (block // 2)].to(torch.int32)  # [T, K]
+    q = (b >> (4 * (within >= block // 2).to(torch.int32))[:, None]) & 15
     scale = w.scales_zeros[:, ids, 0].t().float()  # [T, K / group]
     zero = w.scales_zeros[:, ids, 1].t().float()
     g = (q.float().view(-1, k // w.group, w.group) - 8) * scale[..., None] + zero[..., None]
