@@ -20,6 +20,11 @@ from tokenmill.runner.startup_log import phase
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
+# The CPU's prompt chunk in the warm-up: enough rows for the prompt-chunk kernels (65 rows and more,
+# quant/cpu_dense.py ROW_CLASSES) to run once. A CPU's KV cache is a fixed budget, not what a peak
+# leaves, so nothing needs the largest chunk there; on a 1B-class model that chunk costs a whole
+# 512-token prefill before the server is ready.
+CPU_PROMPT = 80
 WORST = SamplingParams(
     temperature=1.0,
     top_p=0.9,
