@@ -50,6 +50,47 @@ struct KX {
   int64_t K = 0;
 };
 
+// x's block b of row m (256 values v) rounded: q, d, the sums of q per 16 and per 32
+inline void round_block(const float* v, KX& out, int64_t m, int64_t b) {
+  const int64_t K = out.K;
+  int8_t* q = out.q.data() + m * K + b * QK;
+  int16_t* s16 = out.sum16.data() + m * (K / 16) + b * 16;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < QK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  for (int i = 0; i < QK; i += 32) {  // (vcvtps2dq rounds to nearest even: nearbyint's rounding)
+    __m256i n[4];
+    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * j), inv));
+    for (int j = 0; j < 2; ++j) {
+      const __m256i t = _mm256_add_epi32(n[2 * j], n[2 * j + 1]);
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_hadd_epi32(u, u);
+      s16[i / 16 + j] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_hadd_epi32(u, u)));
+    }
+    const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                        _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+#else
+  float amax = 0.f;
+  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+  for (int g = 0; g < QK / 16; ++g) {
+    int t = 0;
+    for (int i = 0; i < 16; ++i) t += q[16 * g + i];
+    s16[g] = static_cast<int16_t>(t);
+  }
+#endif
+  out.d[m * (K / QK) + b] = amax / 127.f;
+  for (int g = 0; g < QK / 32; ++g) out.sum32[m * (K / 32) + b * 8 + g] = static_cast<int16_t>(s16[2 * g] + s16[2 * g + 1]);
+}
+
 template <typename T>
 void quantize_x256(const T* x, int64_t x_row, int64_t M, int64_t K, KX& out) {
   out.K = K;
@@ -58,20 +99,7 @@ void quantize_x256(const T* x, int64_t x_row, int64_t M, int64_t K, KX& out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       to_float(x + m * x_row + b * QK, v, QK);
-      float amax = 0.f;
-      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = out.q.data() + m * K + b * QK;
-      for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-      out.d[m * (K / QK) + b] = amax / 127.f;
-      for (int g = 0; g < QK / 16; ++g) {
-        int s = 0;
-        for (int i = 0; i < 16; ++i) s += q[16 * g + i];
-        out.sum16[m * (K / 16) + b * 16 + g] = static_cast<int16_t>(s);
-      }
-      for (int g = 0; g < QK / 32; ++g)
-        out.sum32[m * (K / 32) + b * 8 + g] =
-            static_cast<int16_t>(out.sum16[m * (K / 16) + b * 16 + 2 * g] + out.sum16[m * (K / 16) + b * 16 + 2 * g + 1]);
+      round_block(v, out, m, b);
     }
 }
 
@@ -123,6 +151,9 @@ float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define TM_GGUF_KDOT_AVX2 1
+#ifndef TM_GGUF_PREFETCH
+#define TM_GGUF_PREFETCH 1024  // bytes of the weight row ahead
+#endif
 inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i ld32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 // int16 lanes: the low 128 bits take int16 a of v (a 128-bit lane's 8), the high 128 bits int16 b
@@ -142,15 +173,22 @@ template <int TYPE>  // Q4_K (12), Q5_K (13)
 struct K4Block {
   static constexpr int BYTES = TYPE == 12 ? 144 : 176;
   const uint8_t* nib;
-  __m256i sc, hb;
-  __m128i mn;
-  float d, dmin;
+  __m256i sc, hb;  // the 8 scales (bytes 0-7) and mins (8-15) in both 128-bit lanes; Q5_K's high bits
+  __m128i mn;       // the mins as int16
+  __m256 dm;        // d 4 times, then -dmin 4 times
   explicit K4Block(const uint8_t* p) {
-    uint64_t s, n;
-    k4_scales(p + 4, s, n);
-    sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(s))));
-    mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(n)));
-    d = half_bits(p), dmin = half_bits(p + 2);
+    // k4_scales in vector form: dwords w0, w1, w2 of the 12 bytes -> [sc 0-3, sc 4-7, mn 0-3, mn 4-7]
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i lo = _mm_and_si128(w, _mm_set1_epi8(0x3f));  // [sc 0-3, mn 0-3]
+    const __m128i w22 = _mm_srlv_epi32(_mm_shuffle_epi32(w, 0xAA), _mm_setr_epi32(0, 4, 0, 0));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(w22, _mm_set1_epi8(15)),
+                                    _mm_and_si128(_mm_srli_epi32(w, 2), _mm_set1_epi8(0x30)));  // [sc 4-7, mn 4-7]
+    const __m128i all = _mm_unpacklo_epi32(lo, hi);
+    sc = _mm256_broadcastsi128_si256(all);
+    mn = _mm_unpackhi_epi8(all, _mm_setzero_si128());
+    const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(word(p))));  // d, dmin
+    dm = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_xor_ps(h, _mm_setr_ps(0.f, -0.f, 0.f, 0.f))),
+                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     nib = p + (TYPE == 13 ? 48 : 16);
     if constexpr (TYPE == 13) hb = ld32(p + 16);
   }
@@ -163,13 +201,18 @@ struct K4Block {
     }
     return q;
   }
-  __m256i scale(int r) const { return pick16(sc, r, r); }
+  __m256i scale(int r) const {  // byte r zero-extended into every int16 lane
+    const char z = static_cast<char>(0x80), b = static_cast<char>(r);
+    return _mm256_shuffle_epi8(sc, _mm256_setr_epi8(b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b,
+                                                     z, b, z, b, z, b, z, b, z));
+  }
   // facc += xd * (d * dot - dmin * mins . sum32): dot [8] int32, sum32 x's 8 sums of 32
   __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
     (void)sum16;
     const __m128i mins = _mm_madd_epi16(mn, _mm_loadu_si128(reinterpret_cast<const __m128i*>(sum32)));
-    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd), facc);
-    return _mm256_fmadd_ps(_mm256_zextps128_ps256(_mm_cvtepi32_ps(mins)), _mm256_set1_ps(-dmin * xd), facc);
+    const __m128i dot4 = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
+    const __m256 both = _mm256_cvtepi32_ps(_mm256_set_m128i(mins, dot4));  // [dot 4 | mins 4]
+    return _mm256_fmadd_ps(both, _mm256_mul_ps(dm, _mm256_set1_ps(xd)), facc);
   }
 };
 template <>
@@ -221,6 +264,7 @@ inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) 
   for (int m = 0; m < MM; ++m) facc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const B blk(row + b * B::BYTES);
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * B::BYTES + TM_GGUF_PREFETCH), _MM_HINT_T0);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512i acc[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
