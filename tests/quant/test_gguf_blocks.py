@@ -1,7 +1,8 @@
 """The GGUF block kernels (kernels/csrc/gguf_blocks.cpp) against the `gguf` package: dequantized rows equal
 `gguf.quants.dequantize` bit for bit on random blocks of every kept type, and the decode product equals
-x' @ W^T, x' the activations rounded to int8 in runs of 32 as the kernel rounds them, within float32
-summation (and x @ W^T within that rounding's bound)."""
+x' @ W^T, x' the activations rounded to int8 as the kernel rounds them (one scale per 256 for the
+K-quants, per 32 for the 32-weight types), within float32 summation (and x @ W^T within that rounding's
+bound)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,14 @@ def reference(raw: np.ndarray, type_name: str, cols: int) -> np.ndarray:
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(raw.shape[0], cols)
 
 
-def rounded_x(x: np.ndarray) -> np.ndarray:
-    """x [M, K] float32 as the kernel rounds it: int8 in runs of 32, one float32 scale a run (float64)."""
-    runs = x.reshape(x.shape[0], -1, 32)
+def x_run(type_name: str) -> int:
+    """The run of x values the kernel rounds with one scale for `type_name`: a block of weights."""
+    return BLOCKS[type_name][1]
+
+
+def rounded_x(x: np.ndarray, run: int) -> np.ndarray:
+    """x [M, K] float32 as the kernel rounds it: int8 in runs of `run`, one float32 scale a run (float64)."""
+    runs = x.reshape(x.shape[0], -1, run)
     amax = np.abs(runs).max(-1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
@@ -88,7 +94,7 @@ def test_the_decode_product_is_the_int8_rounded_x_times_the_weights(ops, type_na
             x[2, :] = 0.0  # a row of zeros
         out = torch.empty(rows, n)
         ops.gguf_linear(out, torch.from_numpy(x), torch.from_numpy(raw), BLOCKS[type_name][0])
-        xr = rounded_x(x)
+        xr = rounded_x(x, x_run(type_name))
         expected = xr @ w.T
         # float32 sums of products: within a few ulps of the sum of magnitudes
         slack = 1e-5 * (np.abs(xr) @ np.abs(w).T) + 1e-30
@@ -106,7 +112,7 @@ def test_the_decode_product_in_bfloat16_writes_a_column_slice(ops, type_name):
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(0)).bfloat16()
     wide = torch.full((4, n + 10), 7.0, dtype=torch.bfloat16)
     ops.gguf_linear(wide[:, 5 : 5 + n], x, torch.from_numpy(raw), BLOCKS[type_name][0])
-    expected = rounded_x(x.float().numpy()) @ w.T
+    expected = rounded_x(x.float().numpy(), x_run(type_name)) @ w.T
     got = wide[:, 5 : 5 + n].double().numpy()
     assert np.all(np.abs(got - expected) <= 2**-8 * np.abs(expected) + 1e-5 * np.abs(expected).max())
     assert torch.all(wide[:, :5] == 7.0) and torch.all(wide[:, 5 + n :] == 7.0)  # nothing written outside

@@ -38,7 +38,7 @@ SOURCES = (
     "decode_layer.cpp",
     "gguf_blocks.cpp",
 )
-HEADERS = ("convert.h", "int_dot.h", "linear_amx.h", "linear_broadcast.h", "ops.h")
+HEADERS = ("convert.h", "gguf_kdot.h", "int_dot.h", "linear_amx.h", "linear_broadcast.h", "ops.h")
 # no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
 CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
 LIBRARY = "tokenmill_cpu"

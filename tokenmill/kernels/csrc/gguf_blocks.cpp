@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "gguf_kdot.h"
 #include "int_dot.h"
 
 namespace {
@@ -355,6 +356,36 @@ void linear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t 
   });
 }
 
+// the K-quant types' product (gguf_kdot.h): x rounded per 256, each block's sums in integers
+template <int TYPE, typename T>
+void klinear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  tm_gguf::KX xk;
+  tm_gguf::quantize_x256(x, x_row, M, K, xk);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  T* y = out.data_ptr<T>();
+  const int64_t y_row = out.stride(0);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_bytes));  // ~64 KB
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
+      tm_int::with_rows<MAX_ROWS>(std::min(MAX_ROWS, M - m0), [&]<int MM>() {
+        for (int64_t n = begin; n < end; ++n) {
+          float sums[MM];
+          tm_gguf::krow<TYPE, MM>(wp + n * row_bytes, xk, m0, sums);
+          for (int m = 0; m < MM; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m]);
+        }
+      });
+  });
+}
+
+template <typename F, typename T>
+void linear_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K> || std::is_same_v<F, Q6_K>)
+    klinear_impl<std::is_same_v<F, Q4_K> ? 12 : std::is_same_v<F, Q5_K> ? 13 : 14>(out, x, x_row, M, K, w);
+  else
+    linear_impl<F>(out, x, x_row, M, K, w);
+}
+
 // f.template operator()<F>() for GGML type number `type`
 template <typename Fn>
 void with_format(int64_t type, Fn&& f) {
@@ -432,9 +463,9 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, 
   if (M == 0 || blocks.size(0) == 0) return;
   with_format(type, [&]<typename F>() {
     if (x.scalar_type() == at::kFloat)
-      linear_impl<F, float>(out, x.data_ptr<float>(), x.stride(0), M, K, blocks);
+      linear_any<F, float>(out, x.data_ptr<float>(), x.stride(0), M, K, blocks);
     else
-      linear_impl<F, bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, K, blocks);
+      linear_any<F, bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, K, blocks);
   });
 }
 

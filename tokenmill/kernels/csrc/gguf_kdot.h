@@ -1,0 +1,319 @@
+// The decode product for GGUF's 256-weight K-quant blocks (Q4_K, Q5_K, Q6_K), in integers a whole
+// block at a time (gguf_blocks.cpp dispatches here; the 32-weight types stay there).
+//
+// x is rounded to int8 per 256 (one float scale xd a block of x, symmetric: |xq| <= 127), with the
+// integer sums of xq per 16 and per 32 kept beside. A weight block is d * sc_g * q - dmin * mn_g
+// (Q4_K / Q5_K: sc, mn 6-bit per 32, q 4 or 5 bits) or d * sc_g * (q - 32) (Q6_K: sc int8 per 16, q 6
+// bits), so a block's dot with x's block is
+//   xd * (d * sum_g sc_g * (q_g . xq_g) - dmin * sum_g mn_g * sum(xq_g))        (Q4_K, Q5_K)
+//   xd * d * (sum_g sc_g * (q_g . xq_g) - 32 * sum_g sc_g * sum(xq_g))          (Q6_K)
+// with every sum over g an exact int32: q . xq per pair of bytes by vpmaddubsw (q unsigned <= 63, xq
+// signed: |pair| <= 2 * 63 * 127, within int16), the pairs times the scales widened to int16 and summed
+// in pairs by vpmaddwd (AVX-512 VNNI: vpdpwssd, the multiply and the add in one), |sum| < 2^26. Two
+// float steps a block and x row (one for Q6_K): 256 weights a conversion where the per-32 design
+// converted 8 times. AVX-512 takes two runs of 32 a 512-bit register; the block's int32 sums are
+// folded to 256 bits before its float step.
+#pragma once
+
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "convert.h"
+
+namespace tm_gguf {
+
+constexpr int64_t QK = 256;  // weights a K-quant block, x values a scale
+
+inline float half_bits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+inline uint32_t word(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// x rounded per 256: q [M, K] int8, d [M, K / 256], sum16 [M, K / 16] and sum32 [M, K / 32] (of q)
+struct KX {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> sum16, sum32;
+  int64_t K = 0;
+};
+
+// x's block b of row m (256 values v) rounded: q, d, the sums of q per 16 and per 32
+inline void round_block(const float* v, KX& out, int64_t m, int64_t b) {
+  const int64_t K = out.K;
+  int8_t* q = out.q.data() + m * K + b * QK;
+  int16_t* s16 = out.sum16.data() + m * (K / 16) + b * 16;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < QK; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  for (int i = 0; i < QK; i += 32) {  // (vcvtps2dq rounds to nearest even: nearbyint's rounding)
+    __m256i n[4];
+    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * j), inv));
+    for (int j = 0; j < 2; ++j) {
+      const __m256i t = _mm256_add_epi32(n[2 * j], n[2 * j + 1]);
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_hadd_epi32(u, u);
+      s16[i / 16 + j] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_hadd_epi32(u, u)));
+    }
+    const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                        _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+#else
+  float amax = 0.f;
+  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+  for (int g = 0; g < QK / 16; ++g) {
+    int t = 0;
+    for (int i = 0; i < 16; ++i) t += q[16 * g + i];
+    s16[g] = static_cast<int16_t>(t);
+  }
+#endif
+  out.d[m * (K / QK) + b] = amax / 127.f;
+  for (int g = 0; g < QK / 32; ++g) out.sum32[m * (K / 32) + b * 8 + g] = static_cast<int16_t>(s16[2 * g] + s16[2 * g + 1]);
+}
+
+template <typename T>
+void quantize_x256(const T* x, int64_t x_row, int64_t M, int64_t K, KX& out) {
+  out.K = K;
+  out.q.resize(M * K), out.d.resize(M * (K / QK)), out.sum16.resize(M * (K / 16)), out.sum32.resize(M * (K / 32));
+  alignas(32) float v[QK];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      to_float(x + m * x_row + b * QK, v, QK);
+      round_block(v, out, m, b);
+    }
+}
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins as 8 bytes each (byte r: run r's)
+inline void k4_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  const uint32_t w0 = word(s), w1 = word(s + 4), w2 = word(s + 8);
+  sc = (w0 & 0x3f3f3f3fu) | uint64_t{(w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)} << 32;
+  mn = (w1 & 0x3f3f3f3fu) | uint64_t{((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)} << 32;
+}
+
+// ---- scalar: the same integer sums (the reference the vector forms follow) ----
+// type 12 / 13 / 14: Q4_K / Q5_K / Q6_K; one weight row (K / 256 blocks of `bytes`) . x row m
+template <int TYPE>
+float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
+  const int64_t K = x.K, bytes = TYPE == 12 ? 144 : TYPE == 13 ? 176 : 210;
+  float acc = 0.f;
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const uint8_t* p = row + b * bytes;
+    const int8_t* xq = x.q.data() + m * K + b * QK;
+    const int16_t* s16 = x.sum16.data() + m * (K / 16) + b * 16;
+    int32_t dot = 0, mins = 0;
+    float d, dmin = 0.f;
+    if constexpr (TYPE == 14) {
+      d = half_bits(p + 208);
+      for (int i = 0; i < QK; ++i) {
+        const int h = i / 128, t = (i / 32) % 4, l = i % 32;
+        const int q = ((p[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15) | (((p[128 + 32 * h + l] >> (2 * t)) & 3) << 4);
+        dot += static_cast<int8_t>(p[192 + i / 16]) * q * xq[i];
+      }
+      for (int g = 0; g < 16; ++g) dot -= 32 * static_cast<int8_t>(p[192 + g]) * s16[g];
+    } else {
+      uint64_t sc, mn;
+      k4_scales(p + 4, sc, mn);
+      d = half_bits(p), dmin = half_bits(p + 2);
+      const uint8_t* nib = p + (TYPE == 13 ? 48 : 16);
+      for (int i = 0; i < QK; ++i) {
+        const int r = i / 32;
+        int q = (nib[32 * (r / 2) + i % 32] >> (4 * (r % 2))) & 15;
+        if constexpr (TYPE == 13) q |= ((p[16 + i % 32] >> r) & 1) << 4;
+        dot += static_cast<int>((sc >> (8 * r)) & 255) * q * xq[i];
+      }
+      for (int r = 0; r < 8; ++r) mins += static_cast<int>((mn >> (8 * r)) & 255) * (s16[2 * r] + s16[2 * r + 1]);
+    }
+    const float xd = x.d[m * (K / QK) + b];
+    acc += d * xd * static_cast<float>(dot) - dmin * xd * static_cast<float>(mins);
+  }
+  return acc;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TM_GGUF_KDOT_AVX2 1
+#ifndef TM_GGUF_PREFETCH
+#define TM_GGUF_PREFETCH 1024  // bytes of the weight row ahead
+#endif
+inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i ld32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// int16 lanes: the low 128 bits take int16 a of v (a 128-bit lane's 8), the high 128 bits int16 b
+inline __m256i pick16(__m256i v, int a, int b) {
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi8(2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
+                                                  2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
+                                                  2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1,
+                                                  2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1));
+}
+
+// A block's decoded state: run(r) its run r's 32 q bytes, scale(r) the int16 scales of run r's byte
+// pairs (vpmaddubsw's lanes: 8 a 16 weights), finish() the block's int32 sums into a float sum.
+template <int TYPE>
+struct KBlock;
+
+template <int TYPE>  // Q4_K (12), Q5_K (13)
+struct K4Block {
+  static constexpr int BYTES = TYPE == 12 ? 144 : 176;
+  const uint8_t* nib;
+  __m256i sc, hb;  // the 8 scales (bytes 0-7) and mins (8-15) in both 128-bit lanes; Q5_K's high bits
+  __m128i mn;       // the mins as int16
+  __m256 dm;        // d 4 times, then -dmin 4 times
+  explicit K4Block(const uint8_t* p) {
+    // k4_scales in vector form: dwords w0, w1, w2 of the 12 bytes -> [sc 0-3, sc 4-7, mn 0-3, mn 4-7]
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i lo = _mm_and_si128(w, _mm_set1_epi8(0x3f));  // [sc 0-3, mn 0-3]
+    const __m128i w22 = _mm_srlv_epi32(_mm_shuffle_epi32(w, 0xAA), _mm_setr_epi32(0, 4, 0, 0));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(w22, _mm_set1_epi8(15)),
+                                    _mm_and_si128(_mm_srli_epi32(w, 2), _mm_set1_epi8(0x30)));  // [sc 4-7, mn 4-7]
+    const __m128i all = _mm_unpacklo_epi32(lo, hi);
+    sc = _mm256_broadcastsi128_si256(all);
+    mn = _mm_unpackhi_epi8(all, _mm_setzero_si128());
+    const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(word(p))));  // d, dmin
+    dm = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_xor_ps(h, _mm_setr_ps(0.f, -0.f, 0.f, 0.f))),
+                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    nib = p + (TYPE == 13 ? 48 : 16);
+    if constexpr (TYPE == 13) hb = ld32(p + 16);
+  }
+  __m256i run(int r) const {
+    const __m256i v = ld32(nib + 32 * (r / 2)), low = _mm256_set1_epi8(15);
+    __m256i q = _mm256_and_si256(r % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+    if constexpr (TYPE == 13) {  // bit r of each high byte -> bit 4
+      const __m256i h = r < 4 ? _mm256_slli_epi16(hb, 4 - r) : _mm256_srli_epi16(hb, r - 4);
+      q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+    }
+    return q;
+  }
+  __m256i scale(int r) const {  // byte r zero-extended into every int16 lane
+    const char z = static_cast<char>(0x80), b = static_cast<char>(r);
+    return _mm256_shuffle_epi8(sc, _mm256_setr_epi8(b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b,
+                                                     z, b, z, b, z, b, z, b, z));
+  }
+  // facc += xd * (d * dot - dmin * mins . sum32): dot [8] int32, sum32 x's 8 sums of 32
+  __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
+    (void)sum16;
+    const __m128i mins = _mm_madd_epi16(mn, _mm_loadu_si128(reinterpret_cast<const __m128i*>(sum32)));
+    const __m128i dot4 = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
+    const __m256 both = _mm256_cvtepi32_ps(_mm256_set_m128i(mins, dot4));  // [dot 4 | mins 4]
+    return _mm256_fmadd_ps(both, _mm256_mul_ps(dm, _mm256_set1_ps(xd)), facc);
+  }
+};
+template <>
+struct KBlock<12> : K4Block<12> {
+  using K4Block<12>::K4Block;
+};
+template <>
+struct KBlock<13> : K4Block<13> {
+  using K4Block<13>::K4Block;
+};
+
+template <>
+struct KBlock<14> {  // Q6_K
+  static constexpr int BYTES = 210;
+  const uint8_t* p;
+  __m256i sc, lo8, hi8;  // the 16 scales as int16; scales 0-7 in both 128-bit lanes; 8-15 in both
+  float d;
+  explicit KBlock(const uint8_t* b) : p(b) {
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    sc = _mm256_cvtepi8_epi16(s8);
+    lo8 = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc));
+    hi8 = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc, 1));
+    d = half_bits(b + 208);
+  }
+  __m256i run(int r) const {  // r = 4h + t: 4 bits from ql, 2 from qh (file header's layout)
+    const int h = r / 4, t = r % 4;
+    const __m256i lo = ld32(p + 64 * h + 32 * (t % 2)), hi = ld32(p + 128 + 32 * h);
+    const __m256i q4 = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(15));
+    const __m256i h2 = t == 0 ? _mm256_slli_epi16(hi, 4) : t == 1 ? _mm256_slli_epi16(hi, 2) : t == 2 ? hi : _mm256_srli_epi16(hi, 2);
+    return _mm256_or_si256(q4, _mm256_and_si256(h2, _mm256_set1_epi8(0x30)));
+  }
+  __m256i scale(int r) const { return pick16(r < 4 ? lo8 : hi8, (2 * r) % 8, (2 * r + 1) % 8); }
+  // facc += xd * d * (dot - 32 * sc . sum16)
+  __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
+    (void)sum32;
+    const __m256i off = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16)));
+    dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(off, 5));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd), facc);
+  }
+};
+
+// one weight row . MM x rows (x.q rows xm0 .. xm0 + MM - 1): sums[m]
+template <int TYPE, int MM>
+inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) {
+  using B = KBlock<TYPE>;
+  const int64_t K = x.K, NB = K / QK;
+  const int8_t* xq = x.q.data() + xm0 * K;
+  __m256 facc[MM];
+  for (int m = 0; m < MM; ++m) facc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const B blk(row + b * B::BYTES);
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * B::BYTES + TM_GGUF_PREFETCH), _MM_HINT_T0);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i acc[MM];
+    for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // runs 2j, 2j + 1 a register
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(blk.run(2 * j)), blk.run(2 * j + 1), 1);
+      const __m512i s = _mm512_inserti64x4(_mm512_castsi256_si512(blk.scale(2 * j)), blk.scale(2 * j + 1), 1);
+      for (int m = 0; m < MM; ++m) {
+        const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + m * K + b * QK + 64 * j));
+#if defined(__AVX512VNNI__)
+        acc[m] = _mm512_dpwssd_epi32(acc[m], p, s);
+#else
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(p, s));
+#endif
+      }
+    }
+    __m256i dot[MM];
+    for (int m = 0; m < MM; ++m)
+      dot[m] = _mm256_add_epi32(_mm512_castsi512_si256(acc[m]), _mm512_extracti64x4_epi64(acc[m], 1));
+#else
+    __m256i dot[MM];
+    for (int m = 0; m < MM; ++m) dot[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      const __m256i q = blk.run(r), s = blk.scale(r);
+      for (int m = 0; m < MM; ++m) {
+        const __m256i p = _mm256_maddubs_epi16(q, ld32(xq + m * K + b * QK + 32 * r));
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, s));
+      }
+    }
+#endif
+    for (int m = 0; m < MM; ++m) {
+      const int64_t xm = xm0 + m;
+      facc[m] = blk.finish(dot[m], x.sum16.data() + xm * (K / 16) + b * 16, x.sum32.data() + xm * (K / 32) + b * 8,
+                           x.d[xm * NB + b], facc[m]);
+    }
+  }
+  for (int m = 0; m < MM; ++m) sums[m] = hsum8(facc[m]);
+}
+#endif
+
+// one weight row . MM x rows from xm0, by the vector form where there is one
+template <int TYPE, int MM>
+inline void krow(const uint8_t* row, const KX& x, int64_t xm0, float* sums) {
+#if defined(TM_GGUF_KDOT_AVX2)
+  krow_dot<TYPE, MM>(row, x, xm0, sums);
+#else
+  for (int m = 0; m < MM; ++m) sums[m] = krow_dot_scalar<TYPE>(row, x, xm0 + m);
+#endif
+}
+
+}  // namespace tm_gguf
