@@ -26,9 +26,9 @@ from tokenmill.layers.attention import AttentionBackend, KVCache
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
-from tokenmill.runner.model_inputs import ModelInputs, prepare_inputs
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.input_batch import InputBatch
+from tokenmill.runner.model_inputs import ModelInputs, prepare_inputs
 from tokenmill.sched.draft_policy import speculates
 from tokenmill.spec_decode.proposer import DraftRequest, NoProposer, Proposer
 from tokenmill.spec_decode.rejection import RejectionSampler, Verification
