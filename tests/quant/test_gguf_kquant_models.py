@@ -90,7 +90,9 @@ def test_every_matrix_stays_quantized_and_computes_the_dequantized_model(files, 
     assert_logits_close(logits(exact), reference, rel=1e-5)
     if load_cpu_kernels() is not None:  # the decode kernels on the 40-token prompt: int8 activations
         ours = logits(load_model(path, dtype="float32", quant=kept(native=True)))
-        assert_logits_close(ours, reference, rel=4e-2)
+        # (one int8 scale per 256 activations for the K-quants, llama.cpp's Q8_K: the files here reach
+        # 3-5% of the logit scale, where one scale per 32 reached 2-4%)
+        assert_logits_close(ours, reference, rel=6e-2)
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 

@@ -267,68 +267,63 @@ struct XRows {
   int64_t K;
 };
 
-// One weight row against MM x rows: sums[m] = row . x'[m].
+// One weight row against MM x rows: sums[m] = row . x'[m] (the 32-weight types; K-quants: gguf_kdot.h).
+// AVX2: a block's q . xq in integers (offset types shifted to signed, q - OFF, and multiplied through
+// vpsignb's trick: |q| unsigned times xq carrying q's sign), one float step a block and row; the
+// minimum types' b term from x's float sums.
 template <typename F, int MM>
 inline void row_dot(const uint8_t* row, const XRows& x, float (&sums)[MM]) {
+  static_assert(F::W == RUN, "row_dot: 32-weight blocks");
   const int64_t K = x.K, R = K / RUN, G = K / 16;
-  float a[16], b[16], off[MM];
+  float off[MM];
   for (int m = 0; m < MM; ++m) off[m] = 0.f;
 #if defined(TM_GGUF_AVX2)
+  constexpr bool SIGNED = F::SIGNED || !F::MIN;  // q (Q8_0) or q - OFF (Q4_0, Q5_0) signed
   __m256 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-#else
-  float acc[MM];
-  for (int m = 0; m < MM; ++m) acc[m] = 0.f;
-#endif
-  for (int64_t blk = 0; blk < K / F::W; ++blk) {
+  for (int64_t blk = 0; blk < R; ++blk) {
     const uint8_t* p = row + blk * F::BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(p + 4 * F::BYTES), _MM_HINT_T0);
-    F::params(p, a, b);
-    for (int r = 0; r < F::W / RUN; ++r) {
-      const int64_t run = blk * (F::W / RUN) + r;
-#if defined(TM_GGUF_AVX2)
-      const __m256i q = run_vec<F>(p, r);
-      const __m256i qa = F::SIGNED ? _mm256_sign_epi8(q, q) : q;  // |q|: its sign moves onto x
-      const __m256 av = _mm256_set_m128(_mm_set1_ps(a[2 * r + 1]), _mm_set1_ps(a[2 * r]));  // per 16
-      for (int m = 0; m < MM; ++m) {
-        __m256i xv = load32(reinterpret_cast<const uint8_t*>(x.xq + m * K + run * RUN));
-        if (F::SIGNED) xv = _mm256_sign_epi8(xv, q);
-        // (pairs of q x: |q| <= 63 unsigned, or 128 signed, |x| <= 127: within int16)
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), ones);
-        const __m256 scale = _mm256_mul_ps(av, _mm256_set1_ps(x.xs[m * R + run]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[m]);
-      }
-#else
-      alignas(32) uint8_t q[RUN];
-      run_scalar<F>(p, r, q);
-      for (int m = 0; m < MM; ++m) {
-        const int8_t* xv = x.xq + m * K + run * RUN;
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 16; ++i) {
-          lo += (F::SIGNED ? static_cast<int8_t>(q[i]) : q[i]) * xv[i];
-          hi += (F::SIGNED ? static_cast<int8_t>(q[16 + i]) : q[16 + i]) * xv[16 + i];
-        }
-        const float s = x.xs[m * R + run];
-        acc[m] += s * (a[2 * r] * static_cast<float>(lo) + a[2 * r + 1] * static_cast<float>(hi));
-      }
-#endif
+    const float d = half_at(p);
+    __m256i q = run_vec<F>(p, 0);
+    if constexpr (!F::SIGNED && !F::MIN) q = _mm256_sub_epi8(q, _mm256_set1_epi8(F::OFF));
+    const __m256i qa = SIGNED ? _mm256_sign_epi8(q, q) : q;
+    for (int m = 0; m < MM; ++m) {
+      __m256i xv = load32(reinterpret_cast<const uint8_t*>(x.xq + m * K + blk * RUN));
+      if constexpr (SIGNED) xv = _mm256_sign_epi8(xv, q);
+      // (pairs of |q| x: |q| <= 31, or 128 for Q8_0, |x| <= 127: within int16)
+      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * x.xs[m * R + blk]), acc[m]);
     }
-    if (!F::SIGNED)  // (Q8_0's b are 0)
-      for (int m = 0; m < MM; ++m) {
-        const float* xg = x.xs16 + m * G + blk * (F::W / 16);
-        float o = 0.f;
-        for (int g = 0; g < F::W / 16; ++g) o += (b[g] - static_cast<float>(F::OFF) * a[g]) * xg[g];
-        off[m] += o;
-      }
+    if constexpr (F::MIN) {
+      const float b = half_at(p + 2);
+      for (int m = 0; m < MM; ++m) off[m] += b * (x.xs16[m * G + 2 * blk] + x.xs16[m * G + 2 * blk + 1]);
+    }
   }
-  for (int m = 0; m < MM; ++m) {
-#if defined(TM_GGUF_AVX2)
-    sums[m] = hsum8(acc[m]) + off[m];
+  for (int m = 0; m < MM; ++m) sums[m] = hsum8(acc[m]) + off[m];
 #else
-    sums[m] = acc[m] + off[m];
-#endif
+  float a[16], b[16], acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = 0.f;
+  for (int64_t blk = 0; blk < R; ++blk) {
+    const uint8_t* p = row + blk * F::BYTES;
+    F::params(p, a, b);
+    alignas(32) uint8_t q[RUN];
+    run_scalar<F>(p, 0, q);
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* xv = x.xq + m * K + blk * RUN;
+      int32_t lo = 0, hi = 0;
+      for (int i = 0; i < 16; ++i) {
+        lo += (F::SIGNED ? static_cast<int8_t>(q[i]) : q[i]) * xv[i];
+        hi += (F::SIGNED ? static_cast<int8_t>(q[16 + i]) : q[16 + i]) * xv[16 + i];
+      }
+      acc[m] += x.xs[m * R + blk] * (a[0] * static_cast<float>(lo) + a[1] * static_cast<float>(hi));
+      const float* xg = x.xs16 + m * G + 2 * blk;
+      if (!F::SIGNED)  // (Q8_0's b are 0)
+        off[m] += (b[0] - static_cast<float>(F::OFF) * a[0]) * xg[0] + (b[1] - static_cast<float>(F::OFF) * a[1]) * xg[1];
+    }
   }
+  for (int m = 0; m < MM; ++m) sums[m] = acc[m] + off[m];
+#endif
 }
 
 template <typename F, typename T>
