@@ -155,6 +155,7 @@ def test_unseeded_sampling_with_a_draft_model_follows_the_targets_distribution(p
     assert chi_square_p(counts, exact, SAMPLES) > 0.001
 
 
+@pytest.mark.slow  # the distribution test's power, not the engine's behaviour (the tests above check that)
 def test_a_wrong_acceptance_rule_fails_the_distribution_test(pair, monkeypatch):
     """Drawing a refused draft's position from p itself (not from max(0, p - q)) favours the tokens
     the draft proposes: the test above sees it."""
