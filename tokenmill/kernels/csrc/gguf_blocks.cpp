@@ -22,10 +22,12 @@
 //
 // `gguf_dequant` writes rows of W (float32, or rounded to bfloat16 as torch rounds) for a prompt's
 // dequantize-then-GEMM and for embedding lookups. `gguf_linear` is the decode product y = x @ W^T for few
-// x rows: x rounded to int8 in runs of 32 (one float scale a run, as llama.cpp's Q8 activations), each
-// weight run's bytes multiplied with the x rows' (vpmaddubsw, Q8_0 through its sign trick) while they are
-// in registers, the runs' integer sums scaled into float; the b terms take the x runs' sums per 16. So
-// y is exactly x' @ W^T up to float32 summation, x' the int8-rounded x.
+// x rows. The K-quants (gguf_kdot.h): x rounded to int8 per 256 (llama.cpp's Q8_K), a block's sums
+// exact in int32 with its integer scales, two float steps a block. The 32-weight types: x rounded to
+// int8 in runs of 32 (one float scale a run, llama.cpp's Q8_0), each block's bytes multiplied with the x
+// rows' (vpmaddubsw; signed q, and q - OFF, through vpsignb) while they are in registers, one float step
+// a block; the b terms take the x runs' float sums. So y is exactly x' @ W^T up to float32 summation,
+// x' the int8-rounded x. Threads take ranges of weight rows, each range read from several places at once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
