@@ -12,7 +12,11 @@ repeats, and the fraction of the same repeats' bandwidth figure. The load (`upti
 is written beside. Writes benchmarks/results/gguf_kernels.json (or `--out`).
 
 Usage: python benchmarks/gguf_kernels.py --tree before=/path/to/main --tree after=. [--repeats 5]
-       [--types Q4_K,Q6_K] [--seconds 0.15]
+       [--types Q4_K,Q6_K] [--seconds 0.15] [--threads N]
+
+On a machine shared with other jobs, a product split over every core waits for its slowest thread
+whenever another process holds a core; `--threads 1` measures the kernels alone (against one
+thread's read bandwidth).
 """
 
 from __future__ import annotations
@@ -45,9 +49,13 @@ def pool_blocks(type_name: str, nbytes: int, block: int):  # -> uint8 tensor [nb
     return torch.from_numpy(raw)
 
 
-def measure_tree(types: list[str], seconds: float) -> dict[str, object]:
-    """(In the child process) bandwidth, then GB/s of every case once."""
+def measure_tree(types: list[str], seconds: float, threads: int) -> dict[str, object]:
+    """(In the child process) bandwidth, then GB/s of every case once, on `threads` threads (0: torch's
+    default)."""
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bandwidth import l3_bytes
@@ -97,12 +105,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--seconds", type=float, default=0.15, help="timed seconds per case and repeat")
+    ap.add_argument("--threads", type=int, default=0, help="threads (0: torch's default, every core)")
     ap.add_argument("--out", default=str(RESULTS / "gguf_kernels.json"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     types = args.types.split(",")
     if args.child:
-        print(json.dumps(measure_tree(types, args.seconds)))
+        print(json.dumps(measure_tree(types, args.seconds, args.threads)))
         return
     trees = dict(t.split("=", 1) for t in (args.tree or ["after=" + str(Path(__file__).resolve().parent.parent)]))
     runs: dict[str, list[dict[str, object]]] = {label: [] for label in trees}
@@ -111,6 +120,7 @@ def main() -> None:
         for label, path in trees.items():
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
             cmd = [sys.executable, __file__, "--child", "--types", args.types, "--seconds", str(args.seconds)]
+            cmd += ["--threads", str(args.threads)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"repeat {r + 1}/{args.repeats} {label}: bandwidth {runs[label][-1]['bandwidth_gb_s']:.1f} GB/s")

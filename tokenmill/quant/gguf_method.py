@@ -5,9 +5,10 @@ A matrix of a block type (the K-quants Q4_K / Q5_K / Q6_K, and Q4_0 / Q4_1 / Q5_
 types llama.cpp's Q4_K_M and Q5_K_M mixes fall back to where a row's width is not a multiple of 256) is
 held as the bytes the file stores, [N, K / W * block bytes] uint8, W weights a block along a row: exact
 by construction, and as many bytes as the file's. The native kernels (kernels/csrc/gguf_blocks.cpp)
-read them: `gguf_linear` for few rows (decode steps: int8 activations in runs of 32, the blocks read
-once), `gguf_dequant` for the rest (prompt chunks: the rows dequantized, a chunk of rows at a time,
-into a scratch buffer the method reuses, then torch's GEMM; and embedding lookups). The dequantized
+read them: `gguf_linear` for few rows (decode steps: int8 activations, one scale per 256 for the
+K-quants and per 32 for the rest, the blocks read once), `gguf_dequant` for the rest (prompt chunks:
+the rows dequantized, a chunk of rows at a time, into a scratch buffer the method reuses, then torch's
+GEMM; and embedding lookups). The dequantized
 values are the `gguf` package's, bit for bit. Without the native kernels (no compiler, float16
 activations), the `gguf` package's own dequantizer serves the dequantizing path.
 

@@ -22,10 +22,12 @@
 //
 // `gguf_dequant` writes rows of W (float32, or rounded to bfloat16 as torch rounds) for a prompt's
 // dequantize-then-GEMM and for embedding lookups. `gguf_linear` is the decode product y = x @ W^T for few
-// x rows: x rounded to int8 in runs of 32 (one float scale a run, as llama.cpp's Q8 activations), each
-// weight run's bytes multiplied with the x rows' (vpmaddubsw, Q8_0 through its sign trick) while they are
-// in registers, the runs' integer sums scaled into float; the b terms take the x runs' sums per 16. So
-// y is exactly x' @ W^T up to float32 summation, x' the int8-rounded x.
+// x rows. The K-quants (gguf_kdot.h): x rounded to int8 per 256 (llama.cpp's Q8_K), a block's sums
+// exact in int32 with its integer scales, two float steps a block. The 32-weight types: x rounded to
+// int8 in runs of 32 (one float scale a run, llama.cpp's Q8_0), each block's bytes multiplied with the x
+// rows' (vpmaddubsw; signed q, and q - OFF, through vpsignb) while they are in registers, one float step
+// a block; the b terms take the x runs' float sums. So y is exactly x' @ W^T up to float32 summation,
+// x' the int8-rounded x. Threads take ranges of weight rows, each range read from several places at once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -326,6 +328,19 @@ inline void row_dot(const uint8_t* row, const XRows& x, float (&sums)[MM]) {
 #endif
 }
 
+// A thread's weight rows [begin, end) taken from S places at once (row begin + s * len / S + i for each
+// i, s), so that S streams of weights are in flight, not one: one x row leaves the core idle on one
+// stream's misses (measured 4 streams ~1.3x one at one x row); 8 x rows are compute-bound and keep one.
+constexpr int streams(int rows) { return rows == 1 ? 4 : rows <= 4 ? 2 : 1; }
+
+template <int S, typename Fn>
+inline void interleaved(int64_t begin, int64_t end, Fn&& row) {
+  const int64_t h = (end - begin) / S;
+  for (int64_t i = 0; i < h; ++i)
+    for (int s = 0; s < S; ++s) row(begin + s * h + i);
+  for (int64_t n = begin + S * h; n < end; ++n) row(n);
+}
+
 template <typename F, typename T>
 void linear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
   const int64_t N = w.size(0), R = K / RUN, row_bytes = w.size(1);
@@ -341,11 +356,11 @@ void linear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t 
       const int64_t mm = std::min(MAX_ROWS, M - m0);
       const XRows xr{xq.data() + m0 * K, xs.data() + m0 * R, xs16.data() + m0 * (K / 16), K};
       tm_int::with_rows<MAX_ROWS>(mm, [&]<int MM>() {
-        for (int64_t n = begin; n < end; ++n) {
+        interleaved<streams(MM)>(begin, end, [&](int64_t n) {
           float sums[MM];
           row_dot<F, MM>(wp + n * row_bytes, xr, sums);
           for (int m = 0; m < MM; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m]);
-        }
+        });
       });
     }
   });
@@ -364,11 +379,11 @@ void klinear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
       tm_int::with_rows<MAX_ROWS>(std::min(MAX_ROWS, M - m0), [&]<int MM>() {
-        for (int64_t n = begin; n < end; ++n) {
+        interleaved<streams(MM)>(begin, end, [&](int64_t n) {
           float sums[MM];
           tm_gguf::krow<TYPE, MM>(wp + n * row_bytes, xk, m0, sums);
           for (int m = 0; m < MM; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m]);
-        }
+        });
       });
   });
 }

@@ -151,9 +151,6 @@ float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define TM_GGUF_KDOT_AVX2 1
-#ifndef TM_GGUF_PREFETCH
-#define TM_GGUF_PREFETCH 1024  // bytes of the weight row ahead
-#endif
 inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i ld32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 // int16 lanes: the low 128 bits take int16 a of v (a 128-bit lane's 8), the high 128 bits int16 b
@@ -264,7 +261,6 @@ inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) 
   for (int m = 0; m < MM; ++m) facc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const B blk(row + b * B::BYTES);
-    _mm_prefetch(reinterpret_cast<const char*>(row + b * B::BYTES + TM_GGUF_PREFETCH), _MM_HINT_T0);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512i acc[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
