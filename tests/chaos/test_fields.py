@@ -151,7 +151,7 @@ def test_defaults_bound_what_issue_42_sent():
 
 
 def test_serve_flags_default_to_the_limits():
-    from tokenmill.cli import CAPS, ServeSettings
+    from tokenmill.server.settings import CAPS, ServeSettings
 
     settings, limits = ServeSettings(), RequestCaps()
     limit_fields = {f.name for f in dataclasses.fields(RequestCaps)}

@@ -235,7 +235,7 @@ def test_metrics_public_opens_metrics_alone():
 
 
 def test_keys_come_from_repeated_flags_or_commas():
-    from tokenmill.cli import ServeSettings
+    from tokenmill.server.settings import ServeSettings
 
     args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b, c", "--api-key", "a"])
     assert parse_api_keys([settings_from(ServeSettings, args, {}).api_key]) == ("a", "b", "c")

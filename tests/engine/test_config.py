@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.cli import ServeSettings, build_parser, main
+from tokenmill.cli import build_parser, main
 from tokenmill.config import EngineConfig, setting_type
 from tokenmill.engine_args import engine_config, flags_of, read_config_file, settings_from
 from tokenmill.llm import LLM
+from tokenmill.server.settings import ServeSettings
 
 ENGINE_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 COMMANDS = {"generate": ["generate", "--prompt", "x"], "serve": ["serve"], "bench offline": ["bench", "offline"]}
