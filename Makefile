@@ -31,7 +31,7 @@ test-all: lint
 	$(BIN)/pytest -m "slow or not slow"
 
 # The load and evaluation tools people point at a server (guidellm, aiperf, lm-eval, schemathesis,
-# the openai client), pinned in their own venv (torch==2.13.0 first, as above), run against
+# the openai and anthropic clients), pinned in their own venv (torch==2.13.0 first, as above), run against
 # `tokenmill serve` offline: one line per tool, non-zero on any failure. Minutes; not part of `make test`.
 COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed-stamp

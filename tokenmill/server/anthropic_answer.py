@@ -20,7 +20,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.caps import parse_json
@@ -47,16 +47,20 @@ class AnthropicUsage(BaseModel):
     cache_creation_input_tokens: int = 0
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class AnthropicBlock(BaseModel):
     """A block of the answer: text, thinking (with its signature, empty here) or a tool_use."""
 
     type: Literal["text", "thinking", "tool_use"]
-    text: str | None = None
-    thinking: str | None = None
-    signature: str | None = None
-    id: str | None = None
-    name: str | None = None
-    input: dict[str, Any] | None = None
+    text: str | None = Field(default=None, exclude_if=_absent)
+    thinking: str | None = Field(default=None, exclude_if=_absent)
+    signature: str | None = Field(default=None, exclude_if=_absent)
+    id: str | None = Field(default=None, exclude_if=_absent)
+    name: str | None = Field(default=None, exclude_if=_absent)
+    input: dict[str, Any] | None = Field(default=None, exclude_if=_absent)
 
 
 class AnthropicMessageResponse(BaseModel):
@@ -139,7 +143,7 @@ def message_answer(chat: dict[str, Any], request_id: str) -> dict[str, Any]:
         stop_reason=stop_reason,  # type: ignore[arg-type]
         stop_sequence=stop_sequence,
         usage=usage_of(chat.get("usage")),
-    ).model_dump(mode="json", exclude_none=True)
+    ).model_dump(mode="json")
 
 
 class _Blocks:

@@ -54,7 +54,7 @@ from tokenmill.server.tokenize import (
     render,
     tokenize,
 )
-from tokenmill.server.translated_routes import add_translated_routes, translated_models
+from tokenmill.server.translated_routes import add_translated_routes, constrain_translated, translated_models
 
 RETRY_AFTER_SECONDS = 1
 IGNORED_FIELDS_HEADER = "x-tokenmill-ignored-fields"
@@ -397,6 +397,7 @@ def add_openapi(app: FastAPI, server: Server) -> None:
                 components[model.__name__] = js
             vocab_size = server.engine.processor.limits.vocab_size
             constrain(components, server.model_name, server.max_model_len, server.limits, vocab_size)
+            constrain_translated(components, server.model_name, server.max_model_len, server.limits)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -69,6 +69,28 @@ def translated_models() -> tuple[type[BaseModel], ...]:
     return tuple(m for api in APIS for m in (api.request, api.response, api.error))
 
 
+def constrain_translated(components: dict[str, Any], model_name: str, max_model_len: int, limits: RequestCaps) -> None:
+    """Their request schemas in /openapi.json tightened to what this server accepts, as
+    `openapi.constrain` does the chat request's: the served model's name, the cap on the tokens asked
+    for, on stop sequences and on tools; unknown fields allowed (ignored) unless the server is strict."""
+    cap = min(max_model_len, limits.max_tokens) if limits.max_tokens is not None else max_model_len
+    for name, max_field, stop_field in (
+        ("MessagesRequest", "max_tokens", "stop_sequences"),
+        ("ResponsesRequest", "max_output_tokens", None),
+    ):
+        schema = components[name]
+        props = schema["properties"]
+        props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}], "title": "Model"}
+        for option in props[max_field].get("anyOf", [props[max_field]]):
+            if option.get("type") == "integer":
+                option["maximum"] = cap
+        for field, most in ((stop_field, limits.max_stop), ("tools", limits.max_tools)):
+            for option in props[field].get("anyOf", []) if field else []:
+                if option.get("type") == "array":
+                    option["maxItems"] = most
+        schema["additionalProperties"] = not limits.strict_fields
+
+
 def add_translated_routes(app: FastAPI, handling: Handling) -> None:
     """POST /v1/messages and /v1/responses."""
     for api in APIS:
