@@ -178,3 +178,25 @@ def test_speculative_drafts_follow_the_grammar(tiny_model_dir, llm):
         assert got == want
     stats = fast.engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0  # drafts were made and verified
+
+
+def test_a_grammar_after_a_start_sequence_waits_for_it(tiny_model_dir, llm):
+    """`after_tokens` (the end of a reasoning part): the tokens up to and including the sequence are the
+    unconstrained output's (the oracle: the same greedy request without a grammar); what follows holds
+    to the grammar. Through speculative drafts (outputs equal to those without) and preemption."""
+    prompts = [{"prompt_token_ids": [40, 41, 40, 41, 42] * 4}, {"prompt_token_ids": PROMPTS[1] * 3}]
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))]
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    fast = LLM(str(tiny_model_dir("llama")), max_model_len=256, kv_cache_memory=64 * 24576, speculative_config=spec)
+    for i, tokens in enumerate(free):
+        for after in ((tokens[3],), (tokens[2], tokens[3])):
+            start = next(k + len(after) for k in range(len(tokens)) if tuple(tokens[k : k + len(after)]) == after)
+            structured = StructuredOutputsParams(json=json.dumps(SCHEMAS[2]), after_tokens=after)
+            params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=structured)
+            out = llm.generate([prompts[i]], params)[0].outputs[0]
+            assert list(out.token_ids[:start]) == list(tokens[:start])
+            rest = llm.engine.tokenizer.decode(out.token_ids[start:])
+            jsonschema.validate(json.loads(rest), SCHEMAS[2])
+            assert out.finish_reason == "stop"
+            assert fast.generate([prompts[i]], params)[0].outputs[0].token_ids == out.token_ids
+    assert fast.engine.stats().spec_decode_num_draft_tokens > 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.server.chat_protocol import ReasoningEffort
 from tokenmill.server.protocol import NonEmptyStr, PositiveInt, Temperature, TopP, _Strict
@@ -127,8 +127,16 @@ class ReasoningConfig(_Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None  # (accepted, no summaries are written)
 
 
+def _request_schema(schema: dict[str, Any]) -> None:
+    """`store` and `background` false or null (a bool field, so that 0 is not read as false)."""
+    for name in ("store", "background"):
+        schema["properties"][name] = {"anyOf": [{"const": False}, {"type": "null"}], "description": STATELESS}
+
+
 class ResponsesRequest(_Strict):
     """POST /v1/responses."""
+
+    model_config = ConfigDict(json_schema_extra=_request_schema)
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
@@ -143,10 +151,10 @@ class ResponsesRequest(_Strict):
     top_k: Annotated[int, Field(ge=0)] | None = None
     reasoning: ReasoningConfig | None = None
     stream: bool = False
-    store: Literal[False] | None = None
+    store: bool | None = None  # (true is refused by _stateless)
     previous_response_id: None = None
     conversation: None = None
-    background: Literal[False] | None = None
+    background: bool | None = None
     metadata: dict[str, str] | None = None  # (accepted, not used)
     user: str | None = None
 
