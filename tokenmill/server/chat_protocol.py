@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, GetJsonSchemaHandler, field_validator, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.caps import check_count, parse_json
@@ -148,6 +150,10 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = tuple(n for n in _Request.UNSUPPORTED if n != "reasoning_effort")
+    # accepted, and left out of the JSON schema's properties (its description names them): one more
+    # property takes the schema past what schemathesis's canonicalizer models (its allOf rules
+    # multiply with the properties), and unknown fields are allowed there anyway
+    UNDOCUMENTED: ClassVar[tuple[str, ...]] = ("chat_template_kwargs", "reasoning_effort", "include_reasoning")
 
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -210,6 +216,20 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        json_schema = super().__get_pydantic_json_schema__(schema, handler)
+        for name in cls.UNDOCUMENTED:
+            json_schema["properties"].pop(name, None)
+        json_schema["description"] = (
+            "POST /v1/chat/completions. Also taken (docs/other-apis.md): chat_template_kwargs (an object: more "
+            "variables for the chat template), reasoning_effort (none, minimal, low, medium, high: given to the "
+            "template), include_reasoning (a boolean: reasoning_content sent with --reasoning-parser)."
+        )
+        return json_schema
 
     def template_variables(self) -> dict[str, Any]:
         """What the chat template gets besides the messages and tools: `reasoning_effort` if sent, then
