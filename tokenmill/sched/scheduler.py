@@ -229,6 +229,7 @@ class Scheduler:
                     request.seed,
                     request.eos_token_ids,
                     list(request.output_token_ids),  # (those another engine generated, for a received request)
+                    request.pooling,
                 )
             )
 
@@ -240,6 +241,7 @@ class Scheduler:
             not self.kv.enable_prefix_caching
             or request.num_computed_tokens
             or request.sampling_params.prompt_logprobs is not None
+            or (request.pooling is not None and request.pooling.needs_every_position)  # (mean, cls pooling)
         ):
             return 0
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
@@ -270,6 +272,8 @@ class Scheduler:
 
     def _count_prefix(self, request: Request, hit: int) -> None:
         if not self.kv.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        if request.pooling is not None and request.pooling.needs_every_position:  # (not looked up)
             return
         if request.num_preemptions == 0:  # a first admission: the user's view of caching
             request.num_cached_tokens = hit
@@ -346,6 +350,10 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             self._cache(request)
         if not chunk.sample:
+            return
+        if request.pooling is not None:  # its prompt is computed: the runner pooled it, and it is done
+            request.times.finished = now
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             return
         if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
             self._release(request.request_id)  # its prompt is computed, and cached
