@@ -233,7 +233,7 @@ class EngineConfig:
         choices=POOLING,
     )
     normalize: bool | None = setting(
-        None, "L2-normalize embeddings (default: as the folder's sentence-transformers Normalize module says, else true)"
+        None, "L2-normalize embeddings (default: as the sentence-transformers Normalize module says, else true)"
     )
     matryoshka: bool = setting(
         False,
