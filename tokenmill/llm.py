@@ -94,13 +94,13 @@ class LLM:
         return [cosine_output(vectors[a], vectors[b], pooling.cosine) for a, b in pairs]
 
     def _pool(
-        self, jobs: list[tuple[str | list[int], PoolingParams]], use_tqdm: bool, desc: str
+        self, jobs: Sequence[tuple[str | list[int], PoolingParams]], use_tqdm: bool, desc: str
     ) -> list[RequestOutput]:
         """Run pooling requests (prompt, params) to their end; outputs in order (`.pooled` set)."""
         adds = [functools.partial(self.engine.add_pooling_request, prompt=p, pooling=params) for p, params in jobs]
         return self._run_all(adds, use_tqdm, desc)
 
-    def _run_all(self, adds: list[Callable[..., None]], use_tqdm: bool, desc: str) -> list[RequestOutput]:
+    def _run_all(self, adds: Sequence[Callable[..., None]], use_tqdm: bool, desc: str) -> list[RequestOutput]:
         """Add each request (`add(request_id)`), run them all, outputs in order; nothing leaks if one
         is refused or the run is interrupted."""
         ids = []

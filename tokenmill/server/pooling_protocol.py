@@ -31,8 +31,15 @@ from tokenmill.server.validation import (
 
 TokenId = Annotated[int, Field(ge=0), BeforeValidator(integral)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Input = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 # (-1: the model's length, as vLLM's truncate_prompt_tokens)
-Truncate = Annotated[int, Field(ge=-1), BeforeValidator(integral)]
+Truncate = Annotated[int, Field(ge=1), BeforeValidator(integral)] | Literal[-1]
 
 
 class _Pooling(BaseModel):
@@ -51,18 +58,11 @@ class _Pooling(BaseModel):
     def ignored_fields(self) -> list[str]:
         return self._ignored_fields
 
-    @field_validator("truncate_prompt_tokens", mode="after")
-    @classmethod
-    def _check_truncate(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise custom_error("expected a positive number of tokens, or -1 for the model's length.")
-        return value
-
 
 class EmbeddingRequest(_Pooling):
     """POST /v1/embeddings."""
 
-    input: NonEmptyStr | list[NonEmptyStr] | list[TokenId] | list[list[TokenId]]
+    input: Input
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1), BeforeValidator(integral)] | None = None
     normalize: bool | None = None  # vLLM's: None is the model's own
