@@ -265,3 +265,32 @@ def test_a_generating_model_refuses_pooling(tiny_model_dir):
         llm.embed("x", use_tqdm=False)
     with pytest.raises(UnsupportedTask, match="--task rerank"):
         llm.score("x", "y", use_tqdm=False)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3Model", "Qwen3ForCausalLM"])
+def test_a_base_model_checkpoint_embeds(tiny_model_dir, tmp_path, architecture):
+    """An embedder saved as the base model (tensor names without `model.`, no output projection): as
+    `Qwen3Model`, or as Qwen3-Embedding ships it, its config naming `Qwen3ForCausalLM` with tied embeddings.
+    Its embeddings equal transformers' base model's last hidden state."""
+    import json
+
+    import transformers
+
+    source = tiny_model_dir("qwen3")
+    folder = tmp_path / "base"
+    base = transformers.AutoModel.from_pretrained(source, dtype=torch.float32).eval()
+    base.save_pretrained(folder)
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(file, folder / file.name)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg |= {"architectures": [architecture], "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_sentence_transformers(folder, "last")
+    llm = LLM(str(folder), max_model_len=128, kv_cache_memory=16 * KV_BLOCK_BYTES["qwen3"])
+    for out in llm.embed(TEXTS[1:], use_tqdm=False):
+        with torch.no_grad():
+            hidden = base(torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+        ref = F.normalize(hidden[-1], dim=-1)
+        assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() <= TOL
+    no_leaks(llm)

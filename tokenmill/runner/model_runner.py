@@ -7,6 +7,8 @@ error is the step's: the engine core fails the step's requests and calls `forget
 Keeps its own per-request state in a persistent batch (`InputBatch`: sampling params as per-row
 tensors, seed, prompt and output ids, how far prompt logprobs got, and the logits processors' rows),
 a row added when the scheduler first sends a request and removed when it reports the id finished.
+A pooling request's chunks run in the same forward; its last chunk samples nothing: the `Pooler`
+(pooler.py) reads its rows of the hidden states and puts its vector in `StepOutput.pooled`.
 """
 
 from __future__ import annotations

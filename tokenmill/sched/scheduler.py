@@ -6,6 +6,9 @@ asks for one token, an unfinished prompt for its next chunk), then waiting reque
 order while there is room (`max_num_seqs`, budget, KV blocks). When blocks run out, the newest
 running request is preempted: its blocks are freed and it waits, at the head of the queue, to be
 recomputed. Chunked prefill and preemption fall out of this rule; there is no prefill phase.
+A pooling request (an embedding, a reranker's score: `Request.pooling`) is a prompt and nothing more:
+it finishes when the chunk reaching its last prompt token has run (the runner pooled it), its blocks
+freed like any finished request's; one that pools every position (mean, CLS) takes no prefix-cache hit.
 
 Two edges are protocols it calls and never branches on: a `KVConnector` (KV computed elsewhere comes
 in at admission, a finished prefill's goes out; `NoKVConnector` by default) and a `DraftPolicy`
