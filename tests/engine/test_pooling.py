@@ -294,3 +294,15 @@ def test_a_base_model_checkpoint_embeds(tiny_model_dir, tmp_path, architecture):
         ref = F.normalize(hidden[-1], dim=-1)
         assert (torch.tensor(out.outputs.embedding) - ref).abs().max().item() <= TOL
     no_leaks(llm)
+
+
+def test_pooling_messages_cross_a_process_boundary():
+    """A pooling request and its vector survive the core's JSON messages (Ray replicas send them)."""
+    from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest, decode, encode
+
+    request = EngineCoreRequest(
+        "r", [1, 2], SamplingParams(), 0, 0, [], 0.0, pooling=PoolingParams(task="score", score_token_ids=(5, 6))
+    )
+    assert decode(encode(request), EngineCoreRequest) == request
+    output = EngineCoreOutput("r", finish_reason="stop", pooled=[0.25, -1.5])
+    assert decode(encode(output), EngineCoreOutput) == output

@@ -17,6 +17,7 @@ Also the offline outputs in vLLM's shape: `EmbeddingRequestOutput` (`.outputs.em
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from tokenmill.errors import ParamError
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenmill")
 
 
 class UnsupportedTask(ValueError):
@@ -67,6 +70,15 @@ class PoolingFrontEnd:
         self.tokenizer = tokenizer
         self.hidden_size = config.hidden_size  # (None: not known; `dimensions` then unchecked above)
         self._score_ids = self._answer_ids() if config.task == "rerank" else None
+        if config.task == "embed":
+            how = "normalized" if config.normalize else "not normalized"
+            logger.info("task embed: %s pooling, %s (from %s)", config.pooling, how, config.source)
+        elif config.task == "rerank":
+            logger.info(
+                "task rerank: p(%r) against %s at the prompt's last position",
+                config.rerank_tokens[0],
+                ", ".join(map(repr, config.rerank_tokens[1:])),
+            )
 
     @property
     def task(self) -> str:
