@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine import CheckedRequest
-from tokenmill.engine.pooling import PoolingFrontEnd, UnsupportedTask
+from tokenmill.engine import CheckedRequest, PoolingFrontEnd, UnsupportedTask
 from tokenmill.errors import EmptyPrompt, ParamError, RequestFailed, TokenOutsideVocabulary
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.pooling_params import PoolingParams
