@@ -106,7 +106,7 @@ class PoolingServer:
         except (EmptyPrompt, TokenOutsideVocabulary) as e:
             raise refusal(e, param, "max_tokens", None) from None
         except ParamError as e:
-            raise RequestError(f"Invalid value for '{param}': {e}", param, "invalid_value") from None
+            raise invalid(param, e) from None
 
     @staticmethod
     def _params(build: Callable[[], T]) -> T:
@@ -117,7 +117,7 @@ class PoolingServer:
         except UnsupportedTask as e:
             raise RequestError(f"{e}.", "model", UNSUPPORTED_TASK) from None
         except ParamError as e:
-            raise RequestError(f"Invalid value for '{e.param}': {e}", e.param, "invalid_value") from None
+            raise invalid(e.param, e) from None
 
     async def run(self, job: PoolingJob) -> list[RequestOutput]:
         """Every input of the job to its end (each output's `pooled` set), or none: the first refusal,
@@ -197,7 +197,13 @@ class PoolingServer:
         try:
             return self.pooling.pairs(req.text_1, req.text_2)
         except ParamError as e:
-            raise RequestError(f"Invalid value for '{e.param}': {e}", e.param, "invalid_value") from None
+            raise invalid(e.param, e) from None
+
+
+def invalid(param: str, e: ParamError) -> RequestError:
+    """A 400 naming `param` for a value the engine refused (its message without its own field prefix)."""
+    detail = str(e).removeprefix(f"{e.param}: ")
+    return RequestError(f"Invalid value for '{param}': {detail}", param, "invalid_value")
 
 
 def _pair_param(req: RerankRequest | ScoreRequest, k: int) -> str:
