@@ -5,6 +5,11 @@ offline (local tokenizer paths, a local lm-eval task whose data is in this folde
 from the separate venv `make compat` builds (compat/requirements.txt, pinned). Prints one line per
 tool and exits non-zero on any failure:
 - openai: the official client, completions and chat, whole and streamed;
+- openai-responses: the official client's Responses API calls (stateless): text whole and streamed (its
+  stream helper's final response too), a function call and its output sent back, text.format json_schema,
+  `store: true` refused;
+- anthropic: the official client's Messages API calls: a message whole and streamed (its stream helper),
+  a stop sequence, a forced tool call and its tool_result sent back, an error in Anthropic's shape;
 - lm-eval: `local-completions` log-likelihoods (echo + logprobs) on compat/tasks/tokenmill_python,
   each equal to lm-eval's own transformers run of the same checkpoint (`--model hf`) within 1e-3;
 - schemathesis: every check, all phases, against /openapi.json (compat/schemathesis.toml);
@@ -93,6 +98,94 @@ def check_openai(tools: Path, url: str, scratch: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+RESPONSES_CHECK = r"""
+import json, sys
+from openai import OpenAI, BadRequestError
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+ask = dict(model=sys.argv[2], instructions="Be brief.", input="Say hi.", max_output_tokens=16, temperature=0)
+whole = c.responses.create(**ask)
+assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.output_text
+events = list(c.responses.create(**ask, stream=True))
+streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+assert streamed == whole.output_text and events[-1].type == "response.incomplete", [e.type for e in events][-3:]
+weather = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}
+asked = [{"role": "user", "content": "Weather in Paris?"}]
+called = c.responses.create(model=sys.argv[2], input=asked, tools=[weather], max_output_tokens=48,
+                            tool_choice={"type": "function", "name": "get_weather"})
+(call,) = [o for o in called.output if o.type == "function_call"]
+assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+back = asked + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+after = c.responses.create(model=sys.argv[2], input=back, tools=[weather], max_output_tokens=8)
+schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+          "additionalProperties": False}
+shape = {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}}
+shaped = c.responses.create(model=sys.argv[2], input="A number.", max_output_tokens=32, text=shape, temperature=0)
+assert shaped.status == "completed" and json.loads(shaped.output_text)["n"] in range(10)
+with c.responses.stream(model=sys.argv[2], input="A number.", max_output_tokens=32, text=shape, temperature=0) as s:
+    final = s.get_final_response()  # (the stream helper's: it needs response.completed)
+assert final.output_text == shaped.output_text, (final.output_text, shaped.output_text)
+try:
+    c.responses.create(model=sys.argv[2], input="hi", store=True)
+    raise SystemExit("store: true was accepted")
+except BadRequestError as e:
+    assert e.body["param"] == "store", e.body
+print(f"text streamed == whole ({whole.usage.output_tokens} tokens, {len(events)} events); a function call and "
+      f"its output ({after.usage.input_tokens} input tokens); json_schema; store refused")
+"""
+
+ANTHROPIC_CHECK = r"""
+import sys
+import anthropic
+c = anthropic.Anthropic(base_url=sys.argv[1], api_key="none", max_retries=0, timeout=60)
+ask = dict(model=sys.argv[2], system="Be brief.", max_tokens=16, extra_body={"temperature": 0},
+           messages=[{"role": "user", "content": "Say hi."}])  # (this client leaves temperature to extra_body)
+whole = c.messages.create(**ask)
+assert whole.type == "message" and whole.content[0].type == "text" and whole.stop_reason == "max_tokens"
+with c.messages.stream(**ask) as s:
+    streamed = "".join(s.text_stream)
+    final = s.get_final_message()
+assert streamed == whole.content[0].text and final.usage.output_tokens == whole.usage.output_tokens
+stop = whole.content[0].text[3:6]
+stopped = c.messages.create(**{**ask, "stop_sequences": [stop]}) if stop.strip() else whole
+assert stopped.stop_reason in ("stop_sequence", "max_tokens"), stopped.stop_reason
+weather = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}
+asked = [{"role": "user", "content": "Weather in Paris?"}]
+called = c.messages.create(model=sys.argv[2], max_tokens=48, messages=asked, tools=[weather],
+                           tool_choice={"type": "tool", "name": "get_weather"})
+(use,) = [b for b in called.content if b.type == "tool_use"]
+assert called.stop_reason == "tool_use" and use.name == "get_weather" and "city" in use.input
+back = asked + [{"role": "assistant", "content": called.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+with c.messages.stream(model=sys.argv[2], max_tokens=8, messages=back, tools=[weather]) as s:
+    after = s.get_final_message()
+try:
+    c.messages.create(model=sys.argv[2], max_tokens=0, messages=asked)
+    raise SystemExit("max_tokens: 0 was accepted")
+except anthropic.BadRequestError as e:
+    assert e.body["type"] == "error" and e.body["error"]["type"] == "invalid_request_error", e.body
+print(f"message streamed == whole ({whole.usage.output_tokens} tokens); stop sequence ({stopped.stop_reason}); a "
+      f"tool_use and its tool_result ({after.usage.input_tokens} input tokens); error in Anthropic's shape")
+"""
+
+
+def _client_check(check: str, tools: Path, url: str) -> str:
+    done = run([str(tools / "bin" / "python"), "-c", check, url, NAME], 180)
+    if done.returncode:
+        raise RuntimeError(tail(done))
+    return done.stdout.strip().splitlines()[-1]
+
+
+def check_openai_responses(tools: Path, url: str, scratch: Path) -> str:
+    return _client_check(RESPONSES_CHECK, tools, url)
+
+
+def check_anthropic(tools: Path, url: str, scratch: Path) -> str:
+    return _client_check(ANTHROPIC_CHECK, tools, url)
+
+
 def _lm_eval(tools: Path, model: str, args: str, out: Path) -> list[list[float]]:
     cmd = [str(tools / "bin" / "lm_eval"), "--model", model, "--model_args", args, "--tasks", "tokenmill_python"]
     cmd += ["--include_path", "compat/tasks", "--log_samples", "--output_path", str(out), "--device", "cpu"]
@@ -173,6 +266,8 @@ def check_aiperf(tools: Path, url: str, scratch: Path) -> str:
 
 CHECKS: dict[str, Callable[[Path, str, Path], str]] = {
     "openai": check_openai,
+    "openai-responses": check_openai_responses,
+    "anthropic": check_anthropic,
     "lm-eval": check_lm_eval,
     "guidellm": check_guidellm,
     "aiperf": check_aiperf,

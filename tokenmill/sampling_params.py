@@ -47,8 +47,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    after_tokens: tuple[int, ...] = ()  # () : from the first output token
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "after_tokens", tuple(self.after_tokens))
         if isinstance(self.json, dict):
             import json as json_module
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from tokenmill.server.anthropic_answer import AnthropicErrors
 from tokenmill.server.auth import ApiKeyCheck
 from tokenmill.server.chat_protocol import ChatCompletionRequest, parse_chat_request
 from tokenmill.server.front_door import FrontDoor, parse_api_keys
@@ -55,6 +56,7 @@ from tokenmill.server.tokenize import (
     render,
     tokenize,
 )
+from tokenmill.server.translated_routes import add_translated_routes, translated_models
 
 RETRY_AFTER_SECONDS = 1
 IGNORED_FIELDS_HEADER = "x-tokenmill-ignored-fields"
@@ -203,11 +205,13 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
     app.add_middleware(BodyLimit, limit=front.max_body_bytes)
     app.add_middleware(ApiKeyCheck, keys=keys, metrics_public=front.metrics_public)
     app.add_middleware(InternalErrors)
+    app.add_middleware(AnthropicErrors)  # (outermost: /v1/messages answers its errors in Anthropic's shape)
     add_error_handlers(app)
     handling = Handling(server, front, anyio.CapacityLimiter(PREPARE_THREADS))
     add_generation_routes(app, handling)
     add_token_routes(app, handling)
     add_pooling_routes(app, handling)  # /v1/embeddings, /v1/rerank, /v1/score (pooling_serving.py)
+    add_translated_routes(app, handling)  # /v1/messages and /v1/responses, on the chat path
     add_status_routes(app, server)
     add_openapi(app, server)
     return app
@@ -378,6 +382,7 @@ DOCUMENTED_MODELS = (
     TokenizeResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    *translated_models(),
 )
 
 

@@ -141,8 +141,13 @@ class ChatMessageParam(_Strict):
         return CONTENT_PART_SEPARATOR.join(part.text for part in self.content)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = tuple(n for n in _Request.UNSUPPORTED if n != "reasoning_effort")
 
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -153,6 +158,11 @@ class ChatCompletionRequest(_Request):
     tools: Annotated[list[ToolParam], Field(min_length=1)] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None
+    # reasoning (server/reasoning.py): more variables for the chat template (vLLM's), the effort asked of a
+    # template that reads `reasoning_effort`, and whether a reasoning parser's reasoning_content is sent
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
@@ -200,6 +210,12 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages and tools: `reasoning_effort` if sent, then
+        `chat_template_kwargs` (which may set it too)."""
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     def to_sampling_params(self, max_model_len: int, default_max_tokens: int | None) -> SamplingParams:
         fields = self._common_sampling()

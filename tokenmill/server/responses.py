@@ -87,6 +87,7 @@ def _absent(value: Any) -> bool:
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)  # with a reasoning parser
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_absent)
 
 
@@ -112,6 +113,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent)
     content: str | None = Field(default=None, exclude_if=_absent)
+    reasoning_content: str | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):

@@ -33,6 +33,7 @@ from tokenmill.server.protocol import (
     RequestError,
     check_prompt_cap,
 )
+from tokenmill.server.reasoning import END, PROMPT_TAIL_TOKENS, ReasoningSplits, defer_grammar, reasoning_splits
 from tokenmill.server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -75,6 +76,7 @@ class Job:
     cache_salt: str | None
     continuous_usage: bool = False  # usage (so far) in every chunk: vLLM's continuous_usage_stats
     tool_mode: ToolMode | None = None  # a chat request with tools (server/tools.py)
+    reasoning: ReasoningSplits | None = None  # a chat request's reasoning split (server/reasoning.py)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Server:
     limits: RequestCaps
     isolation: str = "api-key"  # which requests share prefix-cache entries (server/tenancy.py)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged (bounded)
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3, deepseek_r1 (server/reasoning.py)
 
     def note_ignored(self, names: list[str]) -> None:
         """Log each unknown request field once per server (it is ignored, as vLLM ignores it)."""
@@ -131,10 +134,17 @@ class Server:
         tools = template_tools(req.tools) if req.tools else None
         explain = tools_system_message(req.tools) if req.tools else None
         try:
-            ids = self.tokenizer.apply_chat_template(req.conversation(), req.add_generation_prompt, tools, explain)
+            ids = self.tokenizer.apply_chat_template(
+                req.conversation(), req.add_generation_prompt, tools, explain, req.template_variables()
+            )
         except ValueError as e:
-            raise RequestError(str(e), "messages", "invalid_value") from None
+            raise RequestError(str(e), param_of(e) or "messages", "invalid_value") from None
         check_prompt_cap(len(ids), self.limits, "messages")
+        reasoning = None
+        if self.reasoning_parser is not None:
+            tail = self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            reasoning = reasoning_splits(self.reasoning_parser, tail, req.include_reasoning)
+            params = defer_grammar(params, reasoning, self.tokenizer.encode(END, add_special_tokens=False))
         checked = self._check(ids, params, "messages", req.max_tokens_param, req.structured_field)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -152,6 +162,7 @@ class Server:
             cache_salt(self.isolation, tenant, req.cache_salt),
             continuous,
             req.tool_mode,
+            reasoning,
         )
 
     def _check_model(self, model: str | None) -> str:
@@ -220,12 +231,13 @@ class Server:
         ).model_dump(mode="json")
 
     def _chat_choice(self, job: Job, index: int, c: CompletionOutput) -> ChatChoice:
-        content, calls, finish = c.text, [], c.finish_reason
-        if job.tool_mode is not None:
-            content, calls, finish = job.tool_mode.answer(c.text, c.finish_reason)
+        reasoning, content = job.reasoning.split(c.text) if job.reasoning is not None else (None, c.text)
+        calls, finish = [], c.finish_reason
+        if job.tool_mode is not None:  # (calls are read from the answer after its reasoning)
+            content, calls, finish = job.tool_mode.answer(content or "", c.finish_reason)
         return ChatChoice(
             index=index,
-            message=ChatMessage(content=content, tool_calls=calls or None),
+            message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
             logprobs=chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None,
             finish_reason=finish,
             stop_reason=c.stop_reason,
@@ -343,6 +355,10 @@ class Server:
         for choice in whole["choices"]:
             i, message = choice["index"], choice["message"]
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
+            if message.get("reasoning_content"):
+                yield _sse(
+                    {**base, "choices": [{"index": i, "delta": {"reasoning_content": message["reasoning_content"]}}]}
+                )
             if message.get("content"):
                 yield _sse({**base, "choices": [{"index": i, "delta": {"content": message["content"]}}]})
             for k, call in enumerate(message.get("tool_calls") or []):
@@ -363,9 +379,15 @@ class Server:
         entries = c.logprobs
         if job.chat:
             logprobs = chat_logprobs(entries, self.token_text) if entries else None
+            delta = DeltaMessage(content=c.text)
+            if job.reasoning is not None:  # (text that may start a tag waits for the next delta)
+                reasoning, content = job.reasoning.delta(key, c.text, c.finish_reason is not None)
+                if reasoning is None and content is None and c.finish_reason is None and not entries:
+                    return None
+                delta = DeltaMessage(content=content, reasoning_content=reasoning)
             choice = ChatChunkChoice(
                 index=key,
-                delta=DeltaMessage(content=c.text),
+                delta=delta,
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,

@@ -21,6 +21,7 @@ from tokenmill.server.front_door import (
     FrontDoor,
     parse_api_keys,
 )
+from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tenancy import ISOLATIONS
 
 
@@ -122,6 +123,12 @@ class ServeSettings:
         None, "run the replicas on this existing Ray cluster (auto, host:port, ray://host:10001); default: a local one"
     )
     log_interval: float = setting(10.0, "seconds between throughput log lines")
+    reasoning_parser: str | None = setting(
+        None,
+        "split a chat answer's <think>...</think> part into reasoning_content (qwen3: when the answer opens "
+        "<think>; deepseek_r1: the answer starts inside it); default: none, all is content",
+        choices=REASONING_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -195,5 +202,6 @@ def run_server(config: EngineConfig, settings: ServeSettings, key_on_command_lin
         parallel,
         settings.prefix_cache_isolation,
     )
+    server.reasoning_parser = settings.reasoning_parser
     busiest = config.max_num_seqs * settings.data_parallel_size + settings.max_waiting
     serve(server, settings.host, settings.port, None, settings.drain_timeout, front, connections, busiest)

@@ -10,6 +10,7 @@ vocabulary size, the special ids and whether a chat template exists. Every decod
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,10 +139,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         tools_message: str | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The folder's chat template rendered to text, then encoded without adding special tokens
         (the template writes its own BOS). `tools` go to a template that has a tools section; one that
-        has none gets `tools_message` as (the start of) the system message instead."""
+        has none gets `tools_message` as (the start of) the system message instead. `variables`: more
+        names the template may read (a request's `chat_template_kwargs`, `enable_thinking` say); one
+        that is a parameter of transformers' `apply_chat_template` is refused."""
         if not self.info.has_chat_template:
             raise ParamError(
                 "messages", f"messages: {self.folder} has no chat template; send a plain-text prompt instead"
@@ -149,7 +153,13 @@ class Tokenizer:
         check_messages(messages)
         from jinja2 import TemplateError
 
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(variables or {})
+        taken = set(inspect.signature(self.hf.apply_chat_template).parameters)
+        for name in extra:
+            if name in taken or not name.isidentifier():
+                raise ParamError(
+                    "chat_template_kwargs", f"chat_template_kwargs: {name!r} cannot be given to the chat template"
+                )
         if tools and "tools" in str(self.hf.chat_template):
             extra["tools"] = tools
         elif tools and tools_message:
