@@ -22,6 +22,7 @@ from pathlib import Path
 RANK: dict[str, int] = {
     "errors": 0,
     "sampling_params": 1,
+    "pooling_params": 1,
     "request": 2,
     "outputs": 2,
     "kernels": 2,
@@ -50,7 +51,7 @@ RANK: dict[str, int] = {
 # Besides the ranks: rooms that talk through plain data instead (the engine gets its model through
 # the runner; layers get their settings as arguments, not the EngineConfig tree).
 FORBIDDEN: dict[str, set[str]] = {"layers": {"config"}, "engine": {"models", "layers"}}
-TORCH_FREE = ("sched", "errors", "sampling_params", "request", "outputs", "config", "model_files")
+TORCH_FREE = ("sched", "errors", "sampling_params", "pooling_params", "request", "outputs", "config", "model_files")
 ENGINE_CLIENT = {
     "tokenmill.engine",
     "tokenmill.engine.async_engine",

@@ -57,6 +57,7 @@ def start_server(
     isolation: str = "api-key",
     prepare_app: Callable[[FastAPI], None] | None = None,
     front: FrontDoor | None = None,
+    limits: RequestCaps | None = None,
     **engine: object,
 ) -> RunningServer:
     settings: dict = {"max_model_len": 256, "kv_cache_memory": blocks * KV_BLOCK_BYTES, **engine}
@@ -65,7 +66,7 @@ def start_server(
         config,
         "tiny",
         max_waiting=max_waiting,
-        limits=RequestCaps(max_n=4),
+        limits=limits or RequestCaps(max_n=4),
         log_interval=60,
         parallel=parallel,
         isolation=isolation,

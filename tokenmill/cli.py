@@ -46,6 +46,7 @@ def _make_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         tie_embeddings=args.tie_embeddings,
         max_shard_size=args.max_shard_size,
+        pooling=args.pooling,
     )
     print(describe(folder))
     return 0
@@ -179,6 +180,12 @@ def _add_model_writers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     mm.add_argument("--tie-embeddings", action="store_true", help="share the embedding and LM head weights")
     mm.add_argument(
         "--max-shard-size", default=None, help="split the weights into shards of at most this size (e.g. 1MB)"
+    )
+    mm.add_argument(
+        "--pooling",
+        choices=("last", "mean", "cls"),
+        default=None,
+        help="an embedding model: write sentence-transformers' pooling config (modules.json, 1_Pooling) too",
     )
     mm.set_defaults(func=_make_model)
 

@@ -32,6 +32,8 @@ KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATION_HEADS = ("same", "int8")
 SCHEDULING = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
+TASKS = ("auto", "generate", "embed", "rerank")
+POOLING = ("last", "mean", "cls")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3  # bytes
 GPU_MEMORY_FRACTION = 0.9  # of free memory after loading the model
 SETTING_KINDS = (bool, int, float, str)
@@ -214,6 +216,37 @@ class EngineConfig:
         "auto",
         "norms, SwiGLU and rotary embeddings: `cpu` (fused native kernels, built on first use), `torch` "
         "(the reference), or `auto` (`cpu` where the kernels build, else `torch`)",
+    )
+    # pooling (embeddings, rerank and score: engine/pooling_config.py)
+    task: str = setting(
+        "auto",
+        "what the model serves besides generation: embed (/v1/embeddings, and /v1/score and /v1/rerank by cosine), "
+        "rerank (/v1/rerank and /v1/score by a yes/no answer's probability), generate; auto: embed where the "
+        "folder has a sentence-transformers pooling config (modules.json), rerank where it has a "
+        "rerank_template.jinja, else generate",
+        choices=TASKS,
+    )
+    pooling: str | None = setting(
+        None,
+        "how an embedding pools the final hidden states over the prompt: last (token), mean, cls (the first "
+        "token); default: the folder's sentence-transformers config, else last",
+        choices=POOLING,
+    )
+    normalize: bool | None = setting(
+        None, "L2-normalize embeddings (default: as the sentence-transformers Normalize module says, else true)"
+    )
+    matryoshka: bool = setting(
+        False,
+        "accept a request's `dimensions` (truncate, then renormalize) for any model; by default only where "
+        "config.json lists matryoshka_dimensions or sets is_matryoshka",
+    )
+    rerank_template: str | None = setting(
+        None,
+        "a Jinja file rendering one (query, document) pair as the reranker's prompt (variables query, document, "
+        "instruction); default: the folder's rerank_template.jinja, else Qwen3-Reranker's",
+    )
+    rerank_tokens: str = setting(
+        "yes,no", "a rerank score is the first token's probability among these, at the prompt's last position"
     )
 
     def __post_init__(self) -> None:

@@ -1,17 +1,26 @@
 """LLM: the offline API in the shape vLLM users know — `LLM(model=...).generate(prompts, params)`,
-`.chat(messages, params)`."""
+`.chat(messages, params)`, and for embedding models and rerankers `.embed(prompts)`, `.score(text_1, text_2)`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.pooling import (
+    EmbeddingRequestOutput,
+    ScoringRequestOutput,
+    cosine_output,
+    embedding_output,
+    score_output,
+)
 from tokenmill.errors import ParamError
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 # a string, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": str}, {"prompt_token_ids": [...]}
@@ -33,9 +42,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in the prompts' order."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = [_prompt(p, i) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -47,16 +54,65 @@ class LLM:
                     "sampling_params",
                     f"sampling_params: {len(params)} given for {len(prompt_list)} prompts; give one, or one per prompt",
                 )
+        adds = [
+            functools.partial(self.engine.add_request, prompt=prompt, params=p, output_kind=OutputKind.FINAL_ONLY)
+            for prompt, p in zip(prompt_list, params, strict=True)
+        ]
+        return self._run_all(adds, use_tqdm, "generate")
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt, as vLLM's `LLM.embed` (`.outputs.embedding`): the final norm's
+        hidden states pooled as the model folder's sentence-transformers config (or `pooling=`) says,
+        truncated to `dimensions` where the model allows it, normalized where it says (or `normalize`)."""
+        params = self.engine.pooling.embed_params(dimensions, normalize)
+        outs = self._pool([(p, params) for p in _prompt_list(prompts)], use_tqdm, "embed")
+        return [embedding_output(o) for o in outs]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """Scores of text pairs, as vLLM's `LLM.score` (`.outputs.score`): text_1 against each text_2 (or
+        two lists pairwise). A reranker (task rerank): p(yes) of its template's prompt; an embedding
+        model: the cosine of the two embeddings."""
+        pooling = self.engine.pooling
+        pooling.check_scoring()
+        pairs = pooling.pairs(text_1, text_2)
+        if pooling.task == "rerank":
+            params = pooling.score_params()
+            jobs = [(pooling.rerank_prompt(q, d), params) for q, d in pairs]
+            return [score_output(o) for o in self._pool(jobs, use_tqdm, "score")]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
+        embed = pooling.embed_params()
+        vectors = dict(zip(texts, self._pool([(t, embed) for t in texts], use_tqdm, "score"), strict=True))
+        return [cosine_output(vectors[a], vectors[b], pooling.cosine) for a, b in pairs]
+
+    def _pool(
+        self, jobs: Sequence[tuple[str | list[int], PoolingParams]], use_tqdm: bool, desc: str
+    ) -> list[RequestOutput]:
+        """Run pooling requests (prompt, params) to their end; outputs in order (`.pooled` set)."""
+        adds = [functools.partial(self.engine.add_pooling_request, prompt=p, pooling=params) for p, params in jobs]
+        return self._run_all(adds, use_tqdm, desc)
+
+    def _run_all(self, adds: Sequence[Callable[..., None]], use_tqdm: bool, desc: str) -> list[RequestOutput]:
+        """Add each request (`add(request_id)`), run them all, outputs in order; nothing leaks if one
+        is refused or the run is interrupted."""
         ids = []
         try:
-            for prompt, p in zip(prompt_list, params, strict=True):
+            for add in adds:
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(request_id, prompt, p, output_kind=OutputKind.FINAL_ONLY)
+                add(request_id)
                 ids.append(request_id)
-            return self._run(ids, use_tqdm)
+            return self._run(ids, use_tqdm, desc)
         except BaseException:
-            for request_id in ids:  # nothing leaks if a prompt is refused or the run is interrupted
+            for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
 
@@ -77,9 +133,9 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generate") -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
@@ -94,6 +150,13 @@ class LLM:
     def stats(self) -> EngineStats:
         """Engine gauges: KV blocks total and free, running, waiting, preemptions, tokens processed."""
         return self.engine.stats()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """One prompt or several, each as the engine takes it (see `_prompt`)."""
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    return [_prompt(p, i) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
 
 
 def _prompt(p: object, index: int) -> str | list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData:
     seed: int
     eos_token_ids: tuple[int, ...] = ()  # what min_tokens masks (with the stop token ids)
     output_token_ids: list[int] = field(default_factory=list)  # generated before (by a prefill engine)
+    pooling: PoolingParams | None = None  # a pooling request: the runner pools its prompt, samples nothing
 
 
 @dataclass
@@ -70,6 +72,8 @@ class StepOutput:
     draft_seconds: float = 0.0  # the proposer's share of the step (a draft model's pass over its tokens, the guesses)
     # request id -> why the runner failed it alone (its own processors, a NaN row); it sampled nothing
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> a pooling request's vector (an embedding, or scores), once its prompt's last chunk ran
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,3 +190,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's vector (PoolingParams), when it finished

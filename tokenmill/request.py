@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -71,6 +72,8 @@ class Request:
     # per draft position j: how often its draft j was verified with every draft before it kept, and kept
     spec_reached: list[int] = field(default_factory=list)
     spec_kept: list[int] = field(default_factory=list)
+    # a pooling request (embedding, score): prompt only, finished with one vector once its prompt is computed
+    pooling: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -135,6 +135,12 @@ def test_each_flag_sets_its_field():
         "quantization_group_fallback": True,
         "quantization_head": "int8",
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
+        "task": "embed",
+        "pooling": "mean",
+        "normalize": False,
+        "matryoshka": True,
+        "rerank_template": "template.jinja",
+        "rerank_tokens": "ja,nein",
     }
     assert set(values) == {f.name for f in ENGINE_FIELDS}  # a new field gets a line here
     argv = ["serve", "m"]

@@ -2,7 +2,8 @@
 
 What the server may use besides `async_engine`, `request_stream`, `tokenizer` and `metrics` is
 exported here: `build_async_engine`, `local_cores` and `front_end` (see `engine.build`), and the
-front door's `CheckedRequest` (see `engine.request_checks`). Each is imported on first use, so that
+front door's `CheckedRequest` (see `engine.request_checks`), and the pooling front end's
+`PoolingFrontEnd` and `UnsupportedTask` (see `engine.pooling`). Each is imported on first use, so that
 importing a light module of the package (the tokenizer, say) does not load the model's side.
 """
 
@@ -16,6 +17,8 @@ _EXPORTS = {
     "front_end": "build",
     "local_cores": "build",
     "CheckedRequest": "request_checks",
+    "PoolingFrontEnd": "pooling",
+    "UnsupportedTask": "pooling",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -21,6 +21,8 @@ from tokenmill.engine.core_client import CoreClient, LocalCoreClient, Restart, r
 from tokenmill.engine.engine_thread import EngineThread
 from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.pooling import PoolingFrontEnd
+from tokenmill.engine.pooling_config import read_pooling_config
 from tokenmill.text.tokenizer import Tokenizer
 
 
@@ -37,7 +39,8 @@ def front_end(
     """The output processor for these cores (sized by the first; `tokenizer`: loaded already, else
     now); a core in this process shares its grammar compiler."""
     tokenizer = tokenizer or Tokenizer(config.model)
-    processor = OutputProcessor(tokenizer, clients[0].limits, config.seed, config.grammar_compile_timeout)
+    pooling = PoolingFrontEnd(read_pooling_config(config), tokenizer)
+    processor = OutputProcessor(tokenizer, clients[0].limits, config.seed, config.grammar_compile_timeout, pooling)
     for client in clients:
         if isinstance(client, LocalCoreClient) and client.core.worker.runner.batch.grammar is not None:
             client.core.worker.runner.batch.grammar.use_compiler(processor.grammar)

@@ -79,6 +79,7 @@ class EngineCore:
             cache_salt=req.cache_salt,
             output_token_ids=list(moved.output_token_ids) if moved is not None else [],
             send_kv=moved is not None and moved.send,
+            pooling=req.pooling,
         )
         wait_for = req.wait_for if self.config.enable_prefix_caching else None
         self.scheduler.add_request(request, wait_for)
@@ -186,6 +187,7 @@ class EngineCore:
             first_scheduled_time=request.times.first_scheduled,
             first_token_time=request.times.first_token,
             finished_time=request.times.finished,
+            pooled=result.pooled.get(request.request_id),
         )
 
     def stats(self) -> EngineStats:

@@ -13,8 +13,11 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.output_processor import EngineLimits, OutputProcessor
+from tokenmill.engine.output_processor import CheckedRequest, EngineLimits, OutputProcessor
+from tokenmill.engine.pooling import PoolingFrontEnd
+from tokenmill.engine.pooling_config import read_pooling_config
 from tokenmill.outputs import EngineStats, OutputKind, RequestOutput, StepStats
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.text.tokenizer import Tokenizer
 
@@ -34,8 +37,9 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = Tokenizer(config.model)
+        self.pooling = PoolingFrontEnd(read_pooling_config(config), self.tokenizer)
         self.processor = OutputProcessor(
-            self.tokenizer, engine_limits(self.core), config.seed, config.grammar_compile_timeout
+            self.tokenizer, engine_limits(self.core), config.seed, config.grammar_compile_timeout, self.pooling
         )
         grammar = self.core.worker.runner.batch.grammar
         if grammar is not None:  # one compiler for the front end and the core: each spec compiles once
@@ -58,7 +62,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | CheckedRequest,
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
@@ -71,6 +75,13 @@ class LLMEngine:
         except ValueError:
             self.core.abort_requests(self.processor.abort_request(request_id))
             raise
+
+    def add_pooling_request(
+        self, request_id: str, prompt: str | list[int], pooling: PoolingParams, arrival_time: float | None = None
+    ) -> None:
+        """A prompt-only request whose output is one vector (`RequestOutput.pooled`), once it finishes."""
+        checked = self.processor.checker.check_pooling(prompt, pooling)
+        self.add_request(request_id, checked, checked.params, arrival_time, output_kind=OutputKind.FINAL_ONLY)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now; False when no such request is open."""

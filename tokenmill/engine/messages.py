@@ -22,6 +22,7 @@ from typing import TypeVar
 import msgspec
 
 from tokenmill.outputs import EngineStats, StepStats, TokenLogprob
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -49,6 +50,7 @@ class EngineCoreRequest:
     # an n > 1 request then share child 0's blocks instead of computing the prompt n times.
     wait_for: str | None = None
     kv_transfer: KVTransferParams | None = None  # disaggregated serving only
+    pooling: PoolingParams | None = None  # a pooling request: prompt only, one vector back (max_tokens 0)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class EngineCoreOutput:
     error: str | None = None  # the core refused the request (it never ran)
     error_param: str | None = None  # the request field the refusal names
     fault: str | None = None  # the engine failed the request (finish_reason "error"; its blocks are free)
+    pooled: list[float] | None = None  # a pooling request's vector, with its finish
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenmill.engine.pooling import PoolingFrontEnd
 from tokenmill.engine.request_checks import CheckedRequest, EngineLimits, RequestChecker
 from tokenmill.errors import ParamError, RequestFailed, describe
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput, TokenLogprob
@@ -68,6 +69,7 @@ class Parent:
     prompt_logprobs: list[TokenLogprob | None] | None
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
+    pooled: list[float] | None = None  # a pooling request's vector, once it finished
 
 
 @dataclass
@@ -81,9 +83,16 @@ class ProcessedOutputs:
 
 class OutputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, limits: EngineLimits, seed: int = 0, compile_timeout: float = COMPILE_TIMEOUT_S
+        self,
+        tokenizer: Tokenizer,
+        limits: EngineLimits,
+        seed: int = 0,
+        compile_timeout: float = COMPILE_TIMEOUT_S,
+        pooling: PoolingFrontEnd | None = None,
     ) -> None:
+        """`pooling`: the model's embeddings / rerank / score side (None: it generates only)."""
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.limits = limits
         self.checker = RequestChecker(tokenizer, limits, compile_timeout)  # the front door
         self._rng = random.Random(seed)  # draws the seeds of requests that bring none
@@ -134,6 +143,7 @@ class OutputProcessor:
                     arrival_time=arrival,
                     cache_salt=cache_salt,
                     wait_for=wait_for,
+                    pooling=checked.pooling,
                 )
             )
         prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
@@ -244,6 +254,7 @@ class OutputProcessor:
             parent.prompt_logprobs.extend(out.new_prompt_logprobs)
         if child is parent.children[0]:
             parent.num_cached_tokens = out.num_cached_tokens
+            parent.pooled = out.pooled if out.pooled is not None else parent.pooled
         # the first engine's times (a request that moved from a prefill engine keeps that one's)
         child.first_scheduled = child.first_scheduled or out.first_scheduled_time
         child.first_token = child.first_token or out.first_token_time
@@ -313,6 +324,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
+            pooled=parent.pooled,
             metrics=RequestMetrics(
                 arrival_time=parent.arrival,
                 first_scheduled_time=min(firsts) if firsts else None,

@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tokenmill.errors import ContextTooLong, EmptyPrompt, ParamError, TokenOutsideVocabulary
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 from tokenmill.text.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ class CheckedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # bad words turned into token sequences (`bad_words_token_ids`)
     max_tokens: int  # the effective limit: as asked, or as many as the model's length leaves
+    pooling: PoolingParams | None = None  # a pooling request (prompt only, max_tokens 0): `check_pooling`
 
 
 class RequestChecker:
@@ -68,6 +70,28 @@ class RequestChecker:
         if params.structured_outputs is not None:
             self.grammar.check(params.structured_outputs)  # compiled (and cached) here: a bad spec is a 400
         return CheckedRequest(text, ids, self._with_token_constraints(params), max_tokens)
+
+    def check_pooling(self, prompt: str | list[int], pooling: PoolingParams) -> CheckedRequest:
+        """A pooling request (an embedding, a score), checked: a prompt of token ids in the vocabulary
+        (text tokenized), at most the model's length (nothing is generated after it) and the KV cache."""
+        if not isinstance(prompt, str | list | tuple):
+            raise ParamError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        lim = self.limits
+        if not ids:
+            raise EmptyPrompt()
+        bad = next((i for i, t in enumerate(ids) if not _is_token(t, lim.vocab_size)), None)
+        if bad is not None:
+            raise TokenOutsideVocabulary(ids[bad], lim.vocab_size)
+        if len(ids) > lim.max_model_len:
+            raise ParamError(
+                "prompt", f"prompt: {len(ids)} tokens are more than the maximum model length ({lim.max_model_len})"
+            )
+        if -(-len(ids) // lim.block_size) > lim.num_blocks:
+            raise ParamError("prompt", f"prompt: {len(ids)} tokens need more KV blocks than the cache holds")
+        if pooling.task == "score" and not all(t < lim.vocab_size for t in pooling.score_token_ids):
+            raise ParamError("score_token_ids", f"score_token_ids: outside the model's vocabulary ({lim.vocab_size})")
+        return CheckedRequest(text, ids, SamplingParams(max_tokens=1, temperature=0.0), 0, pooling)
 
     def _check_length(self, ids: list[int], params: SamplingParams) -> int:
         """The effective max_tokens of a prompt that fits; a ParamError otherwise."""

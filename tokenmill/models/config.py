@@ -22,6 +22,14 @@ from tokenmill.quant.checkpoint import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# base models without an output projection (embedding models saved as such, e.g. e5-mistral's MistralModel):
+# the family's, with the embedding table standing in for the head (their logits mean nothing; they embed)
+BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -263,9 +271,10 @@ def parse_config(raw: Any, where: str) -> ModelConfig:
         raise ModelLoadError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     f = _Fields(raw, where)
     archs = f.get("architectures", list)
-    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise f.error("architectures", f"is {archs!r}; tokenmill supports one of {', '.join(SUPPORTED_ARCHITECTURES)}")
-    arch = archs[0]
+    if len(archs) != 1 or archs[0] not in (*SUPPORTED_ARCHITECTURES, *BASE_MODELS):
+        supported = ", ".join((*SUPPORTED_ARCHITECTURES, *BASE_MODELS))
+        raise f.error("architectures", f"is {archs!r}; tokenmill supports one of {supported}")
+    arch = BASE_MODELS.get(archs[0], archs[0])
     act = f.get("hidden_act", str, default="silu")
     if act != "silu":
         raise f.error("hidden_act", f"is {act!r}; the Llama family's SwiGLU MLP needs 'silu'")
@@ -307,7 +316,7 @@ def parse_config(raw: Any, where: str) -> ModelConfig:
         max_position_embeddings=max_pos,
         rms_norm_eps=eps,
         rope=_parse_rope(f, max_pos),
-        tie_word_embeddings=f.get("tie_word_embeddings", bool, default=False),
+        tie_word_embeddings=f.get("tie_word_embeddings", bool, default=False) or archs[0] in BASE_MODELS,
         qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
         o_bias=attention_bias and arch != "Qwen2ForCausalLM",
         mlp_bias=f.get("mlp_bias", bool, default=False) if arch == "LlamaForCausalLM" else False,

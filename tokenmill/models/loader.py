@@ -104,6 +104,9 @@ def _load_tensor(
     if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
         return None
     target = targets.get(name)
+    if target is None and f"model.{name}" in targets:  # a base model's name (saved without the LM's `model.`)
+        name = f"model.{name}"
+        target = targets[name]
     if target is None:
         raise ModelLoadError(
             f"{where}: unexpected tensor '{name}' (not part of a {model.config.architecture} with this config)"
@@ -140,8 +143,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     def load(name: str, tensor: torch.Tensor, where: str) -> None:
         if name in seen:
             raise ModelLoadError(f"{where}: tensor '{name}' appears in more than one file")
-        if _load_tensor(model, params, targets, name, tensor, where):
-            seen.add(name)
+        loaded = _load_tensor(model, params, targets, name, tensor, where)  # (a base model's: `model.` added)
+        if loaded is not None:
+            seen.add(loaded)
 
     for path, indexed_names in weight_files(folder).items():
         try:

@@ -7,6 +7,8 @@ error is the step's: the engine core fails the step's requests and calls `forget
 Keeps its own per-request state in a persistent batch (`InputBatch`: sampling params as per-row
 tensors, seed, prompt and output ids, how far prompt logprobs got, and the logits processors' rows),
 a row added when the scheduler first sends a request and removed when it reports the id finished.
+A pooling request's chunks run in the same forward; its last chunk samples nothing: the `Pooler`
+(pooler.py) reads its rows of the hidden states and puts its vector in `StepOutput.pooled`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.model_inputs import ModelInputs, prepare_inputs
+from tokenmill.runner.pooler import Pooler
 from tokenmill.sched.draft_policy import speculates
 from tokenmill.spec_decode.proposer import DraftRequest, NoProposer, Proposer
 from tokenmill.spec_decode.rejection import RejectionSampler, Verification
@@ -61,6 +64,7 @@ class ModelRunner:
         self.proposer: Proposer = NoProposer()
         self.rejection = RejectionSampler()  # verifies unseeded sampled requests' drafts
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, where captured
+        self.pooler = Pooler(model.compute_logits)  # pooling requests' vectors (embeddings, scores)
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         result = StepOutput(failed=self._join(scheduled))
@@ -91,7 +95,12 @@ class ModelRunner:
         ):
             graphs = None
         builder = graphs if graphs is not None else self.backend
-        inputs = prepare_inputs(scheduled.chunks, tables, builder, self.block_size, targets, self.device)
+        pooling = any(c.request_id in self.pooler for c in scheduled.chunks)
+        chunks = [  # a pooling request's last chunk samples nothing: the pooler reads its rows
+            dataclasses.replace(c, sample=False) if c.sample and c.request_id in self.pooler else c
+            for c in scheduled.chunks
+        ]
+        inputs = prepare_inputs(chunks, tables, builder, self.block_size, targets, self.device)
         # on a GPU the forward is timed by two events, read after the step's one sync (its tokens)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
         with torch.inference_mode():
@@ -105,6 +114,8 @@ class ModelRunner:
                 hidden = graphs.forward(inputs.input_ids, inputs.positions)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            if pooling:
+                self.pooler.pool(scheduled.chunks, hidden, result)
             argmax_only = self._argmax_only(inputs)
             # [R, hidden]: the rows wanting logits (a decode-only step: every row, no copy)
             wanted = hidden if inputs.every_row else hidden.index_select(0, inputs.logits_rows)
@@ -136,10 +147,13 @@ class ModelRunner:
         (its own processors refuse it) fails alone: {request id: why}."""
         for request_id in scheduled.finished_request_ids:
             self.batch.remove(request_id)
+            self.pooler.remove(request_id)
         failed: dict[str, str] = {}
         for new in scheduled.new_requests:
             try:
                 self.batch.add(new)
+                if new.pooling is not None:
+                    self.pooler.add(new.request_id, new.pooling)
             except Exception as e:
                 logger.warning("request %s: its sampling state could not be set up", new.request_id, exc_info=True)
                 self.batch.remove(new.request_id)
@@ -150,6 +164,7 @@ class ModelRunner:
         """Drop every per-request state of these requests (a failed step's): their rows, the proposer's."""
         for request_id in request_ids:
             self.batch.remove(request_id)
+            self.pooler.remove(request_id)
         self.proposer.forget(request_ids)
 
     def _greedy_from_head(self, wanted: torch.Tensor, inputs: ModelInputs, result: StepOutput) -> bool:

@@ -6,6 +6,9 @@ asks for one token, an unfinished prompt for its next chunk), then waiting reque
 order while there is room (`max_num_seqs`, budget, KV blocks). When blocks run out, the newest
 running request is preempted: its blocks are freed and it waits, at the head of the queue, to be
 recomputed. Chunked prefill and preemption fall out of this rule; there is no prefill phase.
+A pooling request (an embedding, a reranker's score: `Request.pooling`) is a prompt and nothing more:
+it finishes when the chunk reaching its last prompt token has run (the runner pooled it), its blocks
+freed like any finished request's; one that pools every position (mean, CLS) takes no prefix-cache hit.
 
 Two edges are protocols it calls and never branches on: a `KVConnector` (KV computed elsewhere comes
 in at admission, a finished prefill's goes out; `NoKVConnector` by default) and a `DraftPolicy`
@@ -229,6 +232,7 @@ class Scheduler:
                     request.seed,
                     request.eos_token_ids,
                     list(request.output_token_ids),  # (those another engine generated, for a received request)
+                    request.pooling,
                 )
             )
 
@@ -240,6 +244,7 @@ class Scheduler:
             not self.kv.enable_prefix_caching
             or request.num_computed_tokens
             or request.sampling_params.prompt_logprobs is not None
+            or (request.pooling is not None and request.pooling.needs_every_position)  # (mean, cls pooling)
         ):
             return 0
         max_blocks = (request.num_tokens - 1) // self.kv.block_size
@@ -270,6 +275,8 @@ class Scheduler:
 
     def _count_prefix(self, request: Request, hit: int) -> None:
         if not self.kv.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        if request.pooling is not None and request.pooling.needs_every_position:  # (not looked up)
             return
         if request.num_preemptions == 0:  # a first admission: the user's view of caching
             request.num_cached_tokens = hit
@@ -346,6 +353,10 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             self._cache(request)
         if not chunk.sample:
+            return
+        if request.pooling is not None:  # its prompt is computed: the runner pooled it, and it is done
+            request.times.finished = now
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             return
         if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
             self._release(request.request_id)  # its prompt is computed, and cached

@@ -31,6 +31,8 @@ from tokenmill.server.front_door import FrontDoor, parse_api_keys
 from tokenmill.server.json_body import parse_json
 from tokenmill.server.middleware import BodyLimit, InternalErrors
 from tokenmill.server.openapi import constrain
+from tokenmill.server.pooling_protocol import POOLING_MODELS, constrain_pooling
+from tokenmill.server.pooling_serving import add_pooling_routes
 from tokenmill.server.protocol import (
     CompletionRequest,
     RequestError,
@@ -208,6 +210,7 @@ def create_app(server: Server, api_key: str | Sequence[str] | None = None, front
     handling = Handling(server, front, anyio.CapacityLimiter(PREPARE_THREADS))
     add_generation_routes(app, handling)
     add_token_routes(app, handling)
+    add_pooling_routes(app, handling)  # /v1/embeddings, /v1/rerank, /v1/score (pooling_serving.py)
     add_translated_routes(app, handling)  # /v1/messages and /v1/responses, on the chat path
     add_status_routes(app, server)
     add_openapi(app, server)
@@ -391,13 +394,14 @@ def add_openapi(app: FastAPI, server: Server) -> None:
         if app.openapi_schema is None:
             schema = default_openapi()
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in DOCUMENTED_MODELS:
+            for model in (*DOCUMENTED_MODELS, *POOLING_MODELS):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
             vocab_size = server.engine.processor.limits.vocab_size
             constrain(components, server.model_name, server.max_model_len, server.limits, vocab_size)
             constrain_translated(components, server.model_name, server.max_model_len, server.limits)
+            constrain_pooling(components, server.model_name, server.limits, vocab_size)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -59,6 +59,9 @@ class ServeSettings:
     max_stop: int = setting(16, "most stop strings in a request (OpenAI allows 4)", minimum=1)
     max_prompts: int = setting(64, "most prompts in one completions request", minimum=1)
     max_choices: int = setting(128, "most sequences one request starts: n x its prompts", minimum=1)
+    max_pooling_inputs: int = setting(
+        2048, "most inputs of one embeddings request, documents of one rerank, texts a side of one score", minimum=1
+    )
     max_stop_token_ids: int = setting(1024, "most stop_token_ids in a request", minimum=1)
     max_allowed_token_ids: int = setting(16384, "most allowed_token_ids in a request", minimum=1)
     max_logit_bias: int = setting(1024, "most logit_bias entries in a request (OpenAI allows 300)", minimum=1)
@@ -145,6 +148,7 @@ CAPS = (  # ServeSettings fields that are `RequestCaps` fields of the same name
     "max_stop",
     "max_prompts",
     "max_choices",
+    "max_pooling_inputs",
     "max_stop_token_ids",
     "max_allowed_token_ids",
     "max_logit_bias",

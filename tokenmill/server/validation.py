@@ -100,6 +100,7 @@ class RequestCaps:
     max_prompt_tokens: int | None = None  # None: only the model's length limits the prompt
     max_stop: int = 16  # OpenAI allows 4
     max_prompts: int = 64  # prompts in one completions request (each an engine request)
+    max_pooling_inputs: int = 2048  # embeddings inputs, rerank documents, score texts per side (OpenAI: 2048)
     max_choices: int = 128  # n x prompts: the sequences one request starts
     max_stop_token_ids: int = 1024
     max_allowed_token_ids: int = 16384

@@ -17,6 +17,12 @@ from tokenmill.models.train_tokenizer import SpecialTokens, save_tokenizer, trai
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SIZES = ("tiny", "small")
+# an embedding model's pooling, as sentence-transformers' Pooling module names it
+ST_POOLING_MODES = {
+    "last": "pooling_mode_lasttoken",
+    "mean": "pooling_mode_mean_tokens",
+    "cls": "pooling_mode_cls_token",
+}
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,10 @@ def make_model(
     seed: int = 0,
     tie_embeddings: bool = False,
     max_shard_size: str | None = None,
+    pooling: str | None = None,
 ) -> Path:
-    """Write a complete model folder to `out` and return it. Deterministic for a given seed."""
+    """Write a complete model folder to `out` and return it. Deterministic for a given seed. `pooling`
+    (last, mean, cls): an embedding model, with sentence-transformers' pooling config (normalized)."""
     import torch
     import transformers
 
@@ -146,7 +154,41 @@ def make_model(
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(out), **kwargs)
     save_tokenizer(tok, out, specials, preset.max_position_embeddings)
+    if pooling is not None:
+        write_sentence_transformers(out, pooling)
     return out
+
+
+def write_sentence_transformers(folder: Path, pooling: str, normalize: bool = True) -> None:
+    """Make `folder` an embedding model as sentence-transformers saves one: `modules.json` (Transformer,
+    Pooling, and Normalize when `normalize`) and `1_Pooling/config.json` with the `pooling` mode
+    (last, mean or cls) on."""
+    if pooling not in ST_POOLING_MODES:
+        raise ValueError(f"pooling: expected one of {', '.join(ST_POOLING_MODES)}, got {pooling!r}")
+    folder = Path(folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    modes = {
+        "word_embedding_dimension": hidden,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": False,
+        "include_prompt": True,
+    }
+    modes[ST_POOLING_MODES[pooling]] = True
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(modes, indent=2))
+    if normalize:
+        (folder / "2_Normalize").mkdir(exist_ok=True)
 
 
 def describe(folder: Path) -> str:
