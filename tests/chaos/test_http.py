@@ -178,6 +178,9 @@ def test_every_endpoint_but_health_needs_a_key(srv):
         r = httpx.request(method, f"{srv.base_url}{path}", timeout=TIMEOUT)
         if path == "/health":
             assert r.status_code == 200
+        elif path == "/v1/messages":  # (Anthropic's error shape: tests/server/test_anthropic_api.py)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+            assert r.headers["www-authenticate"] == "Bearer"
         else:
             error = error_of(r, 401)
             assert error["type"] == "authentication_error" and r.headers["www-authenticate"] == "Bearer", path

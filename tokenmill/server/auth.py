@@ -44,7 +44,7 @@ def sent_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
 
 def unauthorized() -> RequestError:
     return RequestError(
-        "Missing or wrong API key (send 'Authorization: Bearer <key>').",
+        "Missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>').",
         None,
         "invalid_api_key",
         401,
