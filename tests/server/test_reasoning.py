@@ -220,3 +220,12 @@ def test_bad_reasoning_fields_are_400s_naming_them(server, parser, body, param):
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_the_flag_takes_the_two_parsers_only():
+    from tokenmill.server.settings import ServeSettings
+
+    assert ServeSettings(reasoning_parser="deepseek_r1").reasoning_parser == "deepseek_r1"
+    assert ServeSettings().reasoning_parser is None
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServeSettings(reasoning_parser="granite")
