@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from tokenmill.quant.method import (
     WeightShapeError,
     register_bias,
     set_weight_loader,
+    wait_for_pieces,
 )
 
 # type name -> (GGML type number, weights a block, bytes a block)
@@ -124,28 +124,6 @@ def held_matrices(modules: Iterable[nn.Module]) -> list[GGUFMatrix]:
     return list(seen.values())
 
 
-@dataclass(frozen=True)
-class GGUFShardLoader:
-    """The weight loader of a layer kept in GGUF blocks: each shard arrives as a `GGUFMatrix` and waits
-    in `pieces` until the layer joins them after loading."""
-
-    shards: dict[ShardId, object]
-    input_size: int
-    pieces: dict[ShardId, GGUFMatrix]
-
-    def __call__(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
-        shard = self.shards.get(shard_id)
-        if shard is None:
-            names = ", ".join(repr(s) for s in self.shards)
-            raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
-        if not isinstance(loaded, GGUFMatrix):
-            raise WeightLoadError(f"expected GGUF blocks, got {type(loaded).__name__}")
-        size = getattr(shard, "size", None)
-        if loaded.shape != (size, self.input_size):
-            raise WeightShapeError(loaded.shape, (cast(int, size), self.input_size), shard_id)
-        self.pieces[shard_id] = loaded
-
-
 class GGUFBlocksMethod(LinearMethod):
     """Each layer's matrices as their GGUF blocks (`layer.gguf_parts`: (first output column, matrix) per
     run of shards of one type); products by the native kernels, or dequantized chunks and torch's GEMM."""
@@ -163,12 +141,7 @@ class GGUFBlocksMethod(LinearMethod):
     def create_weights(
         self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
-        pieces: dict[ShardId, GGUFMatrix] = {}
-        layer.gguf_pieces = pieces
-        placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-        layer.register_parameter(
-            "weight", set_weight_loader(placeholder, GGUFShardLoader(layer.shards, input_size, pieces))
-        )
+        layer.gguf_pieces = wait_for_pieces(layer, input_size, GGUFMatrix)
         if bias:
             register_bias(layer, dtype)
 
