@@ -28,6 +28,7 @@ from torch import nn
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels
 from tokenmill.quant.method import (
+    FusedKind,
     Layer,
     LinearMethod,
     ShardId,
@@ -142,6 +143,7 @@ class GGUFBlocksMethod(LinearMethod):
         self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         layer.gguf_pieces = wait_for_pieces(layer, input_size, GGUFMatrix)
+        layer.gguf_dtype = dtype
         if bias:
             register_bias(layer, dtype)
 
@@ -178,6 +180,21 @@ class GGUFBlocksMethod(LinearMethod):
         if bias is not None:
             out += bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.output_size)
+
+    # --- the fused decode (decode_layer.cpp's GGUF kind: a layer of one run, or two of different types) ---
+    def fusable(self, layer: Layer) -> bool:
+        return self.ops is not None and layer.gguf_dtype in NATIVE_DTYPES and len(layer.gguf_parts) <= 2
+
+    def fused_kind(self, layer: Layer, rows: int) -> int | None:
+        return FusedKind.GGUF if rows <= self.max_native_rows else None
+
+    def fused_tensors(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """(first run's blocks, int64 [type 0, type 1 (-1: none), first run's rows], second run's blocks
+        or None, 0)"""
+        (_, first), *rest = layer.gguf_parts
+        second = rest[0][1] if rest else None
+        kinds = [BLOCKS[first.type_name][0], BLOCKS[second.type_name][0] if second else -1, first.shape[0]]
+        return first.data, torch.tensor(kinds, dtype=torch.int64), second.data if second else None, 0
 
     def _dequant_product(self, m: GGUFMatrix, rows: torch.Tensor, cols: torch.Tensor) -> None:
         """cols [M, n] = rows [M, K] @ W^T, W dequantized a chunk of its rows at a time into the scratch."""

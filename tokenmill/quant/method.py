@@ -35,7 +35,7 @@ Layer = Any
 class FusedKind:
     """decode_layer.cpp's projection kinds: how the native layer runs one projection's product."""
 
-    TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX = range(11)
+    TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX, GGUF = range(12)
 
 
 class WeightLoadError(ValueError):
