@@ -173,10 +173,13 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     report: dict[str, object] = {"benchmark": "gguf_decode", "uptime_before": _uptime(), "repeats": args.repeats}
     report["bandwidth_gb_s"] = bandwidth(0.5, 5)["read_gb_s"]
-    report["files"] = [measure_file(p, args.repeats, args.llama_bin, threads) for p in args.gguf]
-    report["uptime_after"] = _uptime()
+    files: list[dict[str, object]] = []
+    report["files"] = files
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for path in args.gguf:  # (the report rewritten after each file)
+        files.append(measure_file(path, args.repeats, args.llama_bin, threads))
+        report["uptime_after"] = _uptime()
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
     for f in report["files"]:  # type: ignore[union-attr]
         name = Path(f["file"]).name
