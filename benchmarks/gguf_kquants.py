@@ -1,11 +1,13 @@
 """A K-quant GGUF file kept in its blocks against the same file dequantized at load: memory, load time,
-decode speed. The file is `--gguf` (the peers' 1.1B Q4_K_M, `/tmp/peers/mid-llama-q4_k_m.gguf`, when
+decode speed. The file is `--gguf` (the peers' 1.1B Q4_K_M, `/tmp/peers/gguf/mid-llama-q4_k_m.gguf`, when
 there), else a synthetic one written once: TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 / 4
 heads, FFN 5632) with the demo model's 8192-token vocabulary, llama.cpp's Q4_K_M mix of random valid
 blocks (v, down and the output projection Q6_K, the rest Q4_K), about 600 MB.
 
 Measured, each load in a process of its own: the resident memory the load adds (VmRSS after
-`load_model` minus before) over the file's tensor bytes, and the load's seconds, for `quantization`
+`load_model` and the checkpoint dropped, as the engine drops it, minus before; the KV cache is not
+part of it: the engine sizes that apart, `kv_cache_memory`) over the file's tensor bytes (also with the
+checkpoint still open), and the load's seconds, for `quantization`
 auto (kept) and none (every matrix dequantized to bfloat16 by `gguf` at load). Then decode: both
 models (bfloat16, the native layer ops and attention, the modules' path) in one process, one sequence
 of a 16-token prompt and `--tokens` greedy steps, the two interleaved in each of `--repeats` repeats;
@@ -17,6 +19,7 @@ Usage: python benchmarks/gguf_kquants.py [--gguf FILE] [--repeats 3] [--tokens 3
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -28,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
-PEERS = Path("/tmp/peers/mid-llama-q4_k_m.gguf")
+PEERS = Path("/tmp/peers/gguf/mid-llama-q4_k_m.gguf")
 SYNTHETIC = Path("/tmp/tokenmill-synthetic-1.1b-q4_k_m.gguf")  # (written once, not in git)
 SHAPE = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632}
 
@@ -121,13 +124,17 @@ def measure_load(path: str, quantization: str) -> dict[str, float]:
     )  # fmt: skip
     model = load_model(checkpoint, dtype=torch.bfloat16, quant=quant)
     seconds = time.perf_counter() - start
+    open_grown = rss_bytes() - before
+    file_bytes = checkpoint.tensor_bytes
+    del checkpoint  # (as the engine drops it once the model is built)
+    gc.collect()
     grown = rss_bytes() - before
-    file_bytes = sum(int(t.n_bytes) for t in checkpoint.reader.tensors)
     return {
         "load_s": seconds,
         "rss_growth_bytes": grown,
         "file_tensor_bytes": file_bytes,
         "rss_over_file": grown / file_bytes,
+        "rss_over_file_checkpoint_open": open_grown / file_bytes,
         "weight_bytes": model.weight_bytes(),
     }
 
@@ -215,6 +222,7 @@ def main() -> None:
             q: {
                 "load_s": summary([r["load_s"] for r in runs]),
                 "rss_over_file": summary([r["rss_over_file"] for r in runs]),
+                "rss_over_file_checkpoint_open": summary([r["rss_over_file_checkpoint_open"] for r in runs]),
                 "weight_bytes": runs[0]["weight_bytes"],
             }
             for q, runs in loads.items()

@@ -128,3 +128,28 @@ def test_the_engine_serves_a_q4_k_m_file_kept_quantized(files, dtype, caplog):
         )
     assert_no_leaks(kept_llm)
     assert_no_leaks(dense_llm)
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="native CPU kernels did not build here")
+@pytest.mark.parametrize("name", ["demo-q4_k_m", "tiny-q4_k_m"])
+def test_the_fused_decode_runs_the_blocks_as_the_modules_do(files, name):
+    # (demo: q/k Q4_K beside v Q6_K; tiny: llama.cpp's fallbacks, Q5_0 beside Q8_0, q/k/v biases, the down
+    # projections in int8)
+    from tests.layers.test_cpu_linear import Counting
+    from tests.runner.test_fused_decode import run_steps
+    from tokenmill.layers.backends import get_attention_backend
+    from tokenmill.layers.fused_decode import FusedDecode
+    from tokenmill.layers.ops import get_layer_ops
+
+    backend = get_attention_backend("cpu")
+    model = load_model(files[name], dtype="float32", quant=kept(True, 8), backend=backend, ops=get_layer_ops("cpu"))
+    assert FusedDecode.supports(model)
+    assert len(model.layers[0].self_attn.qkv_proj.gguf_parts) == 2  # (two runs of two types)
+    prompt = list(range(3, 3 + 21))
+    modules = run_steps(model, backend, prompt, steps=4, batch=3)
+    model.fused_decode = FusedDecode(load_cpu_kernels(), model)
+    model.fused_decode._op = counting = Counting(model.fused_decode._op)
+    fused = run_steps(model, backend, prompt, steps=4, batch=3)
+    assert counting.calls == 4  # every decode step in one call; the prompt ran the modules
+    for a, b in zip(modules, fused, strict=True):
+        assert torch.equal(a, b)

@@ -5,7 +5,7 @@ the same native ops the layers' modules call one by one (norms, projections, rot
 attention, SwiGLU) in the same order, so its outputs equal the modules' to the bit; what it removes
 is the Python between them (~20 torch calls and ~10 module calls a layer, then the call a layer
 itself: see `benchmarks/fused_decode.py`). It applies where every piece is the
-native one (the `cpu` attention backend and layer ops; dense, int8, W8A8 or int4 weights), to steps
+native one (the `cpu` attention backend and layer ops; dense, int8, W8A8, int4 or GGUF-block weights), to steps
 whose every sequence the paged kernel attends (no prompt chunk for SDPA) and without padding rows;
 each projection keeps its linear method's choice of kernel for the step's row count (a quantized
 layer's dequantize-then-GEMM or torch integer GEMM is not chained: such a step runs the modules).

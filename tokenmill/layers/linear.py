@@ -8,7 +8,7 @@ checkpoint tensors' suffixes (`weight`, `bias`; a pre-quantized format's `qweigh
 so the model maps `...q_proj.<suffix>` to `...qkv_proj.<suffix>`; each carries a `weight_loader`
 (the convention is in quant/method.py). A checkpoint that holds a layer quantized already (GGUF's
 Q8_0 / Q4_x blocks) hands its loader the quantized weights instead of a tensor
-(`QuantizedShardLoader` in quant/int_methods.py). Parameters without a `weight_loader` (embedding,
+(`PiecesLoader` in quant/method.py). Parameters without a `weight_loader` (embedding,
 norms) are filled by `default_weight_loader`. The attribute lives on the Parameter object: load
 before moving the model (`.to()` makes new ones).
 """

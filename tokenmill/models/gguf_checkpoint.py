@@ -118,9 +118,12 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: GGUF file does not exist")
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-            self.metadata = {name: self._value(field) for name, field in self.reader.fields.items()}
-            stored = list(self.reader.tensors)
+            # (the reader is not kept: its parse of the metadata, a few numpy arrays an entry of every
+            # array, is ~100 MiB for a 32,000-token vocabulary; the values and tensor records are)
+            reader = gguf.GGUFReader(str(self.path))
+            self.metadata = {name: self._value(field) for name, field in reader.fields.items()}
+            stored = list(reader.tensors)
+            del reader
         except (ValueError, IndexError, KeyError, OverflowError, struct.error, UnicodeDecodeError, OSError) as e:
             raise ModelLoadError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
         arch = self.metadata.get("general.architecture")
@@ -143,6 +146,11 @@ class GGUFCheckpoint:
             self.config: ModelConfig = parse_config(self.raw_config, str(self.path))
         except ModelLoadError as e:  # name the GGUF key that gave the field
             raise ModelLoadError(self._gguf_key_names(str(e))) from None
+
+    @property
+    def tensor_bytes(self) -> int:
+        """The bytes the file's tensors take, as stored."""
+        return sum(int(t.n_bytes) for t in self._stored.values())
 
     def _value(self, field: Any) -> Any:
         value = field.contents()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels
 from tokenmill.quant.method import (
+    FusedKind,
     Layer,
     LinearMethod,
     ShardId,
@@ -36,6 +36,7 @@ from tokenmill.quant.method import (
     WeightShapeError,
     register_bias,
     set_weight_loader,
+    wait_for_pieces,
 )
 
 # type name -> (GGML type number, weights a block, bytes a block)
@@ -124,28 +125,6 @@ def held_matrices(modules: Iterable[nn.Module]) -> list[GGUFMatrix]:
     return list(seen.values())
 
 
-@dataclass(frozen=True)
-class GGUFShardLoader:
-    """The weight loader of a layer kept in GGUF blocks: each shard arrives as a `GGUFMatrix` and waits
-    in `pieces` until the layer joins them after loading."""
-
-    shards: dict[ShardId, object]
-    input_size: int
-    pieces: dict[ShardId, GGUFMatrix]
-
-    def __call__(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
-        shard = self.shards.get(shard_id)
-        if shard is None:
-            names = ", ".join(repr(s) for s in self.shards)
-            raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
-        if not isinstance(loaded, GGUFMatrix):
-            raise WeightLoadError(f"expected GGUF blocks, got {type(loaded).__name__}")
-        size = getattr(shard, "size", None)
-        if loaded.shape != (size, self.input_size):
-            raise WeightShapeError(loaded.shape, (cast(int, size), self.input_size), shard_id)
-        self.pieces[shard_id] = loaded
-
-
 class GGUFBlocksMethod(LinearMethod):
     """Each layer's matrices as their GGUF blocks (`layer.gguf_parts`: (first output column, matrix) per
     run of shards of one type); products by the native kernels, or dequantized chunks and torch's GEMM."""
@@ -163,12 +142,8 @@ class GGUFBlocksMethod(LinearMethod):
     def create_weights(
         self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
-        pieces: dict[ShardId, GGUFMatrix] = {}
-        layer.gguf_pieces = pieces
-        placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-        layer.register_parameter(
-            "weight", set_weight_loader(placeholder, GGUFShardLoader(layer.shards, input_size, pieces))
-        )
+        layer.gguf_pieces = wait_for_pieces(layer, input_size, GGUFMatrix)
+        layer.gguf_dtype = dtype
         if bias:
             register_bias(layer, dtype)
 
@@ -205,6 +180,21 @@ class GGUFBlocksMethod(LinearMethod):
         if bias is not None:
             out += bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.output_size)
+
+    # --- the fused decode (decode_layer.cpp's GGUF kind: a layer of one run, or two of different types) ---
+    def fusable(self, layer: Layer) -> bool:
+        return self.ops is not None and layer.gguf_dtype in NATIVE_DTYPES and len(layer.gguf_parts) <= 2
+
+    def fused_kind(self, layer: Layer, rows: int) -> int | None:
+        return FusedKind.GGUF if rows <= self.max_native_rows else None
+
+    def fused_tensors(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """(first run's blocks, int64 [type 0, type 1 (-1: none), first run's rows], second run's blocks
+        or None, 0)"""
+        (_, first), *rest = layer.gguf_parts
+        second = rest[0][1] if rest else None
+        kinds = [BLOCKS[first.type_name][0], BLOCKS[second.type_name][0] if second else -1, first.shape[0]]
+        return first.data, torch.tensor(kinds, dtype=torch.int64), second.data if second else None, 0
 
     def _dequant_product(self, m: GGUFMatrix, rows: torch.Tensor, cols: torch.Tensor) -> None:
         """cols [M, n] = rows [M, K] @ W^T, W dequantized a chunk of its rows at a time into the scratch."""

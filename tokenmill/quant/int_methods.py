@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar, cast
 
@@ -46,13 +45,11 @@ from tokenmill.quant.method import (
     Layer,
     LinearMethod,
     Shape,
-    Shard,
     ShardId,
     ShardLoader,
-    WeightLoadError,
-    WeightShapeError,
     register_bias,
     set_weight_loader,
+    wait_for_pieces,
 )
 from tokenmill.quant.quantize import (
     Int4PackWeight,
@@ -107,30 +104,6 @@ class HeadRows(nn.Module):
         return cast(QuantizedLinearMethod, head.linear_method).rows(head, ids, self.dtype)
 
 
-@dataclass(frozen=True)
-class QuantizedShardLoader:
-    """The weight loader of a layer whose checkpoint holds it quantized already (GGUF's Q8_0 / Q4_0 /
-    Q4_1 blocks): each shard arrives as an `Int8Weight` / `Int4Weight` and waits in `pieces` until
-    the layer stacks them after loading."""
-
-    shards: dict[ShardId, Shard]
-    input_size: int
-    format: type
-    pieces: dict[ShardId, object]
-
-    def __call__(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
-        shard = self.shards.get(shard_id)
-        if shard is None:
-            names = ", ".join(repr(s) for s in self.shards)
-            raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
-        if not isinstance(loaded, self.format):
-            raise WeightLoadError(f"expected quantized weights ({self.format.__name__}), got {type(loaded).__name__}")
-        shape = cast(Int8Weight | Int4Weight, loaded).shape
-        if tuple(shape) != (shard.size, self.input_size):
-            raise WeightShapeError(tuple(shape), (shard.size, self.input_size), shard_id)
-        self.pieces[shard_id] = loaded
-
-
 class QuantizedLinearMethod(LinearMethod):
     """A dense weight at load, quantized after it (or, `prequantized`, the checkpoint's quantized
     weights as they are); products by the kernel the plan names for the weight's shape at the input's
@@ -154,11 +127,7 @@ class QuantizedLinearMethod(LinearMethod):
         self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         if self.prequantized:  # a placeholder whose loader collects the shards' quantized weights
-            pieces: dict[ShardId, object] = {}
-            layer.quantized_pieces = pieces  # type: ignore[assignment]
-            loader = QuantizedShardLoader(layer.shards, input_size, self.format, pieces)
-            placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
-            layer.register_parameter("weight", set_weight_loader(placeholder, loader))
+            layer.quantized_pieces = wait_for_pieces(layer, input_size, self.format)
         else:
             weight = torch.empty(sum(output_sizes), input_size, dtype=dtype)  # [out, in]: dropped once quantized
             layer.register_parameter(

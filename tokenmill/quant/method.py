@@ -35,7 +35,7 @@ Layer = Any
 class FusedKind:
     """decode_layer.cpp's projection kinds: how the native layer runs one projection's product."""
 
-    TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX = range(11)
+    TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX, GGUF = range(12)
 
 
 class WeightLoadError(ValueError):
@@ -80,6 +80,43 @@ class ShardLoader:
             names = ", ".join(repr(s) for s in self.shards)
             raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
         copy_checked(param.data.narrow(self.dim, shard.start, shard.size), loaded, shard_id)
+
+
+@dataclass(frozen=True)
+class PiecesLoader:
+    """The weight loader of a layer whose checkpoint holds its shards in a stored form (GGUF's blocks:
+    `GGUFMatrix`, or tokenmill's `Int8Weight` / `Int4Weight` for Q8_0 / Q4_0 / Q4_1): each shard
+    arrives as one `format` object with a `shape` [rows, in] and waits in `pieces` until the method
+    joins them after loading (`wait_for_pieces`)."""
+
+    shards: Mapping[ShardId, Shard]
+    input_size: int
+    format: type
+    pieces: dict[ShardId, Any]
+
+    def __call__(self, param: nn.Parameter, loaded: object, shard_id: ShardId) -> None:
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            names = ", ".join(repr(s) for s in self.shards)
+            raise WeightLoadError(f"no shard {shard_id!r} in this layer (its shards: {names})")
+        if not isinstance(loaded, self.format):
+            raise WeightLoadError(f"expected {self.format.__name__}, got {type(loaded).__name__}")
+        shape = tuple(loaded.shape)  # type: ignore[attr-defined]
+        if shape != (shard.size, self.input_size):
+            raise WeightShapeError(shape, (shard.size, self.input_size), shard_id)
+        self.pieces[shard_id] = loaded
+
+
+def wait_for_pieces(layer: Layer, input_size: int, format: type) -> dict[ShardId, Any]:
+    """Register the layer's placeholder `weight`, whose `PiecesLoader` collects each shard's stored
+    object into the returned dict (by shard id); the method drops the placeholder once it has joined
+    them."""
+    pieces: dict[ShardId, Any] = {}
+    placeholder = nn.Parameter(torch.empty(0), requires_grad=False)
+    layer.register_parameter(
+        "weight", set_weight_loader(placeholder, PiecesLoader(layer.shards, input_size, format, pieces))
+    )
+    return pieces
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:

@@ -2,7 +2,7 @@
 // layer, the ops that DecoderLayer.forward calls one by one from Python (RMSNorm with the residual
 // add, the QKV projection, rotary embeddings, the KV write, paged attention, the output projection,
 // the second norm, gate/up, SiLU-and-mul, down), chained here in the same order on the same kernels
-// (dense, int8, W8A8 or int4 projections, as each layer's method would run them), so the result is the
+// (dense, int8, W8A8, int4 or GGUF-block projections, as each layer's method would run them), so the result is the
 // same to the bit. What it saves is Python: ~20 torch calls and ~10 module calls
 // a layer, then the call a layer itself (most at small batches, where that Python is a large share of
 // the step: benchmarks/fused_decode.py). Each projection takes the kernel the caller's plan says (`kinds`).
@@ -29,6 +29,8 @@ enum Kind : int64_t {
   W8A8_AMX = 8,   // W8A8 on AMX's int8 tiles
   INT8_AMX = 9,   // int8 and int4 on AMX's bfloat16 tiles
   INT4_AMX = 10,
+  GGUF = 11,      // GGUF blocks (gguf_blocks.cpp): weight = the first run's blocks [n0, row bytes], wsums = a
+                  // second run's (another block type) or none, scales = int64 [3]: (type 0, type 1, n0)
 };
 
 // One projection's tensors and kernel.
@@ -62,7 +64,12 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
   else if (p.kind == W8A8 || p.kind == W8A8_TILED || p.kind == W8A8_AMX)
     tokenmill::linear_w8a8(out, x, p.weight, *p.scales, *p.wsums, p.bias,
                            p.kind == W8A8 ? 0 : p.kind == W8A8_TILED ? 1 : 2);
-  else if (p.kind == INT4 || p.kind == INT4_AMX)
+  else if (p.kind == GGUF) {
+    const int64_t* t = p.scales->data_ptr<int64_t>();
+    tokenmill::gguf_linear(out.narrow(1, 0, t[2]), x, p.weight, t[0]);
+    if (p.wsums.has_value()) tokenmill::gguf_linear(out.narrow(1, t[2], p.out_features - t[2]), x, *p.wsums, t[1]);
+    if (p.bias.has_value()) out.add_(*p.bias);
+  } else if (p.kind == INT4 || p.kind == INT4_AMX)
     tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias, p.kind == INT4_AMX);
   else
     TORCH_CHECK(false, "decode_layer: unknown projection kind ", p.kind);

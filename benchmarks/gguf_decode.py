@@ -1,0 +1,199 @@
+"""Decode through the engine on a GGUF file against llama.cpp on the same file: output tok/s at one
+request and at eight, the two engines interleaved in every repeat.
+
+tokenmill: `LLM(file, enable_prefix_caching=False)` loaded once per file in a child process (it waits
+between measurements, holding its weights), driven through `LLMEngine.step` so that each step is timed
+on its own: c requests of a distinct random 128-token prompt and 33 greedy tokens each; the decode rate
+is the tokens of the steps in which all c requests decode (no prompt chunk in the step) over those
+steps' seconds. Prompt chunks are left out as llama.cpp's figures leave them out, and not mixing the
+prompt's seconds into the decode rate keeps its noise out (a 1,024-token prompt batch takes longer than
+the 32 decode steps on a small machine).
+
+llama.cpp: c = 1 is `llama-bench -p 0 -n 32` (tg32: 32 tokens after a warm-up), c = 8 is
+`llama-batched-bench -npp 128 -ntg 32 -npl 8` (its S_TG: the 8 sequences' 32 decode steps), both on
+`--threads` threads (default: torch's thread count, the cores).
+
+Per file, each repeat runs tokenmill c=1, llama.cpp c=1, tokenmill c=8, llama.cpp c=8 in turn, so the
+machine's other load falls on both alike. Reported: tok/s median [min-max] over the repeats, the ratio
+of the medians, the streaming read bandwidth (benchmarks/bandwidth.py, in the same run) and the GB/s
+tokenmill's c=1 decode reads (the file's tensor bytes a token). Writes benchmarks/results/gguf_decode.json.
+
+Usage: python benchmarks/gguf_decode.py [--gguf FILE ...] [--repeats 3] [--llama-bin DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+PEERS = Path("/tmp/peers")
+FILES = [PEERS / "gguf" / f"mid-llama-{q}.gguf" for q in ("q4_k_m", "q4_0", "q8_0")]
+PROMPT, NEW = 128, 33  # prompt tokens, new tokens a request (32 decode steps after the first token)
+
+
+def child() -> None:
+    """(The tokenmill child) load argv's file, then per stdin line `c`: one run of c requests, its decode
+    rate as a JSON line on stdout."""
+    import random
+
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.outputs import OutputKind
+
+    llm = LLM(sys.argv[2], enable_prefix_caching=False)
+    engine = llm.engine
+    rng = random.Random(0)
+    count = 0
+
+    def run(c: int, new: int) -> dict[str, float]:
+        nonlocal count
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        for _ in range(c):
+            count += 1
+            prompt = [rng.randrange(100, 30000) for _ in range(PROMPT)]
+            engine.add_request(f"decode-{count}", prompt, params, output_kind=OutputKind.FINAL_ONLY)
+        seconds, tokens = 0.0, 0
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+            step = engine.core.last_step  # StepStats
+            if step.num_running == c and step.num_batched_tokens == c:  # every request decoding, no chunk
+                seconds += elapsed
+                tokens += c
+        return {"tok_s": tokens / seconds if seconds else 0.0, "decode_tokens": tokens}
+
+    run(1, 4)  # (warm-up)
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run(int(line), NEW)), flush=True)
+
+
+class Tokenmill:
+    """The child process for one file."""
+
+    def __init__(self, path: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self.info = self._reply()
+
+    def _reply(self) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the tokenmill child ended (exit {self.proc.wait()})")
+
+    def rate(self, c: int) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{c}\n")
+        self.proc.stdin.flush()
+        return float(self._reply()["tok_s"])  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def llama_rate(bin_dir: Path, path: Path, c: int, threads: int) -> float:
+    """llama.cpp's decode tok/s on `path` at c sequences (module docstring)."""
+    env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
+    if c == 1:
+        cmd = [bin_dir / "llama-bench", "-m", path, "-p", "0", "-n", "32", "-t", threads, "-r", "1", "-o", "jsonl"]
+        key = "avg_ts"
+    else:
+        cmd = [bin_dir / "llama-batched-bench", "-m", path, "-c", 4096, "-b", 2048, "-ub", 512]
+        cmd += ["-npp", PROMPT, "-ntg", NEW - 1, "-npl", c, "-t", threads, "--output-format", "jsonl"]
+        key = "speed_tg"
+    out = subprocess.run([str(a) for a in cmd], env=env, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return float(rows[-1][key])
+
+
+def summary(values: list[float]) -> dict[str, object]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
+
+
+def measure_file(path: Path, repeats: int, bin_dir: Path, threads: int) -> dict[str, object]:
+    import gguf
+
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    tm = Tokenmill(path)
+    rates: dict[str, list[float]] = {k: [] for k in ("tokenmill_c1", "llama_c1", "tokenmill_c8", "llama_c8")}
+    try:
+        for _ in range(repeats):
+            for c in (1, 8):
+                rates[f"tokenmill_c{c}"].append(tm.rate(c))
+                rates[f"llama_c{c}"].append(llama_rate(bin_dir, path, c, threads))
+                print(path.name, c, {k: round(v[-1], 1) for k, v in rates.items() if v}, flush=True)
+    finally:
+        tm.close()
+    result: dict[str, object] = {
+        "file": str(path),
+        "tensor_bytes": tensor_bytes,
+        "tokenmill_threads": tm.info["threads"],
+    }
+    for k, v in rates.items():
+        result[k] = summary(v)
+    for c in (1, 8):
+        result[f"ratio_c{c}"] = statistics.median(rates[f"tokenmill_c{c}"]) / statistics.median(rates[f"llama_c{c}"])
+    result["tokenmill_c1_gb_s"] = statistics.median(rates["tokenmill_c1"]) * tensor_bytes / 1e9
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", nargs="*", type=Path, default=FILES)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-bin", type=Path, default=PEERS / "llamacpp-build" / "bin")
+    ap.add_argument("--threads", type=int, default=0, help="llama.cpp's threads (0: torch's default)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gguf_decode.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child()
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bandwidth import measure as bandwidth
+
+    threads = args.threads or torch.get_num_threads()
+    report: dict[str, object] = {"benchmark": "gguf_decode", "uptime_before": _uptime(), "repeats": args.repeats}
+    report["bandwidth_gb_s"] = bandwidth(0.5, 5)["read_gb_s"]
+    files: list[dict[str, object]] = []
+    report["files"] = files
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for path in args.gguf:  # (the report rewritten after each file)
+        files.append(measure_file(path, args.repeats, args.llama_bin, threads))
+        report["uptime_after"] = _uptime()
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
+    for f in report["files"]:  # type: ignore[union-attr]
+        name = Path(f["file"]).name
+        for c in (1, 8):
+            t, ll = f[f"tokenmill_c{c}"], f[f"llama_c{c}"]
+            print(
+                f"{name:24} c={c}  tokenmill {t['median']:6.1f} [{t['min']:.1f}-{t['max']:.1f}]  "
+                f"llama.cpp {ll['median']:6.1f} [{ll['min']:.1f}-{ll['max']:.1f}]  x{f[f'ratio_c{c}']:.2f}"
+            )
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()
