@@ -50,6 +50,7 @@ def kept(native: bool, max_native_rows: int = 64) -> QuantConfig:
     for m in methods.values():
         if isinstance(m, GGUFBlocksMethod):
             m.max_native_rows = max_native_rows if native else 0
+            m.prompt_kernel = "gemm" if native else "dequant"
         elif not native:
             m.default_kernel = "dequant"  # type: ignore[attr-defined]
     return QuantConfig(UnquantizedLinearMethod(), gguf=methods)
@@ -94,6 +95,9 @@ def test_every_matrix_stays_quantized_and_computes_the_dequantized_model(files, 
         # 3-5% of the logit scale, where one scale per 32 reached 2-4%)
         assert_logits_close(ours, reference, rel=6e-2)
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+        # the prompt product (gguf_gemm, past 8 rows): the decode kernels' sums, so the same logits
+        prompt = logits(load_model(path, dtype="float32", quant=kept(native=True, max_native_rows=8)))
+        assert torch.equal(prompt, ours)
 
 
 def test_mixed_fused_layers_keep_one_matrix_per_type(files):

@@ -6,11 +6,12 @@ types llama.cpp's Q4_K_M and Q5_K_M mixes fall back to where a row's width is no
 held as the bytes the file stores, [N, K / W * block bytes] uint8, W weights a block along a row: exact
 by construction, and as many bytes as the file's. The native kernels (kernels/csrc/gguf_blocks.cpp)
 read them: `gguf_linear` for few rows (decode steps: int8 activations, one scale per 256 for the
-K-quants and per 32 for the rest, the blocks read once), `gguf_dequant` for the rest (prompt chunks:
-the rows dequantized, a chunk of rows at a time, into a scratch buffer the method reuses, then torch's
-GEMM; and embedding lookups). The dequantized
-values are the `gguf` package's, bit for bit. Without the native kernels (no compiler, float16
-activations), the `gguf` package's own dequantizer serves the dequantizing path.
+K-quants and per 32 for the rest, the blocks read once), `gguf_gemm` for more (prompt chunks: the same
+int8 activations and integer sums, tiled so that each weight block is read once a product and
+unpacked once per tile of x rows), and `gguf_dequant` for embedding lookups. The dequantized values are
+the `gguf` package's, bit for bit. Without the native kernels (no compiler, float16 activations),
+products dequantize a chunk of weight rows at a time (the `gguf` package's own dequantizer) into a
+scratch buffer the method reuses, then take torch's GEMM.
 
 A fused layer (q/k/v, gate/up) may mix types (Q4_K_M stores some v and down projections in Q6_K):
 the layer keeps one matrix per run of shards of one type, each product writing its columns.
@@ -51,7 +52,7 @@ BLOCKS = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK_TYPES = tuple(BLOCKS)
-MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the dequantize-then-GEMM path
+MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the prompt product (`gguf_gemm`)
 SCRATCH_VALUES = 1 << 22  # dequantized values a prompt product holds at once (16 MiB in float32)
 
 
@@ -127,16 +128,20 @@ def held_matrices(modules: Iterable[nn.Module]) -> list[GGUFMatrix]:
 
 class GGUFBlocksMethod(LinearMethod):
     """Each layer's matrices as their GGUF blocks (`layer.gguf_parts`: (first output column, matrix) per
-    run of shards of one type); products by the native kernels, or dequantized chunks and torch's GEMM."""
+    run of shards of one type); products by the native kernels (few rows: `gguf_linear`, more:
+    `gguf_gemm`), or without them dequantized chunks and torch's GEMM."""
 
     name = "gguf"
     prequantized = True  # the loader hands its layers their checkpoint tensors as stored
     keeps_blocks = True  # ... as `GGUFMatrix` blocks (not tokenmill's int formats)
     types = BLOCK_TYPES
 
-    def __init__(self, kernels: CpuKernels | None, max_native_rows: int = MAX_NATIVE_ROWS) -> None:
+    def __init__(
+        self, kernels: CpuKernels | None, max_native_rows: int = MAX_NATIVE_ROWS, prompt_kernel: str = "gemm"
+    ) -> None:
         self.ops = kernels.ops if kernels is not None else None
         self.max_native_rows = max_native_rows
+        self.prompt_kernel = prompt_kernel  # more rows: "gemm" (`gguf_gemm`) or "dequant" (chunks + torch's GEMM)
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
 
     def create_weights(
@@ -170,11 +175,13 @@ class GGUFBlocksMethod(LinearMethod):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], layer.output_size, dtype=x.dtype)  # [M, out]
-        native = self.ops is not None and x.dtype in NATIVE_DTYPES and rows.shape[0] <= self.max_native_rows
+        few = rows.shape[0] <= self.max_native_rows
+        native = self.ops is not None and x.dtype in NATIVE_DTYPES and (few or self.prompt_kernel == "gemm")
+        product = "gguf_linear" if few else "gguf_gemm"
         for start, m in layer.gguf_parts:
             cols = out[:, start : start + m.shape[0]]
             if native:
-                self.ops.gguf_linear(cols, rows, m.data, BLOCKS[m.type_name][0])  # type: ignore[union-attr]
+                getattr(self.ops, product)(cols, rows, m.data, BLOCKS[m.type_name][0])
             else:
                 self._dequant_product(m, rows, cols)
         if bias is not None:

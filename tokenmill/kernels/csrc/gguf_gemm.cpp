@@ -1,0 +1,146 @@
+// The prompt product on GGUF's blocks: y = x @ W^T for many x rows (a prompt chunk), W as the file's
+// blocks [N, row bytes] (gguf_formats.h), in integers as the decode product (gguf_blocks.cpp) but laid
+// out for many rows, so that a prompt no longer dequantizes W into floats for a float GEMM.
+//
+// x is rounded to int8 once a call, every row in parallel: per 256 for the K-quants (a float scale and
+// the integer sums of each 16 and 32, gguf_kdot.h), per 32 for the 32-weight types (a float scale and
+// the float sums of each 16). Threads then take tiles of TILE_BYTES of weight rows (columns of y); a
+// tile stays in the core's L2 while every tile of GEMM_ROWS x rows passes over it, and each weight row
+// of it is unpacked once per x tile and dotted with all of that tile's rows while its bytes are in
+// registers (row_dot / krow: vpmaddubsw / vpmaddwd, AVX-512 VNNI's vpdpwssd where the build has it,
+// the scalar reference without AVX2). So each weight block is read from memory once a call, decoded
+// M / GEMM_ROWS times, and y is exactly x' @ W^T up to float32 summation (x' the int8-rounded x):
+// the same sums in the same order as `gguf_linear` gives each row.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "convert.h"
+#include "gguf_formats.h"
+#include "int_dot.h"
+
+namespace {
+
+using namespace tm_gguf;
+using bf16 = c10::BFloat16;
+#ifndef TM_GGUF_GEMM_ROWS
+#define TM_GGUF_GEMM_ROWS 8
+#endif
+#ifndef TM_GGUF_TILE_KB
+#define TM_GGUF_TILE_KB 96
+#endif
+constexpr int GEMM_ROWS = TM_GGUF_GEMM_ROWS;                 // x rows a weight row is dotted with while unpacked
+constexpr int64_t TILE_BYTES = int64_t{TM_GGUF_TILE_KB} << 10;  // weight bytes a tile (held in L2 across x tiles)
+
+// y[m0 .. m0 + mm, n] for the tile's weight rows n in [n0, n1), x tile by x tile
+template <typename Dot, typename T>
+void tile_rows(int64_t n0, int64_t n1, int64_t M, T* y, int64_t y_row, Dot&& dot) {
+  for (int64_t m0 = 0; m0 < M; m0 += GEMM_ROWS)
+    tm_int::with_rows<GEMM_ROWS>(std::min<int64_t>(GEMM_ROWS, M - m0), [&]<int MM>() {
+      for (int64_t n = n0; n < n1; ++n) {
+        float sums[MM];
+        dot.template operator()<MM>(n, m0, sums);
+        for (int m = 0; m < MM; ++m) y[(m0 + m) * y_row + n] = from_float<T>(sums[m]);
+      }
+    });
+}
+
+// threads over tiles of weight rows; `tile(n0, n1)` computes y's columns [n0, n1)
+template <typename Fn>
+void over_tiles(int64_t N, int64_t row_bytes, Fn&& tile) {
+  const int64_t rows = std::max<int64_t>(1, TILE_BYTES / std::max<int64_t>(1, row_bytes));
+  const int64_t tiles = (N + rows - 1) / rows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) tile(t * rows, std::min(N, (t + 1) * rows));
+  });
+}
+
+// the 32-weight types: x rounded per 32, row by row in parallel
+template <typename F, typename T>
+void gemm32(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+  const int64_t N = w.size(0), R = K / RUN, G = K / 16, row_bytes = w.size(1);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * R), xs16(M * G);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) quantize_x(x + m * x_row, x_row, 1, K, xq.data() + m * K, xs.data() + m * R, xs16.data() + m * G);
+  });
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  T* y = out.data_ptr<T>();
+  over_tiles(N, row_bytes, [&](int64_t n0, int64_t n1) {
+    tile_rows(n0, n1, M, y, out.stride(0), [&]<int MM>(int64_t n, int64_t m0, float* sums) {
+      const XRows xr{xq.data() + m0 * K, xs.data() + m0 * R, xs16.data() + m0 * G, K};
+      float s[MM];
+      row_dot<F, MM>(wp + n * row_bytes, xr, s);
+      for (int m = 0; m < MM; ++m) sums[m] = s[m];
+    });
+  });
+}
+
+// the K-quants: x rounded per 256 (gguf_kdot.h's KX), row by row in parallel
+template <int TYPE, typename T>
+void gemm256(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  KX xk;
+  xk.K = K;
+  xk.q.resize(M * K), xk.d.resize(M * (K / QK)), xk.sum16.resize(M * (K / 16)), xk.sum32.resize(M * (K / 32));
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    alignas(32) float v[QK];
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t blk = 0; blk < K / QK; ++blk) {
+        to_float(x + m * x_row + blk * QK, v, QK);
+        round_block(v, xk, m, blk);
+      }
+  });
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  T* y = out.data_ptr<T>();
+  over_tiles(N, row_bytes, [&](int64_t n0, int64_t n1) {
+    tile_rows(n0, n1, M, y, out.stride(0), [&]<int MM>(int64_t n, int64_t m0, float* sums) {
+      krow<TYPE, MM>(wp + n * row_bytes, xk, m0, sums);
+    });
+  });
+}
+
+template <typename F, typename T>
+void gemm_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K> || std::is_same_v<F, Q6_K>)
+    gemm256<std::is_same_v<F, Q4_K> ? 12 : std::is_same_v<F, Q5_K> ? 13 : 14>(out, x, x_row, M, K, w);
+  else
+    gemm32<F>(out, x, x_row, M, K, w);
+}
+
+}  // namespace
+
+namespace tokenmill {
+
+// out [M, N] (rows contiguous; may be a column slice of a wider output) = x [M, K] @ W^T, W as blocks
+// [N, row bytes] of GGML type `type`; x and out float32 or bfloat16, one dtype. The same values as
+// `gguf_linear`, laid out for many rows.
+void gguf_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gguf_gemm: x must be [M, K] with contiguous rows");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) == blocks.size(0),
+              "gguf_gemm: out must be [M, N] with contiguous rows");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  out.scalar_type() == x.scalar_type(),
+              "gguf_gemm: x and out float32 or bfloat16, one dtype");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_blocks("gguf_gemm", blocks, type, K);
+  if (M == 0 || blocks.size(0) == 0) return;
+  with_format(type, [&]<typename F>() {
+    if (x.scalar_type() == at::kFloat)
+      gemm_any<F, float>(out, x.data_ptr<float>(), x.stride(0), M, K, blocks);
+    else
+      gemm_any<F, bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, K, blocks);
+  });
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("gguf_gemm(Tensor(a!) out, Tensor x, Tensor blocks, int type) -> ()");
+  m.impl("gguf_gemm", c10::DispatchKey::CPU, &tokenmill::gguf_gemm);
+}
