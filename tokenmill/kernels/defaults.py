@@ -21,7 +21,8 @@ is what the kernels' designs say each CPU kind should run, by three facts about 
   where the CPU has bfloat16 arithmetic (AVX-512 BF16 or AMX). Without it (AVX2 alone) torch's
   bfloat16 GEMM emulates every product, and the native kernel, which widens bfloat16 to float32 once
   per load, takes the class. Quantized weights are dequantized once per product for this class
-  (`dequant`), except W8A8, whose integer GEMM (`int_mm`: oneDNN, VNNI where present) keeps the
+  (`dequant`; for int4's bfloat16 activations without bfloat16 arithmetic, `dequant32`: float32
+  weights and torch's float32 GEMM), except W8A8, whose integer GEMM (`int_mm`: oneDNN, VNNI where present) keeps the
   activations in int8, and AMX's own int8 tiles where the CPU has them.
 
 The greedy head (`greedy_head`: the argmax taken inside the output projection, or logits then
@@ -115,9 +116,13 @@ RULES: tuple[Rule, ...] = (
     # int4 weight-only (`native` is kept to decode rows by the method; `int4pack`: torch's kernel,
     # offered only where tokenmill's kernels do not build)
     Rule("int4", DECODE, ANY, ANY, ("native", "int4pack", "amx", "dequant")),
+    # (`dequant32`: bfloat16 activations through float32 weights and GEMM, for CPUs without bfloat16
+    # arithmetic, where `dequant`'s bfloat16 GEMM is emulated)
     Rule("int4", BATCH, ANY, "amx", ("amx", "int4pack", "dequant")),
-    Rule("int4", BATCH, ANY, ANY, ("int4pack", "dequant")),
-    Rule("int4", PROMPT, ANY, ANY, ("dequant", "int4pack", "amx")),
+    Rule("int4", BATCH, ANY, "bf16", ("int4pack", "dequant")),
+    Rule("int4", BATCH, ANY, ANY, ("int4pack", "dequant32", "dequant")),
+    Rule("int4", PROMPT, ANY, "bf16", ("dequant", "int4pack", "amx")),
+    Rule("int4", PROMPT, ANY, ANY, ("dequant32", "dequant", "int4pack", "amx")),
     # the greedy head
     Rule("greedy_head", ANY, ANY, ANY, ("logits", "head")),
 )

@@ -299,11 +299,8 @@ class LlamaForCausalLM(nn.Module):
         are in cache (on CPU that beats one product and an argmax over its spilled output at 32 rows;
         a single row's logits fit in one chunk). Ties go to the first index, as argmax. None when the
         head is not one dense matrix (a quantized lm_head): the caller computes logits then."""
-        if self.head_from_table:
-            weight = cast(torch.Tensor, self.embed_tokens.weight)
-        elif isinstance(self.lm_head.linear_method, UnquantizedLinearMethod) and self.lm_head.bias is None:
-            weight = self.lm_head.weight
-        else:
+        weight = self.greedy_head_weight()
+        if weight is None:
             return None
         best_values: torch.Tensor | None = None
         best_ids = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
@@ -318,6 +315,14 @@ class LlamaForCausalLM(nn.Module):
                 best_values = torch.where(better, values, best_values)
                 best_ids = torch.where(better, ids + start, best_ids)
         return best_ids
+
+    def greedy_head_weight(self) -> torch.Tensor | None:
+        """The one dense [vocab, hidden] matrix `greedy_tokens` reads, None where the head is not one."""
+        if self.head_from_table:
+            return cast(torch.Tensor, self.embed_tokens.weight)
+        if isinstance(self.lm_head.linear_method, UnquantizedLinearMethod) and self.lm_head.bias is None:
+            return cast(torch.Tensor, self.lm_head.weight)
+        return None
 
     def tied_head(self) -> torch.Tensor | None:
         """The embedding table when it doubles as the output projection (not a layer's weight)."""

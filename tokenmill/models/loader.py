@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -270,12 +271,14 @@ def load_model(
     ops: LayerOps | None = None,
     head_method: LinearMethod | None = None,
     quant: QuantConfig | None = None,
+    place: Callable[[LlamaForCausalLM], object] | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model folder or GGUF file (a path, or an opened `GGUFCheckpoint`) for
     inference (eval mode, no gradients). `quant` names each layer's linear method (None: what the
     checkpoint stores, else dense; `linear_method` / `head_method` are shorthand for one method for
     every projection and the output projection's own); `ops` runs the norms, activations and rotary
-    embeddings (None: the torch reference)."""
+    embeddings (None: the torch reference); `place`, where given, re-homes the model's allocated but
+    unfilled tensors before the weights are copied in (runner/huge_pages.py `place_on_huge_pages`)."""
     if isinstance(folder, GGUFCheckpoint):
         checkpoint: GGUFCheckpoint | None = folder
         folder = folder.path
@@ -296,6 +299,8 @@ def load_model(
     attention: AttentionBackend = backend or TorchReferenceBackend()
     with device:  # parameters are allocated uninitialized, in their final dtype, on their device
         model = LlamaForCausalLM(cfg, attention, quant=quant, dtype=torch_dtype, ops=ops)
+    if place is not None:
+        place(model)
     if checkpoint:
         keep = kept_quantized(model, checkpoint, torch_dtype) if quant.gguf else {}
         load_gguf_weights(model, checkpoint, keep)

@@ -18,7 +18,9 @@ a shape missing from the plan takes `default_kernel`):
   has them) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same per-row quantization).
 - `int4` weight-only, asymmetric groups: `native` (kernels/csrc/linear_int4.cpp, tokenmill's layout;
   the activations rounded to int8 in runs of 32, as llama.cpp's Q8_0 activations), `amx` (as int8's,
-  each group dequantized to bfloat16 as it is read) or `dequant`; where the native kernels do not build,
+  each group dequantized to bfloat16 as it is read), `dequant` or, for bfloat16 activations,
+  `dequant32` (float32 weights and a float32 GEMM: the many-row kernel where the CPU has no bfloat16
+  arithmetic and torch emulates its bfloat16 GEMM); where the native kernels do not build,
   torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
   activations: float32 ones are rounded to bfloat16 for it, as its float32 path is many times slower)
   or `dequant`.
@@ -317,6 +319,8 @@ class Int4LinearMethod(QuantizedLinearMethod):
                 return {"dequant": self._dequant}
             return {"int4pack": self._int4pack, "dequant": self._dequant}
         out: dict[str, Kernel] = {"native": partial(self._native, amx=False), "dequant": self._dequant}
+        if dtype == torch.bfloat16:
+            out["dequant32"] = self._dequant32
         if self.amx_bf16(dtype):
             out["amx"] = partial(self._native, amx=True)
         return out
@@ -342,6 +346,16 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if isinstance(w, Int4Weight):
             return F.linear(x, dequantize_int4(w, x.dtype), bias)
         return F.linear(x, dequantize_int4pack(cast(Int4PackWeight, w), x.dtype), bias)
+
+    @staticmethod
+    def _dequant32(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """bfloat16 activations through a float32 GEMM: the weights dequantized to float32 (as
+        `dequantize_int4` computes them before its rounding to bfloat16), the rows widened, the product
+        rounded back. On a CPU without bfloat16 arithmetic (AVX2 alone) torch's bfloat16 GEMM emulates
+        every product; its float32 GEMM runs at the vector units' rate."""
+        q = cast(Int4Weight, w)
+        out = F.linear(x.float(), dequantize_int4(q, torch.float32), None if bias is None else bias.float())
+        return out.to(x.dtype)  # [M, N]
 
 
 _METHODS: dict[str, type[QuantizedLinearMethod]] = {

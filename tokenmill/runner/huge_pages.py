@@ -10,8 +10,9 @@ with 2 MB pages where asked when its transparent huge pages are in `madvise` mod
 distributions, and of these machines; `always` needs no asking, `never` gives none). `huge_zeros` maps
 anonymous memory, asks for huge pages (madvise MADV_HUGEPAGE) before anything touches it, and hands
 it to torch 2 MB-aligned (`torch.frombuffer`: the tensor keeps the mapping alive); `move_to_huge_pages`
-re-homes a model's large parameters and buffers there. Where the kernel or Python's mmap cannot,
-nothing changes.
+re-homes a model's large parameters and buffers there (a copy each), `place_on_huge_pages` gives a
+model's not yet loaded ones their huge pages before the load fills them (no copy: the dense weights
+of a float checkpoint, loaded as they are). Where the kernel or Python's mmap cannot, nothing changes.
 """
 
 from __future__ import annotations
@@ -57,6 +58,35 @@ def huge_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
+def place_on_huge_pages(model: nn.Module) -> int:
+    """Give each parameter and buffer of `model` of a huge page or more that owns its storage fresh
+    (zeroed) memory on huge pages, nothing copied: for a model whose tensors are allocated but not
+    yet filled, so the load writes each weight once, straight into its final pages, instead of into
+    4 KB pages that `move_to_huge_pages` then copies. Returns the bytes placed."""
+    total = 0
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                if nbytes < HUGE_PAGE or not owns_storage(tensor) or on_huge_page_boundary(tensor):
+                    continue
+                fresh = huge_zeros(tensor.shape, tensor.dtype)
+                if isinstance(tensor, nn.Parameter):
+                    tensor.data = fresh
+                else:
+                    table[name] = fresh
+                total += nbytes
+    return total
+
+
+def on_huge_page_boundary(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` starts on a 2 MB boundary: `huge_zeros`' tensors do (torch's allocator's large
+    blocks start 64 bytes into their mapping, so others almost never), and are left where they are."""
+    return tensor.data_ptr() % HUGE_PAGE == 0
+
+
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy each contiguous CPU parameter and buffer of `model` of a huge page or more onto huge pages (a
     parameter shared by several modules once: they keep sharing it). Returns the bytes moved."""
@@ -69,8 +99,10 @@ def move_to_huge_pages(model: nn.Module) -> int:
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
                 key = tensor.data_ptr()
-                if key not in moved and (nbytes < HUGE_PAGE or not owns_storage(tensor)):
-                    continue  # (small, or a view sharing its storage with others: left as it is)
+                if key not in moved and (
+                    nbytes < HUGE_PAGE or not owns_storage(tensor) or on_huge_page_boundary(tensor)
+                ):
+                    continue  # (small, a view sharing its storage with others, or placed already: left as it is)
                 if key not in moved:
                     copy = huge_zeros(tensor.shape, tensor.dtype)
                     copy.copy_(tensor.detach())

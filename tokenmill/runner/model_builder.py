@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import gguf_layer_types, load_model, read_model_config, resolve_dtype
 from tokenmill.quant.config import QuantConfig, QuantSettings, build_quant_config
 from tokenmill.quant.cpu_dense import CpuLinearMethod, dense_weight_shapes, tune_linear
+from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.tuning import tune_quantized, weights_by_shape
 from tokenmill.runner import huge_pages
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
@@ -141,9 +143,12 @@ def build_in(
     resolved = resolve(config, device, source, dtype)
     backend = get_attention_backend(resolved.attention)
     ops = get_layer_ops(resolved.layer_ops)
-    model = _load(config, device, source, resolved, backend, ops)
-    if device.type == "cpu" and config.cpu_huge_pages and huge_pages.available():
-        logger.info("weights on 2 MB pages: %.1f MiB", huge_pages.move_to_huge_pages(model) / 2**20)
+    huge = device.type == "cpu" and config.cpu_huge_pages and huge_pages.available()
+    placed: list[int] = []  # the bytes given huge pages before the load (none where it quantizes)
+    model = _load(config, device, source, resolved, backend, ops, placed.append if huge else None)
+    if huge:
+        moved = huge_pages.move_to_huge_pages(model)
+        logger.info("weights on 2 MB pages: %.1f MiB", (sum(placed) + moved) / 2**20)
     tune = config.linear_backend == "auto"
     prepare_native(
         model, tuner, config.max_num_seqs, config.max_num_batched_tokens, tune=tune, fused=config.fused_decode
@@ -158,9 +163,13 @@ def _load(
     resolved: Resolved,
     backend: AttentionBackend,
     ops: LayerOps,
+    placed: Callable[[int], object] | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint loaded (and quantized where asked); a float checkpoint quantized at load reads
-    its quantized weights from the cache after the first start, and writes them there on that one."""
+    its quantized weights from the cache after the first start, and writes them there on that one.
+    With `placed`, a load that quantizes nothing writes its weights straight onto huge pages (the
+    bytes so placed passed to `placed`); a quantizing one leaves them to `move_to_huge_pages`, as its
+    dense weights are dropped once quantized."""
     name = Path(source.path if isinstance(source, GGUFCheckpoint) else source).name
     dtype, quant = resolved.dtype, resolved.quant
     cache = cache_for(source, quant, dtype, device)
@@ -173,12 +182,20 @@ def _load(
     what = f"reading the weights of {name} in {str(dtype).removeprefix('torch.')}"
     if cache is not None:
         what += f" and quantizing them to {config.quantization} (once: then cached)"
+    place = None
+    if placed is not None and not quantizes_at_load(quant):
+        place = lambda m: placed(huge_pages.place_on_huge_pages(m))  # noqa: E731
     with phase(what):
-        model = load_model(source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant)
+        model = load_model(source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant, place=place)
     if cache is not None:
         with phase(f"writing the {config.quantization} weights to the cache {cache.folder}"):
             cache.save(model)
     return model
+
+
+def quantizes_at_load(quant: QuantConfig) -> bool:
+    """Whether a method of `quant` quantizes dense weights after loading them (not a checkpoint's own)."""
+    return any(isinstance(m, QuantizedLinearMethod) and not m.prequantized for m in (quant.layers, quant.head))
 
 
 def build_model(config: EngineConfig, device: torch.device, tuner: Autotuner | None = None) -> BuiltModel:
@@ -312,7 +329,7 @@ def greedy_head_is_faster(built: BuiltModel, rows: int, tuner: Autotuner) -> boo
     cfg = model.config
     hidden = torch.randn(rows, cfg.hidden_size, device=model.norm.weight.device).to(dtype)
     with torch.inference_mode():
-        if model.greedy_tokens(hidden) is None:
+        if model.greedy_head_weight() is None:  # (asked, not run: a 1B model's head is a 0.1 GB read)
             return False
         shape = f"{rows} rows {dtype} hidden {cfg.hidden_size} vocab {cfg.vocab_size}"
         candidates = {

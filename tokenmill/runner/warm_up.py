@@ -20,11 +20,16 @@ from tokenmill.runner.startup_log import phase
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
-# The CPU's prompt chunk in the warm-up: enough rows for the prompt-chunk kernels (65 rows and more,
-# quant/cpu_dense.py ROW_CLASSES) to run once. A CPU's KV cache is a fixed budget, not what a peak
-# leaves, so nothing needs the largest chunk there; on a 1B-class model that chunk costs a whole
-# 512-token prefill before the server is ready.
-CPU_PROMPT = 80
+# The CPU's warm-up: a prompt chunk of `CPU_PROMPT` tokens, then `CPU_DECODES` decode rows. A CPU's KV
+# cache is a fixed budget, not what a peak leaves, and its kernels are chosen without timing
+# (kernels/defaults.py) and built ahead of time, so nothing there needs the largest steps: the pair
+# only runs each layer once (first-call set-up, the step's buffers) before the server says it is
+# ready. Both fit the decode row class (quant/cpu_dense.py ROW_CLASSES: 1-8 rows), the cheapest
+# product of every method; a larger class's first product (oneDNN's per-shape set-up: milliseconds)
+# falls on the first request that needs it. On a 1B-class model a 64-row decode step or a 512-token
+# prefill costs seconds of start-up, a quantized model's dequantizing classes far more.
+CPU_PROMPT = 8
+CPU_DECODES = 1
 WORST = SamplingParams(
     temperature=1.0,
     top_p=0.9,

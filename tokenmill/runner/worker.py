@@ -34,7 +34,7 @@ from tokenmill.runner.kv_cache import kv_bytes_per_block, kv_cache_budget
 from tokenmill.runner.model_builder import BuiltModel, build_draft, build_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.startup_log import phase
-from tokenmill.runner.warm_up import CPU_PROMPT, GREEDY, WORST, WarmUpShape, warm_up
+from tokenmill.runner.warm_up import CPU_DECODES, CPU_PROMPT, GREEDY, WORST, WarmUpShape, warm_up
 from tokenmill.sched.kv_connector import KVWorkerConnector, NoKVConnector
 from tokenmill.spec_decode.draft_model import DraftRunner
 from tokenmill.spec_decode.ngram import NgramProposer
@@ -202,16 +202,15 @@ class Worker:
         """The largest prefill chunk, then the most decodes, on a scratch cache: kernels are chosen and
         memory peaks before the KV cache takes what is left. On a GPU the steps are the worst the
         settings allow (prompt logprobs over the chunk, top-p at every row), as the cache is sized
-        against their peak; elsewhere the greedy pair, its chunk short (`CPU_PROMPT`). Returns the peak
+        against their peak; elsewhere the greedy pair, short (`CPU_PROMPT`, `CPU_DECODES`). Returns the peak
         bytes allocated on a GPU (0 elsewhere)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         chunk = min(config.max_num_batched_tokens, self.max_model_len)
-        shape = WarmUpShape(
-            chunk if self.device.type == "cuda" else min(chunk, CPU_PROMPT),  # (a fixed KV budget: no peak to meet)
-            min(config.max_num_seqs, config.max_num_batched_tokens),
-            self.block_size,
-        )
+        rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+        if self.device.type != "cuda":  # (a fixed KV budget: no peak to meet; warm_up.py CPU_PROMPT)
+            chunk, rows = min(chunk, CPU_PROMPT), min(rows, CPU_DECODES)
+        shape = WarmUpShape(chunk, rows, self.block_size)
         runner = ModelRunner(model, self._caches(shape.num_blocks), self.backend, self.block_size)
         warm_up(runner, shape, WORST if self.device.type == "cuda" else GREEDY)
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
