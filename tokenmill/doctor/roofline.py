@@ -12,7 +12,7 @@ A step's chunks ((query length q, start position s) each, as the simulator's cos
 A `RooflineCost` prices a step as roofline / efficiency + overhead, with a factor and an overhead for
 decode steps (every chunk one token) and another for the rest (prefill and mixed steps). `fit` finds
 them from (roofline seconds, measured seconds) pairs by least squares on measured = roofline /
-efficiency + overhead (overhead kept >= 0), and the band: the largest relative error of the fit on its
+efficiency + overhead in relative error (overhead kept >= 0), and the band: the largest relative error of the fit on its
 own points.
 """
 
@@ -94,22 +94,32 @@ class Calibration:
 
 
 def fit(pairs: Sequence[tuple[float, float]]) -> Fit:
-    """(roofline seconds, measured seconds) -> measured = roofline / efficiency + overhead by least
-    squares with the overhead >= 0 (else the line through the origin). Steps that do not grow with their
-    roofline (all overhead: a small model) get efficiency 1 and their mean excess as overhead, so a
-    larger model's steps on another machine still pay their roofline. An efficiency above 1 says the
-    measured roofline is below what the kernels reach."""
+    """(roofline seconds, measured seconds) -> measured = roofline / efficiency + overhead, least squares
+    in relative error (each point weighted 1 / measured^2: a long prefill's noise must not swamp a short
+    step's overhead) with the overhead >= 0 (else the line through the origin). Steps that do not grow
+    with their roofline (all overhead: a small model) get efficiency 1 and their mean excess as
+    overhead, so a larger model's steps on another machine still pay their roofline. An efficiency
+    above 1 says the measured roofline is below what the kernels reach."""
     if not pairs:
         raise ValueError("calibration: no measured steps to fit")
     xs, ys = [p[0] for p in pairs], [p[1] for p in pairs]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
-    overhead = my - slope * mx
+    if min(xs) <= 0 or min(ys) <= 0:
+        raise ValueError("calibration: step times and rooflines must be above 0")
+    ws = [1 / (y * y) for y in ys]
+    sw, swx, swy = (
+        sum(ws),
+        sum(w * x for w, x in zip(ws, xs, strict=True)),
+        sum(w * y for w, y in zip(ws, ys, strict=True)),
+    )
+    swxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    swxy = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
+    det = swxx * sw - swx * swx
+    slope = (swxy * sw - swx * swy) / det if det > 1e-12 * swxx * sw else 0.0
+    overhead = (swy - slope * swx) / sw
     if slope <= 0:
-        slope, overhead = 1.0, max(0.0, my - mx)
+        slope, overhead = 1.0, max(0.0, (swy - swx) / sw)
     elif overhead < 0:
-        slope, overhead = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs), 0.0
+        slope, overhead = swxy / swxx, 0.0
     band = max(abs(x * slope + overhead - y) / y for x, y in zip(xs, ys, strict=True))
     return Fit(1 / slope, overhead, band, len(xs))
 
