@@ -27,7 +27,7 @@ from tokenmill.doctor.roofline import (
 )
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.doctor.target_report import TargetOptions, append_targets, run_targets
-from tokenmill.doctor.targets import IDEAL, Trace, answer, read_measured_steps
+from tokenmill.doctor.targets import IDEAL, Trace, answer, measured_steps_record, read_measured_steps
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.models.config import parse_config
 
@@ -226,7 +226,7 @@ def test_measured_gpu_steps_calibrate_their_target(tmp_path):
         0.006
     )
     path.write_text(json.dumps({"target": "h100", "steps": []}))
-    with pytest.raises(ValueError, match="--target-steps: .*model_config"):
+    with pytest.raises(ValueError, match=r"--target-steps: .*model_config"):
         read_measured_steps(str(path), None)
 
 
@@ -251,3 +251,14 @@ def test_target_h100_on_the_demo_model_is_labelled_uncalibrated_and_here_calibra
     stored = json.loads((tmp_path / "calibration.json").read_text())
     assert stored["calibrations"][0]["on"] == "here" and stored["here"]["bandwidth_gbs"] > 0
     assert demo.stats().kv_blocks_free == demo.stats().kv_blocks_total
+
+
+def test_a_probe_on_the_target_round_trips_through_a_steps_file(tmp_path):
+    """benchmarks/gpu/target_steps.py's record: a probe taken on an H100 (synthetic here) calibrates h100."""
+    shape, h100 = tinyllama(), load_target("h100")
+    cost = synthetic_probe(shape, h100, (0.8, 0.002), (0.55, 0.005))
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(measured_steps_record(cost, "h100", TINYLLAMA, "bfloat16", "synthetic probe")))
+    c = read_measured_steps(str(path), 2.5).calibration
+    assert c.decode.efficiency == pytest.approx(0.8) and c.other.efficiency == pytest.approx(0.55)
+    assert c.decode.overhead == pytest.approx(0.002) and c.band < 1e-9 and "synthetic probe" in c.source

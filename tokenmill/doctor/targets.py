@@ -28,7 +28,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.doctor.findings import p50, p99
 from tokenmill.doctor.hardware import Target, TargetError, load_target
 from tokenmill.doctor.model_fit import activation_reserve, count_parameters
-from tokenmill.doctor.roofline import WEIGHT_DTYPES, Calibration, Fit, ModelShape, RooflineCost, fit
+from tokenmill.doctor.roofline import WEIGHT_DTYPES, Calibration, Fit, ModelShape, RooflineCost, fit, probe_points
+from tokenmill.doctor.step_cost import StepCost
 from tokenmill.models.config import ModelConfig, load_config, parse_config
 
 USABLE = 0.9  # share of a target's memory for weights, activations and KV cache (the rest: runtime, fragments)
@@ -76,6 +77,26 @@ def read_measured_steps(path: str, price_per_hour: float | None) -> MeasuredStep
         if isinstance(e, TargetError):
             raise
         raise ValueError(f"--target-steps: {path}: {type(e).__name__}: {e}") from None
+
+
+def measured_steps_record(
+    cost: StepCost, target: str, model_config: dict[str, Any], weight_dtype: str, source: str
+) -> dict[str, Any]:
+    """A `--target-steps` file's content from a probe run on the target (benchmarks/gpu/target_steps.py):
+    the probe's decode and prompt step shapes with their measured seconds."""
+    decode, prompt = probe_points(cost)
+    steps = [
+        {"chunks": chunks, "decoding": decoding, "seconds": cost.predict(chunks, decoding)}
+        for shapes, decoding in ((decode, True), (prompt, False))
+        for chunks in shapes
+    ]
+    return {
+        "target": target,
+        "source": source,
+        "model_config": model_config,
+        "weight_dtype": weight_dtype,
+        "steps": steps,
+    }
 
 
 @dataclass
