@@ -12,7 +12,8 @@ manager at the current settings, a KV cache of what the target's memory leaves).
   its roofline), with the replay at efficiency 1 and no overhead beside it as the best case.
 Answers: fits or not (weights + the trace's peak KV in `USABLE` of the memory, less an activation
 reserve), TTFT/TPOT p50/p99 of the replay, the replicas the trace's rate needs (one replica's highest
-Poisson rate meeting the SLOs at p99, else 80% of its ceiling), cost per 1M output tokens at a price.
+Poisson rate meeting the SLOs at p99, at most its ceiling: the trace all at once; without SLOs 80% of
+that ceiling), cost per 1M output tokens at a price.
 """
 
 from __future__ import annotations
@@ -126,11 +127,16 @@ class TargetAnswer:
         if self.best_case is not None:
             b = self.best_case
             out.append(
-                f"best case (efficiency 1, no overhead): TTFT p50 {p50(b, 'ttft'):.1f} ms, TPOT p50 "
-                f"{p50(b, 'tpot'):.3f} ms"
+                "best case (efficiency 1, no overhead): "
+                f"TTFT p50 / p99 {p50(b, 'ttft'):.3g} / {p99(b, 'ttft'):.3g} ms, "
+                f"TPOT p50 / p99 {p50(b, 'tpot'):.3g} / {p99(b, 'tpot'):.3g} ms, "
+                f"output {b['output_throughput']:.4g} tokens/s"
             )
         if self.cost_per_million is not None:
-            out.append(f"cost: {self.cost_per_million:.3f} per 1M output tokens at {t.price_per_hour:g}/hour")
+            out.append(
+                f"cost: {self.cost_per_million:.4g} per 1M output tokens at {t.price_per_hour:g}/hour (one replica "
+                "at the rate above)"
+            )
         return out + self.notes
 
 
@@ -216,13 +222,18 @@ def _size(result: TargetAnswer, replays: Any, trace: Trace, blocks: int) -> None
     """Replicas for the trace's rate and the cost per 1M output tokens at one replica's capacity."""
     s = result.summary
     assert s is not None
+    ceiling = replays.run({}, num_blocks=blocks, request_rate=math.inf)[0]["request_throughput"]
     if trace.slos:
         start = trace.trace_rate or max(s["request_throughput"], 1e-3)
-        result.replica_rate = capacity_p99(
-            lambda r: replays.run({}, num_blocks=blocks, request_rate=r)[0], trace.slos, start
-        )
+        rate = capacity_p99(lambda r: replays.run({}, num_blocks=blocks, request_rate=r)[0], trace.slos, start)
+        result.replica_rate = min(rate, ceiling)
+        if rate >= ceiling:
+            result.notes.append(
+                "the SLOs hold even with the whole trace at once: one replica's rate is its ceiling "
+                f"({ceiling:.2f} requests/s, the trace's requests all at once)"
+            )
     else:
-        result.replica_rate = 0.8 * replays.run({}, num_blocks=blocks, request_rate=math.inf)[0]["request_throughput"]
+        result.replica_rate = 0.8 * ceiling
     rate = trace.trace_rate
     result.replicas = math.ceil(rate / result.replica_rate) if rate and result.replica_rate > 0 else 1
     if result.replica_rate == 0:
