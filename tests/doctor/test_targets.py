@@ -112,6 +112,13 @@ def test_the_calibration_recovers_planted_efficiencies_and_overheads(noise):
     assert c.on == "here" and "probed steps" in c.source
 
 
+def test_factors_carried_to_another_machine_never_beat_its_roofline():
+    fast = fit([(0.010, 0.004), (0.020, 0.006)])  # this machine's measured roofline was low
+    assert fast.efficiency == pytest.approx(5.0) and fast.overhead == pytest.approx(0.002)
+    carried = Calibration(fast, fast, "a test", "here").carried()
+    assert carried.decode.efficiency == 1.0 and carried.other.overhead == pytest.approx(0.002)
+
+
 def test_steps_that_do_not_grow_with_their_roofline_are_overhead():
     flat = fit([(0.001, 0.030), (0.002, 0.030), (0.004, 0.029)])
     assert flat.efficiency == 1.0 and 0.027 < flat.overhead < 0.029

@@ -13,7 +13,6 @@ the calibration's roofline is this machine's measured one, not a datasheet's.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,29 +108,31 @@ def load_target(spec: str, price_per_hour: float | None = None) -> Target:
     return target
 
 
-def _median_seconds(run: Any, repeats: int) -> float:
-    run()  # (untimed: first-touch, kernel selection)
+def _best_seconds(run: Any, repeats: int) -> float:
+    """The fastest of `repeats` timed runs after an untimed one (first touch, kernel selection): a peak is
+    what the machine reaches, and on a shared machine other work only ever slows a run."""
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_here(dtype: Any, memory_bytes: int | None = None, mib: int = 256, n: int = 1024) -> Target:
     """This machine as a roofline target: read bandwidth from summing a float32 buffer of `mib` MiB
     (past the last-level cache) on all torch threads, peak from an n x n x n matmul in float32 or `dtype`
     (the engine's), whichever is faster, memory from the OS unless `memory_bytes` is given; each the
-    median of 5 timed passes."""
+    fastest of 7 timed passes."""
     import torch
 
     buffer = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    bandwidth = buffer.numel() * 4 / _median_seconds(lambda: buffer.sum(), 5)
+    bandwidth = buffer.numel() * 4 / _best_seconds(lambda: buffer.sum(), 7)
     peak = 0.0
     for kind in dict.fromkeys((torch.float32, dtype)):
         a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
-        peak = max(peak, 2 * n**3 / _median_seconds(lambda a=a, b=b: a @ b, 5))
+        peak = max(peak, 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, 7))
     memory = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     name = str(dtype).split(".")[-1]
     return Target(

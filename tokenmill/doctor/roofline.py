@@ -92,6 +92,12 @@ class Calibration:
     def band(self) -> float:
         return max(self.decode.band, self.other.band)
 
+    def carried(self) -> Calibration:
+        """These factors for another machine: efficiencies held to at most 1 (above 1 says this machine's
+        measured roofline was low; no step beats the target's sheet)."""
+        d, o = (Fit(min(f.efficiency, 1.0), f.overhead, f.band, f.points) for f in (self.decode, self.other))
+        return Calibration(d, o, self.source, self.on)
+
 
 def fit(pairs: Sequence[tuple[float, float]]) -> Fit:
     """(roofline seconds, measured seconds) -> measured = roofline / efficiency + overhead, least squares

@@ -90,12 +90,13 @@ def run_targets(
         else:
             target = load_target(name, opts.price_per_hour)
             label = (
-                f"roofline, uncalibrated: no steps measured on {target.name}; this machine's factors carried over "
-                f"({fit_text(local)}), which fit this machine's steps within ±{local.band:.0%}. That band is this "
-                f"machine's: on {target.name} the error is not bounded by any measurement (its kernels reach "
-                "another share of its roofline); the best case below is the roofline itself"
+                f"roofline, uncalibrated: no steps measured on {target.name}; this machine's factors carried "
+                f"over ({fit_text(local.carried())}; efficiencies at most 1), which fit this machine's steps "
+                f"within ±{local.band:.0%}. That band is this machine's: on {target.name} the error is not "
+                "bounded by any measurement (its kernels reach another share of its roofline, and this "
+                "machine's per-step overhead is not its host's); the best case below is the roofline itself"
             )
-            a = answer(trace, cfg, opts.weight_dtype, target, local, label)
+            a = answer(trace, cfg, opts.weight_dtype, target, local.carried(), label)
         answers.append(a)
     _store(out, here, local, measured.calibration if measured else None)
     return answers
