@@ -199,11 +199,12 @@ def answer(
             f"no: {head} leave {kv_tokens:,} KV tokens, the largest request needs {trace.largest_request:,}"
         )
         return result
-    blocks = max(1, kv_tokens // config.block_size)
     replays = Replays(
         config, int(kv_memory), shape.kv_bytes_per_token, trace.max_model_len, cost, trace.workload, trace.request_rate
     )
     ample = -(-trace.largest_request // config.block_size) * len(trace.workload.requests) + 1
+    # (no more blocks than the whole trace at once can hold: a cache of millions of blocks replays alike, slower)
+    blocks = max(1, min(kv_tokens // config.block_size, ample))
     peak = replays.engine({}, num_blocks=ample).record.peak_blocks * config.block_size
     result.fits = kv_tokens >= peak
     result.fit_line = (
