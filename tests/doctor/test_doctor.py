@@ -325,10 +325,15 @@ def test_the_probe_and_the_stall_fit_any_model_length(tiny_model_dir, max_model_
 def test_the_doctor_runs_on_the_bundled_demo_model(tmp_path, capsys):
     demo = Path(__file__).resolve().parents[2] / "models" / "tokenmill-demo"
     out = tmp_path / "report"
-    code = main(["doctor", str(demo), "--workload", "mixed", "--num-requests", "16", "--out", str(out)])
+    args = ["doctor", str(demo), "--workload", "mixed", "--num-requests", "16", "--out", str(out), "--target", "h100"]
+    code = main(args)
     assert code == 0, capsys.readouterr()
     report = json.loads((out / "report.json").read_text())
     assert len(report["findings"]) == 6
+    assert report["targets"][0]["target"] == "h100" and report["targets"][0]["label"].startswith(
+        "roofline, uncalibrated"
+    )
+    assert "## Targets (predicted" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow  # (tens of seconds: `make test-all` runs it)

@@ -80,6 +80,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     doc.add_argument("--out", default="doctor-report", help="folder for report.md, report.json, recommended.yaml")
     doc.add_argument("--workload-seed", type=int, default=0, help="seeds a built-in workload and its arrivals")
+    add_target_args(doc)
     add_engine_args(doc)
     doc.set_defaults(func=_doctor)
 
@@ -103,6 +104,7 @@ def _doctor(args: argparse.Namespace) -> int:
         slos = parse_slos(args.slo)
     except ValueError as e:  # (its messages name bench's flag)
         raise ValueError(str(e).replace("--goodput", "--slo")) from None
+    slos.update(target_slos(args))
     trace = args.workload.startswith("jsonl:")
     spec = WorkloadSpec(
         name=args.workload,
@@ -134,11 +136,68 @@ def _doctor(args: argparse.Namespace) -> int:
         print("tokenmill doctor: verifying the recommendations ...", flush=True)
         verify_findings(engine, diagnosis, workload, args.request_rate, args.budget_s, args.repeats)
     text = write_report(diagnosis, Path(args.out))
+    if args.target:
+        text += targets_section(args, engine, workload, cost, diagnosis, slos, memory)
     print(text)
     if args.apply:
         write_applied(args, config, recommended_settings(diagnosis.findings), Path(args.out) / "recommended.yaml")
     print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")
     return 0
+
+
+def add_target_args(doc: argparse.ArgumentParser) -> None:
+    """--target and its flags: the answers for hardware that is not this machine (target_report.py)."""
+    from tokenmill.doctor.hardware import BUILT_IN
+
+    doc.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help=f"answer for here, {', '.join(BUILT_IN)} or a spec-sheet YAML (repeatable): a roofline prediction",
+    )
+    doc.add_argument("--model-config", default=None, help="--target: a config.json or folder (weights not needed)")
+    doc.add_argument(
+        "--target-dtype", default="bfloat16", choices=("bfloat16", "fp8", "int8"), help="--target: weights' dtype"
+    )
+    doc.add_argument("--target-steps", default=None, help="--target: a JSON file of steps measured on a target")
+    doc.add_argument("--price-per-hour", type=float, default=None, help="--target: a replica's price an hour")
+    doc.add_argument("--slo-ttft", type=float, default=None, help="TTFT goal in ms (as --slo ttft:MS)")
+    doc.add_argument("--slo-tpot", type=float, default=None, help="TPOT goal in ms (as --slo tpot:MS)")
+    doc.epilog = "--target answers are predictions (a roofline model), labelled with the calibration behind them"
+
+
+def target_slos(args: argparse.Namespace) -> dict[str, float]:
+    slos = {k: getattr(args, f"slo_{k}") for k in ("ttft", "tpot") if getattr(args, f"slo_{k}") is not None}
+    for k, v in slos.items():
+        if not v > 0:
+            raise ValueError(f"--slo-{k}: must be above 0 ms, got {v:g}")
+    if (args.model_config or args.target_steps) and not args.target:
+        raise ValueError("--model-config and --target-steps: need --target")
+    if args.price_per_hour is not None and not args.price_per_hour > 0:
+        raise ValueError(f"--price-per-hour: must be above 0, got {args.price_per_hour:g}")
+    from tokenmill.doctor.hardware import load_target
+    from tokenmill.doctor.targets import read_model_config
+
+    for name in args.target:  # (read before the probe: a bad file fails at once)
+        if name != "here" and name != args.target_steps:
+            load_target(name)
+    if args.model_config:
+        read_model_config(args.model_config)
+    return slos
+
+
+def targets_section(
+    args: argparse.Namespace, engine: Any, workload: Any, cost: Any, diagnosis: Any, slos: dict[str, float], memory: Any
+) -> str:
+    """The Targets section, appended to the report folder's report.md and report.json."""
+    from tokenmill.doctor.target_report import TargetOptions, append_targets, run_targets
+
+    opts = TargetOptions(
+        args.target, args.model_config, args.target_dtype, args.price_per_hour, args.target_steps, slos,
+        args.request_rate, memory,
+    )  # fmt: skip
+    out = Path(args.out)
+    return append_targets(out, run_targets(engine, workload, cost, diagnosis, opts, out))
 
 
 def write_applied(args: argparse.Namespace, current: EngineConfig, settings: dict[str, Any], path: Path) -> None:
