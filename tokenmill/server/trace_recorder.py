@@ -152,7 +152,7 @@ class TraceRecorder:
             if t.finished_time is not None and per_sequence > 1:
                 tpot = round((t.finished_time - t.first_token_time) / (per_sequence - 1), 6)
         row: dict[str, Any] = {
-            "arrival": round(t.arrival_time - self._start, 6),
+            "arrival": round(max(0.0, t.arrival_time - self._start), 6),
             "prompt_len": len(f.prompt_token_ids),
             "output_len": f.output_tokens,
             "n": f.sequences,
