@@ -26,7 +26,7 @@ import yaml
 from tokenmill.bench.metrics import summarize
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.records import RequestRecord
-from tokenmill.bench.workloads import Workload
+from tokenmill.bench.workloads import Workload, send_times
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.draft_check import draft_agreement
 from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
@@ -135,6 +135,7 @@ class Replays:
     ) -> tuple[dict[str, Any], SimulatedEngine]:
         """The replay with `settings` changed (and a cache of `num_blocks`, another cost model, Poisson
         arrivals at `request_rate` in place of the trace's)."""
+        settings = self._changed(settings)
         key = self._key(settings, num_blocks, cost, request_rate)
         if key not in self._done:
             config = dataclasses.replace(self.config, **settings)
@@ -147,6 +148,8 @@ class Replays:
                 requests = [dataclasses.replace(r, arrival_s=None) for r in workload.requests]
                 workload = Workload(workload.spec, requests)
             rate = request_rate if request_rate is not None else self.request_rate
+            due = send_times(workload.requests, rate, workload.spec.seed)  # (as run_offline will)
+            sim.arrivals = sorted(t for t in due if t is not None)  # the simulator may fast-forward
             run = run_offline(sim, workload, "doctor", request_rate=rate, clock=sim.clock, sleep=sim.sleep)
             summary = summarize(run.records, max(run.duration_s, 1e-9))
             if self.progress is not None:
@@ -162,7 +165,11 @@ class Replays:
 
     def records_of(self, settings: dict[str, Any]) -> list[RequestRecord]:
         self.run(settings)
-        return self.records[self._key(settings, None, None, None)]
+        return self.records[self._key(self._changed(settings), None, None, None)]
+
+    def _changed(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """`settings` less those the current settings have already (the same replay, run once)."""
+        return {k: v for k, v in settings.items() if not hasattr(self.config, k) or getattr(self.config, k) != v}
 
     @staticmethod
     def _key(settings: dict[str, Any], num_blocks: int | None, cost: CostModel | None, rate: float | None) -> str:
