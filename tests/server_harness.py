@@ -19,6 +19,8 @@ from tokenmill.server.front_door import FrontDoor
 from tokenmill.server.launch import bind, build_server
 from tokenmill.server.protocol import RequestCaps
 from tokenmill.server.serving import Server
+from tokenmill.server.settings import record_trace as record
+from tokenmill.server.trace_recorder import TraceRecorder
 
 KV_BLOCK_BYTES = 24576  # one 16-token block of the tiny llama, float32, all layers
 
@@ -29,6 +31,7 @@ class RunningServer:
     server: Server
     uvicorn_server: uvicorn.Server
     thread: threading.Thread
+    recorder: TraceRecorder | None = None
 
     def stats(self) -> EngineStats:
         return self.server.engine.stats()
@@ -46,6 +49,8 @@ class RunningServer:
     def stop(self) -> None:
         self.uvicorn_server.should_exit = True
         self.thread.join(30)
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def start_server(
@@ -58,8 +63,10 @@ def start_server(
     prepare_app: Callable[[FastAPI], None] | None = None,
     front: FrontDoor | None = None,
     limits: RequestCaps | None = None,
+    record_trace: tuple[str, str] | None = None,
     **engine: object,
 ) -> RunningServer:
+    """`record_trace`: (file, privacy) to record finished requests to, as `serve --record-trace` does."""
     settings: dict = {"max_model_len": 256, "kv_cache_memory": blocks * KV_BLOCK_BYTES, **engine}
     config = EngineConfig(model=model_dir, **settings)
     server = build_server(
@@ -71,6 +78,7 @@ def start_server(
         parallel=parallel,
         isolation=isolation,
     )
+    recorder = record(server, *record_trace, 1 << 30) if record_trace is not None else None
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     app = create_app(server, api_key=api_key, front=front)
@@ -84,7 +92,7 @@ def start_server(
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return RunningServer(base, server, userver, thread)
+                return RunningServer(base, server, userver, thread, recorder)
         except httpx.TransportError:
             pass
         time.sleep(0.05)

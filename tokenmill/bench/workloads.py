@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 BUILT_IN = ("random", "mixed", "shared-prefix", "multi-turn", "code-edit")
+# traces only `tokenmill doctor` reads (tokenmill/doctor/traces/): a recorded server trace and the public formats
+DOCTOR_TRACES = ("trace", "azure", "burstgpt", "mooncake")
 # A vocabulary piece that is a space marker (byte-level "Ġ" or SentencePiece "▁") and a lowercase word.
 WORD = re.compile(r"[\u0120\u2581][a-z]{2,12}")
 CODE_INSTRUCTION = "Rewrite the following Python code with the same behaviour and clearer names:\n\n"
@@ -72,7 +74,7 @@ class BenchRequest:
 class WorkloadSpec:
     """What to build; the CLI's workload flags."""
 
-    name: str  # one of BUILT_IN, or "jsonl:PATH"
+    name: str  # one of BUILT_IN, "jsonl:PATH", or (built by the doctor) "KIND:PATH" for KIND in DOCTOR_TRACES
     num_requests: int | None = 100  # None: every line of a trace
     seed: int = 0
     input_len: tuple[int, int] = (32, 512)
@@ -82,9 +84,9 @@ class WorkloadSpec:
     turns: int = 4
 
     def __post_init__(self) -> None:
-        if self.name not in BUILT_IN and not self.name.startswith("jsonl:"):
+        if self.name not in BUILT_IN and not is_trace(self.name):
             raise ValueError(f"--workload: {self.name!r} is not one of {', '.join(BUILT_IN)} or jsonl:PATH")
-        if self.num_requests is None and not self.name.startswith("jsonl:"):
+        if self.num_requests is None and not is_trace(self.name):
             raise ValueError(f"--num-requests: the {self.name} workload needs a count")
         count = self.num_requests if self.num_requests is not None else 1
         for flag, value in (("--num-requests", count), ("--prefix-len", self.prefix_len)):
@@ -114,6 +116,11 @@ class Workload:
         }
 
 
+def is_trace(name: str) -> bool:
+    """A trace's workload name: jsonl:PATH, or KIND:PATH for one of DOCTOR_TRACES."""
+    return name.partition(":")[0] in ("jsonl", *DOCTOR_TRACES) and ":" in name
+
+
 def parse_range(text: str, flag: str) -> tuple[int, int]:
     """ "32:512" -> (32, 512); "64" -> (64, 64)."""
     lo, sep, hi = text.partition(":")
@@ -127,6 +134,8 @@ def parse_range(text: str, flag: str) -> tuple[int, int]:
 def build_workload(spec: WorkloadSpec, tokenizer: BenchTokenizer | None) -> Workload:
     if spec.name.startswith("jsonl:"):
         return Workload(spec, read_jsonl(Path(spec.name[len("jsonl:") :]), spec.num_requests, tokenizer))
+    if is_trace(spec.name):
+        raise ValueError(f"--workload: {spec.name.partition(':')[0]}: traces are read by tokenmill doctor")
     if tokenizer is None:
         raise ValueError(f"--tokenizer: the {spec.name} workload is built in tokens; give the model folder")
     words = WordSource(tokenizer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,12 +96,21 @@ def scaled(cost: StepCost, decode: float, other: float) -> StepCost:
     )
 
 
-def calibrate(engine: LLMEngine, workload: Workload, cost: StepCost, request_rate: float | None) -> StepCost:
+def calibrate(
+    engine: LLMEngine,
+    workload: Workload,
+    cost: StepCost,
+    request_rate: float | None,
+    progress: Callable[[str], None] | None = None,
+) -> StepCost:
     """`cost` scaled to what the trace's first requests measured on `engine` (idle, and left so: its prefix
-    cache emptied after)."""
+    cache emptied after); `progress` told when it starts and what it found."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the calibration needs an idle engine")
     head = Workload(workload.spec, workload.requests[:CALIBRATION_REQUESTS])
+    if progress is not None:
+        tokens = sum(len(r.token_ids(engine.tokenizer)) + r.max_tokens for r in head.requests)
+        progress(f"calibrating: the trace's first {len(head.requests)} requests ({tokens} tokens) run for real ...")
     log = StepLog(engine)
     try:
         run_offline(engine, head, "doctor-calibration", request_rate=request_rate)
@@ -109,4 +119,8 @@ def calibrate(engine: LLMEngine, workload: Workload, cost: StepCost, request_rat
     engine.reset_prefix_cache()
     ratios = log.measured_over_predicted(cost)
     factors = {k: ratios[k][0] if k in ratios and ratios[k][1] >= MIN_STEPS else 1.0 for k in ("decode", "other")}
+    if progress is not None:
+        progress(
+            f"calibrated on {len(log.steps)} steps: decode x{factors['decode']:.2f}, others x{factors['other']:.2f}"
+        )
     return scaled(cost, factors["decode"], factors["other"])

@@ -1,4 +1,5 @@
-"""`tokenmill doctor MODEL --workload W|jsonl:TRACE [--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
+"""`tokenmill doctor MODEL --workload W|jsonl:TRACE|KIND:FILE [--window S:E] [--time-scale X] [--length-scale F|fit]
+[--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
 [--request-rate R] [--draft DIR] [--verify [--budget-s S] [--repeats N] [--apply]] [--out DIR]`: the parser
 and the command (the work is in diagnose.py and, for --verify, verify.py).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,27 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         "doctor", help="which optimizations a workload needs: measured on this machine, replayed on the scheduler"
     )
     doc.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: the demo model)")
-    doc.add_argument("--workload", default="mixed", help=f"{', '.join(BUILT_IN)} or jsonl:PATH (a trace)")
+    doc.add_argument(
+        "--workload",
+        default="mixed",
+        help=f"{', '.join(BUILT_IN)}, jsonl:PATH (a trace), trace:FILE (serve --record-trace), azure:FILE.csv, "
+        "burstgpt:FILE.csv or mooncake:FILE.jsonl",
+    )
+    doc.add_argument(
+        "--window", default=None, help="trace:, azure:, burstgpt:, mooncake:: START:END seconds of the trace"
+    )
+    doc.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="trace:, azure:, burstgpt:, mooncake:: arrival times multiplied by this (0.5: twice the rate)",
+    )
+    doc.add_argument(
+        "--length-scale",
+        default="1",
+        help="azure:, burstgpt:, mooncake:, trace: (hashes): prompt and output lengths multiplied by this, or fit "
+        "(the 99th-percentile request fits the model's context); longer ones are clipped to it",
+    )
     doc.add_argument("--num-requests", type=int, default=None, help="requests (default 64; a trace: all its lines)")
     doc.add_argument("--input-len", default="32:512", help="built-in workloads: prompt tokens, N or MIN:MAX")
     doc.add_argument("--output-len", default="8:256", help="built-in workloads: output tokens, N or MIN:MAX")
@@ -87,10 +109,11 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def _doctor(args: argparse.Namespace) -> int:
     from tokenmill.bench.metrics import parse_slos
-    from tokenmill.bench.workloads import WorkloadSpec, build_workload, parse_range
+    from tokenmill.bench.workloads import WorkloadSpec, is_trace, parse_range
     from tokenmill.doctor.calibrate import calibrate
     from tokenmill.doctor.diagnose import diagnose, verify_findings, write_report
     from tokenmill.doctor.step_cost import probe
+    from tokenmill.doctor.traces.load import TraceFlags, load_workload
     from tokenmill.engine.engine import LLMEngine
 
     memory = parse_bytes(args.memory) if args.memory is not None else None
@@ -105,7 +128,7 @@ def _doctor(args: argparse.Namespace) -> int:
     except ValueError as e:  # (its messages name bench's flag)
         raise ValueError(str(e).replace("--goodput", "--slo")) from None
     slos.update(target_slos(args))
-    trace = args.workload.startswith("jsonl:")
+    trace = is_trace(args.workload)
     spec = WorkloadSpec(
         name=args.workload,
         num_requests=args.num_requests if args.num_requests is not None or trace else 64,
@@ -115,9 +138,13 @@ def _doctor(args: argparse.Namespace) -> int:
     )
     config = engine_config(args)
     engine = LLMEngine(config)
-    workload = build_workload(spec, engine.tokenizer)
-    print(f"tokenmill doctor: measuring step costs of {config.model} on this machine ...", flush=True)
-    cost = calibrate(engine, workload, probe(engine), args.request_rate)
+    start = time.perf_counter()
+    vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+    flags = TraceFlags(args.window, args.time_scale, args.length_scale)
+    workload, info = load_workload(spec, engine.tokenizer, engine.max_model_len, vocab, flags)
+    say(f"read {len(workload.requests)} requests of {args.workload} in {time.perf_counter() - start:.1f} s")
+    say(f"measuring step costs of {config.model} on this machine ...")
+    cost = calibrate(engine, workload, probe(engine, progress=say), args.request_rate, progress=say)
     draft = None
     if args.draft is not None:
         draft = LLMEngine(
@@ -130,7 +157,17 @@ def _doctor(args: argparse.Namespace) -> int:
             )
         )
     diagnosis = diagnose(
-        engine, workload, cost, memory, slos, args.request_rate, args.link_gbps, args.cost_per_hour, draft=draft
+        engine,
+        workload,
+        cost,
+        memory,
+        slos,
+        args.request_rate,
+        args.link_gbps,
+        args.cost_per_hour,
+        draft=draft,
+        trace_info=info,
+        progress=say,
     )
     if args.verify:
         print("tokenmill doctor: verifying the recommendations ...", flush=True)
@@ -198,6 +235,11 @@ def targets_section(
     )  # fmt: skip
     out = Path(args.out)
     return append_targets(out, run_targets(engine, workload, cost, diagnosis, opts, out))
+
+
+def say(text: str) -> None:
+    """A progress line."""
+    print(f"tokenmill doctor: {text}", flush=True)
 
 
 def write_applied(args: argparse.Namespace, current: EngineConfig, settings: dict[str, Any], path: Path) -> None:

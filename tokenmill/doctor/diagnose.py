@@ -15,6 +15,8 @@ import dataclasses
 import json
 import math
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +26,7 @@ import yaml
 from tokenmill.bench.metrics import summarize
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.records import RequestRecord
-from tokenmill.bench.workloads import Workload
+from tokenmill.bench.workloads import Workload, send_times
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.draft_check import draft_agreement
 from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
@@ -38,6 +40,7 @@ from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import CostModel, StepCost
+from tokenmill.doctor.traces.shape import TraceInfo
 from tokenmill.doctor.verify import (
     ALL,
     CURRENT,
@@ -72,6 +75,7 @@ class Diagnosis:
     runs: dict[str, list[RequestRecord]] = field(default_factory=dict)  # label -> the replay's records
     verified: list[Verified] = field(default_factory=list)  # --verify's runs
     verified_requests: int = 0  # --verify ran the trace's first this many requests
+    trace: TraceInfo | None = None  # a trace read by doctor/traces/: what the report says of it
 
 
 class Replays:
@@ -97,14 +101,24 @@ class Replays:
         self._done: dict[str, tuple[dict[str, Any], SimulatedEngine]] = {}
         self.records: dict[str, list[RequestRecord]] = {}  # by the same key
         self.decode_only = DecodeOnlyCost(cost)
+        self.progress: Callable[[str], None] | None = None  # told of each replay as it ends
 
     @classmethod
-    def of(cls, engine: LLMEngine, cost: StepCost, workload: Workload, request_rate: float | None) -> Replays:
-        """The replays of `workload` on the KV cache and settings of `engine`."""
+    def of(
+        cls,
+        engine: LLMEngine,
+        cost: StepCost,
+        workload: Workload,
+        request_rate: float | None,
+        progress: Callable[[str], None] | None = None,
+    ) -> Replays:
+        """The replays of `workload` on the KV cache and settings of `engine` (`progress` told of each)."""
         config = engine.config
         token_bytes = kv_bytes_per_token(engine.model_config, kv_value_bytes(engine))
         kv_memory = int(engine.core.num_blocks * config.block_size * token_bytes)
-        return cls(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
+        replays = cls(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
+        replays.progress = progress
+        return replays
 
     def engine(self, settings: dict[str, Any], num_blocks: int | None = None) -> SimulatedEngine:
         return self.run(settings, num_blocks)[1]
@@ -121,19 +135,28 @@ class Replays:
     ) -> tuple[dict[str, Any], SimulatedEngine]:
         """The replay with `settings` changed (and a cache of `num_blocks`, another cost model, Poisson
         arrivals at `request_rate` in place of the trace's)."""
+        settings = self._changed(settings)
         key = self._key(settings, num_blocks, cost, request_rate)
         if key not in self._done:
             config = dataclasses.replace(self.config, **settings)
             memory = settings.get("kv_cache_memory", self.kv_memory)
             blocks = num_blocks or max(1, int(memory // (config.block_size * self.kv_token_bytes)))
             sim = SimulatedEngine(config, blocks, self.max_model_len, cost or self.cost)
+            start = time.perf_counter()
             workload = self.workload
             if request_rate is not None:  # the trace's requests, at this rate
                 requests = [dataclasses.replace(r, arrival_s=None) for r in workload.requests]
                 workload = Workload(workload.spec, requests)
             rate = request_rate if request_rate is not None else self.request_rate
+            due = send_times(workload.requests, rate, workload.spec.seed)  # (as run_offline will)
+            sim.arrivals = sorted(t for t in due if t is not None)  # the simulator may fast-forward
             run = run_offline(sim, workload, "doctor", request_rate=rate, clock=sim.clock, sleep=sim.sleep)
             summary = summarize(run.records, max(run.duration_s, 1e-9))
+            if self.progress is not None:
+                self.progress(
+                    f"replay {len(self._done) + 1} ({_label(settings, num_blocks, cost, request_rate)}): "
+                    f"{len(workload.requests)} requests in {time.perf_counter() - start:.1f} s"
+                )
             summary["kv_live_share"] = run.extras.get("kv_live_share")
             summary["preemptions"] = run.extras.get("preemptions")
             self._done[key] = (summary, sim)
@@ -142,11 +165,24 @@ class Replays:
 
     def records_of(self, settings: dict[str, Any]) -> list[RequestRecord]:
         self.run(settings)
-        return self.records[self._key(settings, None, None, None)]
+        return self.records[self._key(self._changed(settings), None, None, None)]
+
+    def _changed(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """`settings` less those the current settings have already (the same replay, run once)."""
+        return {k: v for k, v in settings.items() if not hasattr(self.config, k) or getattr(self.config, k) != v}
 
     @staticmethod
     def _key(settings: dict[str, Any], num_blocks: int | None, cost: CostModel | None, rate: float | None) -> str:
         return json.dumps([sorted(settings.items()), num_blocks, id(cost), rate], default=str)
+
+
+def _label(settings: dict[str, Any], num_blocks: int | None, cost: CostModel | None, rate: float | None) -> str:
+    """A replay in words, for a progress line."""
+    parts = [f"{k}={v}" for k, v in settings.items()]
+    parts += [f"{num_blocks} blocks"] if num_blocks else []
+    parts += ["decode-only steps"] if cost is not None else []
+    parts += [f"{rate:g} requests/s"] if rate is not None else []
+    return ", ".join(parts) or "current settings"
 
 
 def kv_value_bytes(engine: LLMEngine) -> float:
@@ -176,17 +212,20 @@ def diagnose(
     measure_quantization: bool = True,
     draft: LLMEngine | None = None,
     measure_stalls: bool = True,
+    trace_info: TraceInfo | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Diagnosis:
     """The findings for `workload` served by `engine`'s settings (its model, its KV cache); `memory`: the
     bytes for weights and KV cache (default: what the current settings take); `measure_quantization`:
     time (and for a recommended one, evaluate) weight-only quantization at the trace's batch, which
     loads the model again for each way of storing it that is weighed; `draft`: a draft model's engine, its
     agreement with the target on the trace and its decode steps measured (question 5); `measure_stalls`:
-    time the trace's decodes with and without its prompts arriving on `engine` (question 6)."""
+    time the trace's decodes with and without its prompts arriving on `engine` (question 6); `trace_info`:
+    what the report says of a trace read by doctor/traces/; `progress`: told of each replay as it ends."""
     config = engine.config
     cfg = engine.model_config
     worker = engine.core.worker
-    replays = Replays.of(engine, cost, workload, request_rate)
+    replays = Replays.of(engine, cost, workload, request_rate, progress)
     token_bytes, kv_memory, num_blocks = replays.kv_token_bytes, replays.kv_memory, engine.core.num_blocks
     value_bytes = kv_value_bytes(engine)
     budget = memory if memory is not None else worker.weight_bytes + kv_memory
@@ -235,9 +274,17 @@ def diagnose(
     _predict_gains(findings, replays, current)
     curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts))
     runs = _runs(replays, recommended_settings(findings))
+    if trace_info is not None:
+        findings[1].evidence += [*trace_info.prefix_lines, _replayed_hits(current)]
     return Diagnosis(
-        config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs
-    )
+        config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs,
+        trace=trace_info,
+    )  # fmt: skip
+
+
+def _replayed_hits(current: dict[str, Any]) -> str:
+    share = current.get("cached_share")
+    return f"replayed at the current settings (the simulator's run): {share or 0:.1%} of prompt tokens from the cache"
 
 
 def _runs(replays: Replays, settings: dict[str, Any]) -> dict[str, list[RequestRecord]]:
@@ -354,6 +401,7 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         f"{p50(c, 'ttft'):.0f} ms, TPOT p50 {p50(c, 'tpot'):.1f} ms"
         if c.get("tpot")
         else "",
+        *(diagnosis.trace.notes if diagnosis.trace is not None else []),
     ]
     verified = diagnosis.verified
     if verified and verified[0].label == CURRENT:
@@ -391,6 +439,7 @@ def write_report(diagnosis: Diagnosis, out: Path) -> str:
         "recommended": settings,
         "serve_flags": serve_flags(settings),
         "step_cost": dataclasses.asdict(cost),
+        "trace": dataclasses.asdict(diagnosis.trace) if diagnosis.trace is not None else None,
         "verified": [
             {**dataclasses.asdict(v), "sim_error": {m: v.sim_error(m) for m in v.measured}} for v in diagnosis.verified
         ],

@@ -10,6 +10,16 @@ outputs' blocks take room and hash as real ones do, and never match a prompt). R
 max_tokens tokens (as with ignore_eos), so a trace states each request's output length as max_tokens.
 The result is the run's records, as a measured run's: TTFT, TPOT, throughput and KV use, for any
 setting, in a fraction of the time the run would take (a discrete-event simulation, as Vidur's).
+
+Fast-forward: given the run's arrival times (`arrivals`, which the replay knows before it starts), a
+stretch of steps in which nothing can change but the decoding requests' lengths runs as one call: after
+a step that decoded every running request, finished none, preempted none, and left nothing waiting
+that a later step could admit (nothing waits, or the batch is full), the same step repeats until the
+first of: a request's last token (that step runs normally), the step that ends at or past the next
+arrival, the free blocks running out. Those k steps are priced at once (a decode step's cost being
+affine in its rows' context, as `StepCost`'s is) and applied to the scheduler at once
+(`Scheduler.advance_decodes`): the same times, tokens, blocks and KV statistics as k steps, but each
+request's k tokens come as one output (its inter-token gaps merge; TTFT, TPOT and end-to-end are exact).
 """
 
 from __future__ import annotations
@@ -71,6 +81,9 @@ class SimulatedEngine:
         self.tokenizer = None  # prompts come as token ids
         self._reported: dict[str, int] = {}  # request -> output tokens already returned
         self._token: dict[str, int] = {}  # request -> the token id its simulated outputs carry
+        self.arrivals: list[float] | None = None  # the run's arrival times, ascending: fast-forward on
+        self._next_arrival = 0  # index of the first arrival not yet passed
+        self._stable = False  # the last step can repeat as it is (see the module docstring)
 
     # -- the simulated clock (run_offline's `clock` and `sleep`) ----------------------------------
 
@@ -107,6 +120,7 @@ class SimulatedEngine:
             cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
+        self._stable = False
         self._reported[request_id] = 0
         self._token[request_id] = -1 - len(self._token)
 
@@ -117,7 +131,12 @@ class SimulatedEngine:
         return self.scheduler.stats(self.weight_bytes)
 
     def step(self) -> list[RequestOutput]:
+        if self._stable and self.arrivals is not None:
+            fused = self._fast_forward()
+            if fused is not None:
+                return fused
         scheduler = self.scheduler
+        preemptions = scheduler.num_preemptions
         scheduled = scheduler.schedule(self.now)
         chunks, decoding = step_chunks(scheduled, scheduler.requests)
         seconds = self.cost.predict(chunks, decoding) if chunks else 0.0
@@ -139,7 +158,68 @@ class SimulatedEngine:
         rec.allocated_slots += self.last_step.kv_allocated_slots
         rec.decode_only_steps += bool(chunks) and decoding
         rec.batch_sizes.append(len(chunks))
+        self._stable = (
+            bool(chunks)
+            and decoding
+            and len(chunks) == len(scheduler.running)
+            and scheduler.num_preemptions == preemptions
+            and all(not r.status.finished for r in changed)
+            and self._nothing_admissible(len(chunks))
+        )
         return [self._output(r) for r in changed]
+
+    def _nothing_admissible(self, batch: int) -> bool:
+        """No step of the same batch can admit a waiting request (nor touch its cached prefix): nothing
+        waits, or the batch is full, or its decodes take the whole budget. A plain `Scheduler` only (no
+        drafts, no static batches)."""
+        s = self.scheduler
+        if type(s) is not Scheduler or self.config.speculative_config is not None:
+            return False
+        return not s.waiting or batch >= s.config.max_num_seqs or batch >= s.config.max_num_batched_tokens
+
+    def _fast_forward(self) -> list[RequestOutput] | None:
+        """The next steps, as many as can repeat the last one (see the module docstring), in one call;
+        None when fewer than two can."""
+        s = self.scheduler
+        running = s.running
+        bs = s.kv.block_size
+        contexts = [r.num_computed_tokens for r in running]
+        held = [len(s.kv.block_table(r.request_id)) for r in running]
+        limit = min(min(r.max_tokens - len(r.output_token_ids), self.max_model_len - r.num_tokens) for r in running)
+        k = _most_steps(contexts, held, bs, limit - 1, s.kv.num_free_blocks)
+        if k < 2:
+            return None
+        base = self.cost.predict([(1, c) for c in contexts], True)
+        slope = self.cost.predict([(1, c + 1) for c in contexts], True) - base
+        arrivals = self.arrivals or []
+        while self._next_arrival < len(arrivals) and arrivals[self._next_arrival] <= self.now:
+            self._next_arrival += 1
+        due = arrivals[self._next_arrival] if self._next_arrival < len(arrivals) else float("inf")
+        seconds, end = [], self.now
+        while len(seconds) < k and end < due:  # (the step that reaches the arrival runs, then it is admitted)
+            seconds.append(base + slope * len(seconds))
+            end += seconds[-1]
+        k = len(seconds)
+        if k < 2:
+            return None
+        live = sum(contexts) * k + len(running) * k * (k + 1) // 2
+        allocated = s.kv.num_allocated_slots() * k + bs * sum(
+            _new_blocks_summed(c, h, bs, k) for c, h in zip(contexts, held, strict=True)
+        )
+        s.advance_decodes(k, {r.request_id: self._token[r.request_id] for r in running})
+        for t in seconds:
+            self.now += t
+        total = sum(seconds)
+        self.last_step = StepStats(len(running), len(running) * k, total, total, live, allocated)
+        rec = self.record
+        rec.steps += k
+        rec.busy_seconds += total
+        rec.peak_blocks = max(rec.peak_blocks, s.kv.num_blocks - s.kv.num_free_blocks)
+        rec.live_tokens += live
+        rec.allocated_slots += allocated
+        rec.decode_only_steps += k
+        rec.batch_sizes.extend([len(running)] * k)
+        return [self._output(r) for r in running]
 
     def _output(self, request: Request) -> RequestOutput:
         had = self._reported[request.request_id]
@@ -162,3 +242,36 @@ class SimulatedEngine:
             metrics=RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished),
             num_cached_tokens=request.num_cached_tokens,
         )
+
+
+def _most_steps(contexts: list[int], held: list[int], block_size: int, limit: int, free: int) -> int:
+    """The most decode steps, up to `limit`, whose new blocks the `free` ones cover: request i has
+    computed contexts[i] tokens and holds held[i] blocks; step j needs blocks for contexts[i] + j."""
+
+    def need(k: int) -> int:
+        return sum(max(0, -(-(c + k) // block_size) - h) for c, h in zip(contexts, held, strict=True))
+
+    if limit < 1 or need(limit) <= free:
+        return max(0, limit)
+    lo, hi = 0, limit  # need(lo) <= free < need(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+    return lo
+
+
+def _ceil_sum(n: int, block_size: int) -> int:
+    """The sum of ceil(t / block_size) for t = 1 .. n."""
+    q, r = divmod(n, block_size)
+    return block_size * q * (q + 1) // 2 + r * (q + 1)
+
+
+def _new_blocks_summed(context: int, held: int, block_size: int, steps: int) -> int:
+    """Summed over steps j = 1 .. `steps`: the blocks a request holding `held` and `context` computed
+    tokens has newly allocated by the end of step j (it then holds blocks for context + j tokens)."""
+    first = held * block_size - context + 1  # the first step that needs a block past those held
+    if first > steps:
+        return 0
+    first = max(first, 1)
+    count = steps - first + 1
+    return _ceil_sum(context + steps, block_size) - _ceil_sum(context + first - 1, block_size) - count * held

@@ -29,7 +29,7 @@ import random
 import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -193,18 +193,32 @@ class Prober:
         return statistics.median(times) if times else float("nan")
 
 
-def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: int = 0) -> StepCost:
-    """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random)."""
+def probe(
+    engine: LLMEngine,
+    repeats: int = 3,
+    long_context: int = 1024,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> StepCost:
+    """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random);
+    `progress` is told each phase as it starts."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the step-cost probe needs an idle engine")
     t0 = time.perf_counter()
+
+    def phase(n: int, text: str) -> None:
+        if progress is not None:
+            progress(f"probe {n}/4 ({time.perf_counter() - t0:.0f} s): {text}")
+
     config = engine.config
     budget = min(config.max_num_batched_tokens, engine.max_model_len - 1)
     p = Prober(engine, seed)
     p.add(min(32, budget), 4)  # warm-up
     p.drain()
+    phase(1, f"prompt steps of 1 .. {budget} tokens")
     prompt_points, prompt_raw = _prompt_curve(p, budget, repeats)
     short = 16
+    phase(2, f"decode steps of 1 .. {config.max_num_seqs} requests")
     measured = [(b, p.decode(b, short, budget, repeats)) for b in grid(config.max_num_seqs)]
     batches = [b for b, t in measured if t == t]  # (a batch whose steps never all decoded: dropped)
     decode_raw = [t for _, t in measured if t == t]
@@ -213,6 +227,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
     per_key = 0.0
     b = min(8, config.max_num_seqs)
     long_context = fit_context(engine.max_model_len, long_context, b, budget, 2 + 2 * repeats)
+    phase(3, "attention at a long context")
     if long_context > 4 * short:
         slow, fast = p.decode(b, long_context, budget, repeats), interpolate(batches, decode_raw, b)
         per_key = max(0.0, (slow - fast) / (b * (long_context - short))) if slow == slow else 0.0
@@ -223,6 +238,7 @@ def probe(engine: LLMEngine, repeats: int = 3, long_context: int = 1024, seed: i
         max(0.0, t - per_pair * prompt_pairs([(n, 0)])) for n, t in zip(prompt_points, prompt_raw, strict=True)
     ]
     decode_seconds = [max(0.0, t - per_key * n * (short + repeats)) for n, t in zip(batches, decode_raw, strict=True)]
+    phase(4, "prompt chunks beside decoding requests")
     mixed = _Mixed(p, min(8, config.max_num_seqs - 1), budget, repeats, prompt_points, prompt_seconds)
     mixed_context = fit_context(engine.max_model_len, long_context, mixed.b, budget, 4 + 4 * repeats)
     per_request, per_mixed_key = mixed.costs(short, mixed_context, per_key)

@@ -46,7 +46,7 @@ from tokenmill.engine.request_checks import CheckedRequest
 from tokenmill.engine.request_stream import RequestStream
 from tokenmill.engine.router import ROUTING, Router, RouterConfig
 from tokenmill.errors import RequestFailed, describe
-from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
+from tokenmill.outputs import EngineStats, OutputKind, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -88,6 +88,18 @@ class OpenRequest:
     tokens: int = 0
 
 
+@dataclass
+class FinishedRequest:
+    """A generation request that finished, for `AsyncEngine.on_finished` (built on the event loop)."""
+
+    prompt_token_ids: list[int]  # the engine's own list: read-only
+    output_tokens: int  # over all its sequences
+    sequences: int  # n
+    finish_reason: str  # the last sequence's to finish
+    times: RequestMetrics  # time.monotonic() seconds
+    cached_tokens: int  # prompt tokens served by the prefix cache
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -125,6 +137,8 @@ class AsyncEngine:
         self._last_log = time.monotonic()
         self.placement = placement or Direct()
         self.placement.bind(self)
+        # called on the event loop for each generation request that finishes (a trace recorder): must not block
+        self.on_finished: Callable[[FinishedRequest], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -371,6 +385,18 @@ class AsyncEngine:
         if out.finished:
             for c in out.outputs:
                 self.metrics.observe_finished(out.metrics, len(c.token_ids), c.finish_reason or "abort")
+            if self.on_finished is not None and out.pooled is None:
+                reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+                self.on_finished(
+                    FinishedRequest(
+                        out.prompt_token_ids,
+                        entry.tokens,
+                        len(entry.requests),
+                        reasons[-1] if reasons else "stop",
+                        out.metrics,
+                        out.num_cached_tokens,
+                    )
+                )
 
     def _on_client_stopped(self, replica: int, client: CoreClient, failure: BaseException | None) -> None:
         """A core's loop has ended: its open requests start over on another replica (those that

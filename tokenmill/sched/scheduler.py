@@ -392,6 +392,23 @@ class Scheduler:
         if self.kv.trim(request.request_id, request.num_computed_tokens + 1):
             request.num_sent_blocks = 0
 
+    def advance_decodes(self, steps: int, sampled: dict[str, int]) -> None:
+        """`steps` decode steps of the whole running batch at once, each request appending its token of
+        `sampled` that many times: the state as many rounds of `schedule` and `update` would leave (as
+        many KV blocks, if not the same ids; every block that fills hashed and cached). For a simulator
+        that has made sure nothing else would happen in those rounds: every running request decodes one
+        token a step and none finishes, no drafts, the free blocks cover them, no waiting request could
+        be admitted."""
+        for request in self.running:
+            computed = request.num_computed_tokens + steps
+            if not self.kv.allocate(request.request_id, computed):
+                raise ValueError(f"advance_decodes: no KV blocks for {steps} steps of {request.request_id}")
+            request.num_computed_tokens = computed
+            request.output_token_ids.extend([sampled[request.request_id]] * steps)
+            self._cache(request)
+            request.num_sent_blocks = len(self.kv.block_table(request.request_id))
+        self.num_generated_tokens += steps * len(self.running)
+
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
         if token in params.stop_token_ids:

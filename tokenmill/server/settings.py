@@ -8,7 +8,7 @@ import argparse
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig, check_settings, setting
 from tokenmill.distributed.config import ROUTING
@@ -23,6 +23,10 @@ from tokenmill.server.front_door import (
 )
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tenancy import ISOLATIONS
+from tokenmill.server.trace_recorder import PRIVACY, TraceRecorder
+
+if TYPE_CHECKING:
+    from tokenmill.server.serving import Server
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,20 @@ class ServeSettings:
         "<think>; deepseek_r1: the answer starts inside it); default: none, all is content",
         choices=REASONING_PARSERS,
     )
+    record_trace: str | None = setting(
+        None,
+        "append a JSON line per finished request to this file (arrival, prompt and output lengths, finish reason, "
+        "TTFT, TPOT, the prompt as block hashes or token ids), for tokenmill doctor --workload trace:FILE",
+    )
+    record_trace_privacy: str = setting(
+        "hashes",
+        "what the recorded trace keeps of a prompt: hashes (chained hashes of its 16-token blocks, keyed by a "
+        "random salt held in memory only: prefix sharing without the text) or tokens (its token ids)",
+        choices=PRIVACY,
+    )
+    record_trace_max_bytes: int = setting(
+        256 << 20, "size past which the recorded trace moves to FILE.1, FILE.2, ... and starts anew", minimum=1
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -204,4 +222,23 @@ def run_server(config: EngineConfig, settings: ServeSettings, key_on_command_lin
     )
     server.reasoning_parser = settings.reasoning_parser
     busiest = config.max_num_seqs * settings.data_parallel_size + settings.max_waiting
-    serve(server, settings.host, settings.port, None, settings.drain_timeout, front, connections, busiest)
+    recorder = None
+    if settings.record_trace is not None:
+        recorder = record_trace(
+            server, settings.record_trace, settings.record_trace_privacy, settings.record_trace_max_bytes
+        )
+    try:
+        serve(server, settings.host, settings.port, None, settings.drain_timeout, front, connections, busiest)
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+def record_trace(server: Server, path: str, privacy: str, max_bytes: int) -> TraceRecorder:
+    """Record `server`'s finished requests to `path` (server/trace_recorder.py) until the recorder is closed."""
+    recorder = TraceRecorder(path, privacy, max_bytes, server.model_name)
+    server.engine.on_finished = recorder.record
+    logging.getLogger("tokenmill").info(
+        "recording finished requests to %s (prompts as %s; a new part past %d bytes)", path, privacy, max_bytes
+    )
+    return recorder
