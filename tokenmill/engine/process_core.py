@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -100,7 +101,11 @@ class ChildSide:
 
 
 def child_main(conn: Connection, name: str) -> None:
-    """A spawned child's life: read the config, build the core, serve commands until the loop ends, exit."""
+    """A spawned child's life: read the config, build the core, serve commands until the loop ends, exit.
+    The server owns it: a Ctrl-C or SIGTERM sent to the server's whole process group leaves it be (the
+    server drains, then stops it; a server gone closes the pipe, which ends it)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     _log_to_stderr(name)
     side = ChildSide(conn)
     try:
