@@ -36,7 +36,7 @@ def offline(folder: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_model_dir) -> dict[str, Path]:  # noqa: ANN001
+def folders(tiny_model_dir) -> dict[str, Path]:
     return {"alpha": tiny_model_dir("llama"), "beta": tiny_model_dir("qwen3"), "gamma": tiny_model_dir("mistral")}
 
 
@@ -106,7 +106,7 @@ def test_a_client_gone_while_its_model_loads_leaves_nothing_running(two: Running
     two.assert_no_leaks()
 
 
-def test_a_request_waiting_past_the_limit_gets_a_503_with_retry_after(folders: dict[str, Path], tmp_path) -> None:  # noqa: ANN001
+def test_a_request_waiting_past_the_limit_gets_a_503_with_retry_after(folders: dict[str, Path], tmp_path) -> None:
     running = start_several(write_models_file(tmp_path, {"alpha": str(folders["alpha"])}), load_wait=0.2)
     try:
         r = complete(running.base_url, "alpha")
@@ -119,9 +119,7 @@ def test_a_request_waiting_past_the_limit_gets_a_503_with_retry_after(folders: d
         running.stop()
 
 
-def test_least_recently_used_models_are_unloaded_to_stay_under_memory(
-    folders: dict[str, Path], tmp_path: Path
-) -> None:
+def test_least_recently_used_models_are_unloaded_to_stay_under_memory(folders: dict[str, Path], tmp_path: Path) -> None:
     path = write_models_file(tmp_path, {k: str(v) for k, v in folders.items()})
     each = max(s.memory_bytes for s in read_models_file(str(path), tiny_base()))
     running = start_several(path, memory=2 * each + each // 2)  # room for two models, not three
