@@ -32,7 +32,7 @@ from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.server.front_door import FrontDoor
 from tokenmill.server.model_catalog import ModelSpec
 from tokenmill.server.pool_metrics import PoolMetrics
-from tokenmill.server.served_model import ServedModel, load_model
+from tokenmill.server.served_model import ServedModel, forget_endpoints, load_model
 from tokenmill.server.settings import ServeSettings
 
 logger = logging.getLogger("tokenmill")
@@ -303,6 +303,7 @@ class ModelPool:
             await self._changes(deadline - loop.time())
         await asyncio.to_thread(served.engine.stop, STOP_WAIT_S)
         entry.served, entry.state = None, UNLOADED
+        forget_endpoints()
         entry.unload_seconds = time.monotonic() - started
         self.metrics.unloaded(entry.spec.name, reason, entry.unload_seconds)
         logger.info("model %s: unloaded (%s) in %.2f s", entry.spec.name, reason, entry.unload_seconds)

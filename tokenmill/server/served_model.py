@@ -65,3 +65,17 @@ def load_model(spec: ModelSpec, child: Any, settings: ServeSettings, front: Fron
         client.request_stop()
         client.join(5.0)
         raise
+
+
+def forget_endpoints() -> None:
+    """Let an unloaded model's app go. FastAPI caches, per endpoint function, whether it is a coroutine
+    or generator function (LRU caches of 4096 entries in `fastapi.dependencies.models`, keyed by the
+    function itself); an unloaded model's routes would stay in them, and through their closures its
+    Server, AsyncEngine and tokenizer: tens of MB a load of a large vocabulary. Cleared after each unload
+    (the loaded models' endpoints are classified again at their next request, in microseconds)."""
+    from fastapi.dependencies import models
+
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        clear = getattr(getattr(models, name, None), "cache_clear", None)
+        if clear is not None:
+            clear()
