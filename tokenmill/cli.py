@@ -104,6 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
     file_values = read_config_file(args.config, EngineConfig, ServeSettings)  # checked before anything loads
     config = engine_config(args, file_values)
     settings = settings_from(ServeSettings, args, file_values)
+    if args.model is not None and (settings.models is not None or settings.models_dir is not None):
+        raise ValueError("model: give a MODEL or --models / --models-dir, not both")
     run_server(config, settings, key_on_command_line="api_key" in given(args, ServeSettings))
     return 0
 

@@ -3,7 +3,8 @@
 What the server may use besides `async_engine`, `request_stream`, `tokenizer` and `metrics` is
 exported here: `build_async_engine`, `local_cores` and `front_end` (see `engine.build`), and the
 front door's `CheckedRequest` (see `engine.request_checks`), and the pooling front end's
-`PoolingFrontEnd` and `UnsupportedTask` (see `engine.pooling`). Each is imported on first use, so that
+`PoolingFrontEnd` and `UnsupportedTask` (see `engine.pooling`), and `spawn_core` and `CoreLoadFailed`
+(a core in a child process of its own, see `engine.process_client`). Each is imported on first use, so that
 importing a light module of the package (the tokenizer, say) does not load the model's side.
 """
 
@@ -19,6 +20,8 @@ _EXPORTS = {
     "CheckedRequest": "request_checks",
     "PoolingFrontEnd": "pooling",
     "UnsupportedTask": "pooling",
+    "spawn_core": "process_client",
+    "CoreLoadFailed": "process_client",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import cast
+from typing import Protocol, cast
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import ParallelConfig
@@ -92,10 +93,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Drainable(Protocol):
+    """What the drain needs of what it drains: an AsyncEngine, or a several-model server's pool."""
+
+    @property
+    def num_open(self) -> int: ...
+
+    def begin_drain(self) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain between the signal and the exit (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Drainable, drain_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
@@ -139,10 +151,27 @@ def serve(
     """Serve until a signal (see the module docstring). `busiest`: the most requests the engine can
     hold (running + waiting), which the automatic connection cap stays above."""
     front = front or FrontDoor()
+    app = create_app(server, api_key=api_key, front=front)
+    keyed = bool(api_key or front.api_keys)
+    serve_app(app, server.model_name, server.engine, host, port, keyed, drain_timeout, connections, busiest)
+
+
+def serve_app(
+    app: ASGIApp,
+    what: str,
+    engine: Drainable,
+    host: str,
+    port: int,
+    keyed: bool,
+    drain_timeout: float,
+    connections: ConnectionLimits | None = None,
+    busiest: int = 0,
+) -> None:
+    """Serve `app` (serving `what`, for the log) until a signal, draining `engine` (an AsyncEngine, or
+    a several-model server's pool) first: see the module docstring."""
     connections = connections or ConnectionLimits()
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    app = create_app(server, api_key=api_key, front=front)
     open_files = raise_open_file_limit()
     cap = connection_cap(connections.max_connections, busiest, open_files)
     # the drain happens before uvicorn's own shutdown; it then only waits for the last bytes to go
@@ -158,10 +187,10 @@ def serve(
     )
     logger.info(
         "serving %s on http://%s:%d (API key %s; at most %d connections, open-file limit %d)",
-        server.model_name,
+        what,
         bound_host,
         bound_port,
-        "required" if api_key or front.api_keys else "not required",
+        "required" if keyed else "not required",
         cap,
         open_files,
     )
@@ -170,7 +199,7 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    DrainingServer(config, server.engine, drain_timeout).run(sockets=[sock])
+    DrainingServer(config, engine, drain_timeout).run(sockets=[sock])
 
 
 def _drained(signum: int, frame: FrameType | None) -> None:

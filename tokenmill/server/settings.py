@@ -26,6 +26,7 @@ from tokenmill.server.tenancy import ISOLATIONS
 from tokenmill.server.trace_recorder import PRIVACY, TraceRecorder
 
 if TYPE_CHECKING:
+    from tokenmill.server.protocol import RequestCaps
     from tokenmill.server.serving import Server
 
 
@@ -147,6 +148,29 @@ class ServeSettings:
     record_trace_max_bytes: int = setting(
         256 << 20, "size past which the recorded trace moves to FILE.1, FILE.2, ... and starts anew", minimum=1
     )
+    # several models on one server, loaded on demand (server/multi_app.py, server/model_pool.py)
+    models: str | None = setting(
+        None,
+        "serve several models (instead of MODEL): a YAML or JSON file mapping each name clients send to a model "
+        "path, or to a mapping of its path and settings (any engine setting, and its own served caps); "
+        "see docs/several-models.md",
+    )
+    models_dir: str | None = setting(
+        None, "serve every model folder and .gguf file in this folder, each named after it (instead of MODEL)"
+    )
+    memory: str | None = setting(
+        None,
+        "with --models / --models-dir: keep the loaded models' weights + KV caches under this size (bytes, or as "
+        "24GiB), unloading the least recently used idle ones first (default: no limit)",
+    )
+    idle_unload: float | None = setting(
+        None, "with --models / --models-dir: unload a model no request has used for this many seconds"
+    )
+    load_wait: float = setting(
+        60.0,
+        "with --models / --models-dir: seconds a request waits for its model to load (or for memory to load it "
+        "in) before a 503 with Retry-After; the load goes on",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -179,19 +203,25 @@ CAPS = (  # ServeSettings fields that are `RequestCaps` fields of the same name
 )
 
 
-def run_server(config: EngineConfig, settings: ServeSettings, key_on_command_line: bool) -> None:
-    """Build the server `settings` describe around an engine for `config` and serve until stopped."""
-    from tokenmill.distributed.config import ParallelConfig
-    from tokenmill.server.launch import build_server, serve
+def request_caps(settings: ServeSettings) -> RequestCaps:
+    """The caps on one request that `settings` give."""
     from tokenmill.server.protocol import RequestCaps
 
-    limits = RequestCaps(
+    return RequestCaps(
         max_n=settings.max_n,
         max_tokens=settings.max_tokens_limit,
         max_prompt_tokens=settings.max_prompt_tokens,
         **{name: getattr(settings, name) for name in CAPS},
         strict_fields=settings.strict_fields,
     )
+
+
+def run_server(config: EngineConfig, settings: ServeSettings, key_on_command_line: bool) -> None:
+    """Build the server `settings` describe around an engine for `config` and serve until stopped."""
+    from tokenmill.distributed.config import ParallelConfig
+    from tokenmill.server.launch import build_server, serve
+
+    limits = request_caps(settings)
     if key_on_command_line:
         logging.getLogger("tokenmill").warning(
             "--api-key on the command line shows in ps; set %s or put api_key in --config instead", API_KEY_ENV_VAR
@@ -205,6 +235,11 @@ def run_server(config: EngineConfig, settings: ServeSettings, key_on_command_lin
     connections = ConnectionLimits(
         settings.header_timeout, settings.body_timeout, settings.keep_alive_timeout, settings.max_connections
     )
+    if settings.models is not None or settings.models_dir is not None:  # several models (server/multi_app.py)
+        from tokenmill.server.multi_app import run_several
+
+        run_several(config, settings, front, connections)
+        return
     if settings.disaggregate is not None:
         if settings.data_parallel_size > 1:
             raise ValueError("data_parallel_size: not with disaggregate (give the replicas as prefill=P,decode=D)")
