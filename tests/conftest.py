@@ -24,8 +24,10 @@ SHARDED = {"llama", "qwen3"}
 
 @pytest.fixture(scope="session", autouse=True)
 def _quantized_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Quantized weights the tests' engines cache go to this session's folder, not the user's cache."""
+    """Quantized weights and GGUF headers and tokenizers the tests cache go to this session's folders,
+    not the user's cache."""
     os.environ.setdefault("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path_factory.mktemp("quantized-cache")))
+    os.environ.setdefault("TOKENMILL_GGUF_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ KEPT_TYPES = tuple(BLOCK_BYTES)  # the GGUF types a model keeps quantized
 
 @dataclass(frozen=True)
 class GGUFBlocks:
-    """A matrix's blocks decoded: q [N, K] (int8 for Q8_0, 0..15 for the 4-bit types), scale and min
+    """A matrix's blocks decoded: q [N, K] (int8 for Q8_0, uint8 in 0..15 for the 4-bit types), scale and min
     [N, K / 32] (float16; min None for Q8_0)."""
 
     type_name: str
@@ -51,11 +51,11 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> GGUFBlock
     blocks = raw.reshape(n, k // BLOCK, size)
     scale = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].copy())
     if type_name == "Q8_0":
-        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k).copy())
+        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k))  # (a copy already)
         return GGUFBlocks(type_name, q, scale, None)
     start = 2 if type_name == "Q4_0" else 4
-    nibbles = blocks[..., start:].astype(np.int16)  # [N, K / 32, 16]
-    q = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k).astype(np.int32))
+    nibbles = blocks[..., start:]  # [N, K / 32, 16] uint8: weights j (low) and 16 + j (high)
+    q = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k))  # a byte a value
     if type_name == "Q4_0":
         low = -8 * scale  # float16: exact
     else:

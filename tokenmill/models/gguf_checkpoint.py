@@ -1,22 +1,22 @@
 """A GGUF file read as the Hugging Face checkpoint it describes: a config.json dict and named tensors.
 
-Owns opening a GGUF with the `gguf` package's reader (never parsing the format by hand), mapping
-llama.cpp's metadata keys to the fields of a Hugging Face `config.json` (validated by the same
-`parse_config` as a folder's, errors naming the GGUF key), mapping tensor names (`blk.3.attn_q.weight`)
-to the model's checkpoint names (`model.layers.3.self_attn.q_proj.weight`), dequantizing every
-supported tensor type to float32 with `gguf.quants.dequantize` (or handing the matrices the model keeps
-quantized over as they are: Q8_0 / Q4_0 / Q4_1 in tokenmill's int formats, gguf_blocks.py, or any block
-type as its bytes, a `GGUFMatrix`, read from the file into memory of their own, not through the
-memory map), and undoing the row permutation
-llama.cpp's converter applies to a llama model's Q and K projections (it stores each head's rotary
-pairs interleaved, `[x0, y0, x1, y1, ...]`, where the Hugging Face layout has `[x0, x1, ..., y0, y1, ...]`).
-The tokenizer the file describes is built by `text/tokenizer.py`.
+Owns mapping llama.cpp's metadata keys (the header as models/gguf_header.py reads it: the `gguf`
+package's reader, never a parse by hand, cached after the first start) to the fields of a Hugging
+Face `config.json` (validated by the same `parse_config` as a folder's, errors naming the GGUF key),
+mapping tensor names (`blk.3.attn_q.weight`) to the model's checkpoint names
+(`model.layers.3.self_attn.q_proj.weight`), reading each tensor's bytes from the file into memory of
+its own: the float types handed over as stored (the copy into the parameter converts them), every
+block type dequantized to float32 with `gguf.quants.dequantize`, or the matrices the model keeps
+quantized handed over as they are (Q8_0 / Q4_0 / Q4_1 in tokenmill's int formats, gguf_blocks.py, or
+any block type as its bytes, a `GGUFMatrix`); and undoing the row permutation llama.cpp's converter
+applies to a llama model's Q and K projections (it stores each head's rotary pairs interleaved,
+`[x0, y0, x1, y1, ...]`, where the Hugging Face layout has `[x0, x1, ..., y0, y1, ...]`). The
+tokenizer the file describes is built by `text/tokenizer.py`.
 """
 
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ import torch
 from tokenmill.model_files import ModelLoadError
 from tokenmill.models.config import ModelConfig, parse_config
 from tokenmill.models.gguf_blocks import decode, pack
+from tokenmill.models.gguf_header import StoredTensor, read_header
 from tokenmill.quant.gguf_method import GGUFMatrix, row_bytes
 from tokenmill.quant.quantize import Int4Weight, Int8Weight
 
@@ -35,6 +36,9 @@ from tokenmill.quant.quantize import Int4Weight, Int8Weight
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Tensor types read and dequantized at load (names as gguf.GGMLQuantizationType spells them).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# The float types, handed over as stored (a float16 or bfloat16 value converts to any of the three
+# dtypes as it would through float32, exactly: the copy into the parameter does it, once).
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 # config.json field -> the GGUF metadata key (after the architecture prefix) that gives it.
 CONFIG_KEYS = {
@@ -112,20 +116,12 @@ class GGUFCheckpoint:
     """An open GGUF file: `config` (validated), `raw_config` (the config.json it implies), `tensors()`."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: GGUF file does not exist")
-        try:
-            # (the reader is not kept: its parse of the metadata, a few numpy arrays an entry of every
-            # array, is ~100 MiB for a 32,000-token vocabulary; the values and tensor records are)
-            reader = gguf.GGUFReader(str(self.path))
-            self.metadata = {name: self._value(field) for name, field in reader.fields.items()}
-            stored = list(reader.tensors)
-            del reader
-        except (ValueError, IndexError, KeyError, OverflowError, struct.error, UnicodeDecodeError, OSError) as e:
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        header = read_header(self.path)  # (parsed by the `gguf` package's reader once, then cached)
+        self.metadata = header.metadata
+        stored = header.tensors
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelLoadError(f"{self.path}: GGUF key 'general.architecture' is missing")
@@ -150,13 +146,7 @@ class GGUFCheckpoint:
     @property
     def tensor_bytes(self) -> int:
         """The bytes the file's tensors take, as stored."""
-        return sum(int(t.n_bytes) for t in self._stored.values())
-
-    def _value(self, field: Any) -> Any:
-        value = field.contents()
-        if isinstance(value, np.generic):
-            return value.item()
-        return value
+        return sum(t.n_bytes for t in self._stored.values())
 
     def key(self, name: str) -> str:
         """The full GGUF metadata key of an architecture-prefixed `name` (`block_count` -> `llama.block_count`)."""
@@ -181,13 +171,13 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"{self.path}: GGUF key '{key}' has {value!r}, expected a number")
         return value
 
-    def _info(self, t: Any) -> GGUFTensorInfo:
-        type_name = t.tensor_type.name
+    def _info(self, t: StoredTensor) -> GGUFTensorInfo:
+        type_name = t.type_name
         if type_name not in SUPPORTED_TYPES:
             raise ModelLoadError(
                 f"{self.path}: tensor '{t.name}' has type {type_name}; tokenmill reads {', '.join(SUPPORTED_TYPES)}"
             )
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions innermost first
+        shape = tuple(reversed(t.shape))  # GGUF lists dimensions innermost first
         m = BLOCK_NAME.match(t.name)
         hf = f"model.layers.{m.group(1)}.{BLOCK_TENSORS[m.group(2)]}" if m and m.group(2) in BLOCK_TENSORS else None
         hf = hf or GLOBAL_TENSORS.get(t.name)
@@ -247,9 +237,10 @@ class GGUFCheckpoint:
     def tensors(
         self, keep: dict[str, str] | None = None
     ) -> Iterator[tuple[str, torch.Tensor | Int8Weight | Int4Weight | GGUFMatrix]]:
-        """(checkpoint name, float32 tensor in the Hugging Face layout) for every tensor, read one at a
-        time; the matrices named in `keep` as they are stored: "int" (Q8_0 / Q4_0 / Q4_1) in tokenmill's
-        formats (gguf_blocks.py), "blocks" as a `GGUFMatrix` of the file's bytes."""
+        """(checkpoint name, float tensor in the Hugging Face layout) for every tensor, read one at a
+        time: the float types (F32 / F16 / BF16) in their own dtype, the block types dequantized to
+        float32; the matrices named in `keep` as they are stored: "int" (Q8_0 / Q4_0 / Q4_1) in
+        tokenmill's formats (gguf_blocks.py), "blocks" as a `GGUFMatrix` of the file's bytes."""
         keep = keep or {}
         with open(self.path, "rb") as file:
             for info in self.infos:
@@ -258,17 +249,19 @@ class GGUFCheckpoint:
                 if how is not None:
                     yield info.hf_name, self._kept(file, t, info, how)
                 else:
-                    yield info.hf_name, self._dequantized(t, info)
+                    yield info.hf_name, self._dequantized(file, t, info)
 
-    def _raw(self, file: BinaryIO, t: Any) -> np.ndarray:
-        """A tensor's bytes read into memory of their own (the memory map's pages stay untouched)."""
-        raw = np.empty(int(t.n_bytes), dtype=np.uint8)
-        file.seek(int(t.data_offset))
+    def _raw(self, file: BinaryIO, t: StoredTensor) -> np.ndarray:
+        """A tensor's bytes read into memory of their own."""
+        raw = np.empty(t.n_bytes, dtype=np.uint8)
+        file.seek(t.data_offset)
         if file.readinto(memoryview(raw)) != raw.size:
             raise ModelLoadError(f"{self.path}: tensor '{t.name}' runs past the end of the file")
         return raw
 
-    def _kept(self, file: BinaryIO, t: Any, info: GGUFTensorInfo, how: str) -> Int8Weight | Int4Weight | GGUFMatrix:
+    def _kept(
+        self, file: BinaryIO, t: StoredTensor, info: GGUFTensorInfo, how: str
+    ) -> Int8Weight | Int4Weight | GGUFMatrix:
         rows, cols = info.shape[0], info.shape[1]
         heads = self._rotary_heads(info.gguf_name)
         order = unpermute_rotary_rows(torch.arange(rows), heads) if heads else None
@@ -288,14 +281,19 @@ class GGUFCheckpoint:
             blocks = blocks.permute_rows(order)
         return pack(blocks)
 
-    def _dequantized(self, t: Any, info: GGUFTensorInfo) -> torch.Tensor:
+    def _dequantized(self, file: BinaryIO, t: StoredTensor, info: GGUFTensorInfo) -> torch.Tensor:
         import gguf
 
-        try:
-            array = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        except (ValueError, NotImplementedError) as e:
-            raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}' cannot be dequantized ({e})") from None
-        tensor = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(info.shape)  # a writable copy
+        raw = self._raw(file, t)
+        if info.type_name in FLOAT_TYPES:  # as stored: the parameter's copy converts it
+            tensor = torch.from_numpy(raw).view(FLOAT_TYPES[info.type_name]).reshape(info.shape)
+        else:
+            try:
+                rows = raw.reshape(info.shape[0], -1) if len(info.shape) == 2 else raw  # [N, row bytes]
+                array = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[info.type_name])
+            except (ValueError, NotImplementedError) as e:
+                raise ModelLoadError(f"{self.path}: tensor '{info.gguf_name}' cannot be dequantized ({e})") from None
+            tensor = torch.from_numpy(np.asarray(array, dtype=np.float32)).reshape(info.shape)
         heads = self._rotary_heads(info.gguf_name)
         return unpermute_rotary_rows(tensor, heads) if heads else tensor
 

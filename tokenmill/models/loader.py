@@ -19,6 +19,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
 
@@ -35,6 +36,7 @@ from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.llama import LlamaForCausalLM, WeightTarget, layer_prefix
 from tokenmill.quant.config import GGUF_EMBEDDING, GGUF_TABLE, QuantConfig
 from tokenmill.quant.gguf_method import GGUFEmbedding, GGUFMatrix
+from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.method import LinearMethod, WeightLoadError, WeightShapeError
 from tokenmill.quant.quantize import Int4Weight, Int8Weight
 from tokenmill.quant.sparse24 import SEMI_STRUCTURED_DTYPES, SPARSE_24_SUFFIXES, decompress_2_4, to_semi_structured
@@ -272,13 +274,16 @@ def load_model(
     head_method: LinearMethod | None = None,
     quant: QuantConfig | None = None,
     place: Callable[[LlamaForCausalLM], object] | None = None,
+    workers: int = 1,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model folder or GGUF file (a path, or an opened `GGUFCheckpoint`) for
     inference (eval mode, no gradients). `quant` names each layer's linear method (None: what the
     checkpoint stores, else dense; `linear_method` / `head_method` are shorthand for one method for
     every projection and the output projection's own); `ops` runs the norms, activations and rotary
     embeddings (None: the torch reference); `place`, where given, re-homes the model's allocated but
-    unfilled tensors before the weights are copied in (runner/huge_pages.py `place_on_huge_pages`)."""
+    unfilled tensors before the weights are copied in (runner/huge_pages.py `place_on_huge_pages`);
+    `workers`: threads the layers are quantized on (`process_layers`; each runs torch's ops on the
+    threads torch is set to, so a caller spreading them sets torch to one: runner/model_builder.py)."""
     if isinstance(folder, GGUFCheckpoint):
         checkpoint: GGUFCheckpoint | None = folder
         folder = folder.path
@@ -306,7 +311,7 @@ def load_model(
         load_gguf_weights(model, checkpoint, keep)
     else:
         load_weights(model, folder)
-    _finish(model, cfg, device)
+    _finish(model, cfg, device, workers)
     if checkpoint:
         release_freed_memory()
     return model.eval()
@@ -323,18 +328,41 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _finish(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device) -> None:
-    """After every tensor is in: each layer repacked or quantized, a tied head settled, 2:4 weights
-    moved to the sparse tensor cores, the rotary tables built."""
+def _finish(model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device, workers: int = 1) -> None:
+    """After every tensor is in: each layer repacked or quantized (`process_layers`), a tied head
+    settled, 2:4 weights moved to the sparse tensor cores, the rotary tables built."""
     model.fill_tied_head()
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            try:
-                module.process_weights_after_loading()
-            except ValueError as e:  # e.g. a quantization group size that does not divide this layer
-                raise ValueError(f"{name}: {e}") from None
+    process_layers(model, workers)
     model.finish_loading()
     if cfg.sparsity is not None:
         _run_2_4(model, device)
     model.init_rotary(device)
     model.requires_grad_(False)
+
+
+def process_layers(model: LlamaForCausalLM, workers: int = 1) -> None:
+    """Each linear layer's `process_weights_after_loading`, in module order; with `workers` > 1 the
+    layers a method quantizes (each on its own: no state shared) spread over that many threads, each
+    quantizing one layer at a time (torch's ops let go of the GIL). An error names the first layer
+    that failed, in module order, as one thread would."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
+
+    def process(item: tuple[str, LinearBase]) -> None:
+        name, module = item
+        try:
+            module.process_weights_after_loading()
+        except ValueError as e:  # e.g. a quantization group size that does not divide this layer
+            raise ValueError(f"{name}: {e}") from None
+
+    def quantizes(module: LinearBase) -> bool:
+        method = module.linear_method
+        return isinstance(method, QuantizedLinearMethod) and not method.prequantized
+
+    spread = [item for item in layers if workers > 1 and quantizes(item[1])]
+    if spread:
+        with ThreadPoolExecutor(workers, thread_name_prefix="quantize") as pool:
+            list(pool.map(process, spread))  # (the results in order: the first error in module order)
+    done = {id(module) for _, module in spread}
+    for item in layers:
+        if id(item[1]) not in done:
+            process(item)

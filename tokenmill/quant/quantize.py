@@ -136,7 +136,7 @@ def quantize_int8(w: torch.Tensor, group: int) -> Int8Weight:
     q = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, k // group)
     for start, g in _row_blocks(w, group):  # g [rows, K / group, group] float32, a copy to work in
-        lo, hi = torch.aminmax(g, dim=-1)
+        lo, hi = g.amin(-1), g.amax(-1)  # (two vectorized passes: torch's aminmax is a scalar loop)
         s = torch.maximum(-lo, hi) / 127  # [rows, K / group]: the largest magnitude over 127
         g.div_(s.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-127, 127)
         q[start : start + len(g)] = g.reshape(len(g), k)
@@ -179,13 +179,14 @@ def int4_grid(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, 
     GGUF's Q4_1 stores, and what tokenmill's layout keeps), q rounded against them."""
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8)
+    q8 = q.view(torch.int8)  # the same bytes: 0..15 either way
     scale, lo = torch.empty(n, k // group), torch.empty(n, k // group)
     for start, g in _row_blocks(w, group):  # g [rows, K / group, group]
-        low, high = torch.aminmax(g, dim=-1)
+        low, high = g.amin(-1), g.amax(-1)
         s = ((high - low) / 15).half().float()
         low = low.half().float()
         g.sub_(low[..., None]).div_(s.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(0, 15)
-        q[start : start + len(g)] = g.reshape(len(g), k)
+        q8[start : start + len(g)] = g.reshape(len(g), k)  # (float to int8 is vectorized, float to uint8 not)
         scale[start : start + len(g)], lo[start : start + len(g)] = s, low
     return q, scale, lo
 
@@ -206,9 +207,13 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: 
     if pad:  # zero rows: their products are 0 and never stored
         q = F.pad(q, (0, 0, 0, pad))
         scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
-    v = q.to(torch.uint8).reshape(tiles, TILE, k // 8, 2, 4)  # [tile, row, chunk, nibble half, j]
-    packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(tiles, k // 8, 64)
-    return Int4Weight(packed.contiguous(), _tiled(scales, tiles), _tiled(mins, tiles), group, n)
+    # each row's chunk of 8 values as one little-endian int64: bytes 0-3 (k 8c .. 8c + 3) in its low word,
+    # bytes 4-7 in its high one; low word | high word << 4 puts each of the high ones in the high nibble of
+    # the byte its low partner holds (a value under 16 never carries into the next byte)
+    v = q.to(torch.uint8).contiguous().view(torch.int64).view(tiles, TILE, k // 8)  # [tile, row, chunk]
+    words = ((v & 0xFFFFFFFF) | ((v >> 32) << 4)).view(torch.int32)[..., ::2]  # the low words (little-endian)
+    packed = words.transpose(1, 2).contiguous().view(torch.uint8).view(tiles, k // 8, 64)
+    return Int4Weight(packed, _tiled(scales, tiles), _tiled(mins, tiles), group, n)
 
 
 def _tiled(values: torch.Tensor, tiles: int) -> torch.Tensor:  # [T * TILE, G] -> [T, G, TILE]

@@ -43,6 +43,7 @@ from tokenmill.quant.cpu_dense import CpuLinearMethod, dense_weight_shapes, tune
 from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.tuning import tune_quantized, weights_by_shape
 from tokenmill.runner import huge_pages
+from tokenmill.runner.cpu_threads import torch_threads
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 from tokenmill.runner.quantized_cache import CacheMismatch, cache_for
 from tokenmill.runner.startup_log import phase
@@ -169,7 +170,25 @@ def _load(
     its quantized weights from the cache after the first start, and writes them there on that one.
     With `placed`, a load that quantizes nothing writes its weights straight onto huge pages (the
     bytes so placed passed to `placed`); a quantizing one leaves them to `move_to_huge_pages`, as its
-    dense weights are dropped once quantized."""
+    dense weights are dropped once quantized. On a CPU, torch runs one thread meanwhile, and the
+    layers are quantized on as many threads as torch had, one layer each (runner/cpu_threads.py)."""
+    if device.type != "cpu":
+        return _load_on(config, device, source, resolved, backend, ops, placed, workers=1)
+    with torch_threads(1) as threads:
+        return _load_on(config, device, source, resolved, backend, ops, placed, workers=threads)
+
+
+def _load_on(
+    config: EngineConfig,
+    device: torch.device,
+    source: Source,
+    resolved: Resolved,
+    backend: AttentionBackend,
+    ops: LayerOps,
+    placed: Callable[[int], object] | None,
+    workers: int,
+) -> LlamaForCausalLM:
+    """`_load`'s work, the layers quantized on `workers` threads."""
     name = Path(source.path if isinstance(source, GGUFCheckpoint) else source).name
     dtype, quant = resolved.dtype, resolved.quant
     cache = cache_for(source, quant, dtype, device)
@@ -186,7 +205,9 @@ def _load(
     if placed is not None and not quantizes_at_load(quant):
         place = lambda m: placed(huge_pages.place_on_huge_pages(m))  # noqa: E731
     with phase(what):
-        model = load_model(source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant, place=place)
+        model = load_model(
+            source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant, place=place, workers=workers
+        )
     if cache is not None:
         with phase(f"writing the {config.quantization} weights to the cache {cache.folder}"):
             cache.save(model)

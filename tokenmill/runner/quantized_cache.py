@@ -39,7 +39,7 @@ from safetensors import safe_open
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.ops import LayerOps
-from tokenmill.model_files import is_gguf
+from tokenmill.model_files import cache_dir, is_gguf
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import read_model_config, weight_files
 from tokenmill.quant import quantize
@@ -200,6 +200,4 @@ def cache_for(source: object, quant: QuantConfig, dtype: torch.dtype, device: to
 
 def cache_root() -> Path:
     """`$TOKENMILL_QUANTIZED_CACHE_DIR` (the weights elsewhere: another disk), else `$TOKENMILL_CACHE_DIR/quantized`."""
-    if os.environ.get("TOKENMILL_QUANTIZED_CACHE_DIR"):
-        return Path(os.environ["TOKENMILL_QUANTIZED_CACHE_DIR"])
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill")) / "quantized"
+    return cache_dir("quantized")

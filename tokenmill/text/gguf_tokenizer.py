@@ -7,16 +7,27 @@ whose rule differs from that are mapped here explicitly (SmolLM's `smollm` split
 own before the GPT-2 rules, as llama.cpp does); the BOS and EOS ids of the built tokenizer are checked
 against the file's metadata, and the ids that end generation (EOS, and EOT/EOM where the file names
 them, as llama.cpp stops on) are read from it.
+
+Building it parses the file's metadata and converts its vocabulary (seconds for a 32,000-token one),
+so `cached_gguf_tokenizer` builds it once per file and saves it (transformers' `save_pretrained`: the
+tokenizer.json of the built tokenizer, split rule included, with its settings and chat template), with
+the ids that end generation, in `$TOKENMILL_CACHE_DIR/gguf/<key>-tokenizer/`, the key a hash of the
+file's path, size, modification time and first 16 MiB (where its metadata is) and of the transformers
+version; later starts load that folder. One that does not load is a warning, and the tokenizer is
+built from the file again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.model_files import ModelLoadError
+from tokenmill.model_files import ModelLoadError, cache_dir, file_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,6 +42,9 @@ END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_tok
 # text: a GGUF of a chat model often names only the base model's EOS).
 END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 CONTROL = 3  # tokenizer.ggml.token_type of a control token
+CACHE_FORMAT = "tokenmill gguf tokenizer 1"  # the cached folder's layout; a change makes every key new
+CACHE_HEAD = 16 << 20  # the key hashes the file's first bytes: its metadata, unless that is larger
+SAVED = "tokenmill.json"  # the cached folder's own file: the key's text and the ids that end generation
 
 
 def _smollm_pre_tokenizer() -> Any:
@@ -113,3 +127,40 @@ def load_gguf_tokenizer(
         if kind == CONTROL and text in END_OF_TURN_TEXTS
     ]
     return hf, tuple(dict.fromkeys(ends))
+
+
+def cached_gguf_tokenizer(path: Path) -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
+    """`load_gguf_tokenizer(path)`, built once per file and loaded from the cache after (module docstring)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    key, text = file_key(path, CACHE_FORMAT, f"transformers {transformers.__version__}", head=CACHE_HEAD)
+    folder = cache_dir("gguf") / f"{key}-tokenizer"
+    if (folder / SAVED).is_file():
+        try:
+            saved = json.loads((folder / SAVED).read_text(encoding="utf-8"))
+            if saved["key"] != text:
+                raise ValueError("written for another file")
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+            return hf, tuple(int(i) for i in saved["ends"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("GGUF tokenizer cache %s unusable (%s): building it from the file again", folder, e)
+    hf, ends = load_gguf_tokenizer(path)
+    _save(folder, hf, ends, text)
+    return hf, ends
+
+
+def _save(folder: Path, hf: PreTrainedTokenizerBase, ends: tuple[int, ...], text: str) -> None:
+    """The tokenizer saved beside `folder` and renamed in (its own file last: a folder without it is
+    never read)."""
+    staging = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        hf.save_pretrained(str(staging))
+        (staging / SAVED).write_text(json.dumps({"key": text, "ends": list(ends)}), encoding="utf-8")
+        if folder.exists():  # one that did not load: replaced
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except (OSError, ValueError, TypeError) as e:  # a full or read-only disk, a setting it cannot save
+        logger.warning("GGUF tokenizer not cached in %s (%s)", folder, e)
+        shutil.rmtree(staging, ignore_errors=True)

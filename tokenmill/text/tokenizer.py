@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import ParamError
 from tokenmill.model_files import is_gguf
-from tokenmill.text.gguf_tokenizer import load_gguf_tokenizer
+from tokenmill.text.gguf_tokenizer import cached_gguf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -85,7 +85,7 @@ class Tokenizer:
         if is_gguf(path):
             if not path.is_file():
                 raise ValueError(f"{path}: GGUF file not found")
-            hf, eos_ids = load_gguf_tokenizer(path)
+            hf, eos_ids = cached_gguf_tokenizer(path)
             eos: tuple[int, ...] | None = eos_ids
         else:
             hf = self._load_folder(path)
