@@ -10,8 +10,9 @@ variant, cold / warm) is reported, with every run's seconds and the server's own
 (the phases and the resolution line's kernel-choice count) from the last run. Writes
 benchmarks/results/startup.json (or `--out`).
 
-A `--model` may be a GGUF file (served as it is stored: no quantized cache applies, so cold and warm
-differ by the page cache alone); `--gguf-variants` (default bf16) are the variants it runs.
+A `--model` may be a GGUF file (served as it is stored; cold and warm differ by its header and
+tokenizer, parsed and built on the cold start and read from the cache after); `--gguf-variants`
+(default bf16) are the variants it runs.
 
 Usage: python benchmarks/startup.py [--model models/tokenmill-demo] [--model /tmp/peers/mid-llama]
        [--model /tmp/peers/gguf/mid-llama-q4_k_m.gguf] [--variants bf16,int8,int4] [--repeats 3]
@@ -63,7 +64,8 @@ def start_once(model: Path, flags: list[str], cache: Path, timeout: float) -> tu
     and the start-up lines it logged; the server is stopped after."""
     port = free_port()
     env = {**os.environ, "TOKENMILL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    env.pop("TOKENMILL_QUANTIZED_CACHE_DIR", None)
+    for room in ("QUANTIZED", "GGUF"):  # (every cache in the run's folder)
+        env.pop(f"TOKENMILL_{room}_CACHE_DIR", None)
     log = cache.parent / f"{cache.name}.log"
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), *flags]
     with open(log, "w") as err:
