@@ -81,6 +81,65 @@ def test_int4_round_trips_through_both_layouts(k, group):
         quantize_int4pack(weights(96, 64), 32)
 
 
+def reference_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4's grid the plain way, a group at a time: (q [N, K], scale, min [N, K / group] float16)."""
+    g = w.float().reshape(w.shape[0], -1, group)
+    low, high = g.min(-1).values, g.max(-1).values
+    s = ((high - low) / 15).half().float()
+    low = low.half().float()
+    q = ((g - low[..., None]) / s.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(0, 15)
+    return q.reshape(w.shape).to(torch.uint8), s.half(), ((low + 8 * s) - 8 * s).half()
+
+
+def reference_pack(q: torch.Tensor) -> torch.Tensor:
+    """tokenmill's int4 layout byte by byte (Int4Weight's docstring): q [N, K] -> [T, K / 8, 64]."""
+    n, k = q.shape
+    tiles = -(-n // 16)
+    out = torch.zeros(tiles, k // 8, 64, dtype=torch.uint8)
+    padded = torch.zeros(tiles * 16, k, dtype=torch.uint8)
+    padded[:n] = q
+    for i, j in itertools.product(range(16), range(4)):
+        rows = padded[i::16]  # row 16t + i of every tile t: [T, K]
+        out[:, :, 4 * i + j] = rows[:, j::8] | (rows[:, 4 + j :: 8] << 4)
+    return out
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 96, 32), (128, 256, 64), (16, 32, 32), (50, 2048, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_quantizers_equal_the_plain_computation_bit_for_bit(n, k, group, dtype):
+    """The blocked, in-place quantizers (row blocks, int8 stores, a word-wide nibble pack) give the
+    bits of the plain computation: every group's range, its rounding, the layout's bytes."""
+    w = (weights(n, k, seed=n + k) * torch.rand(n, 1, generator=torch.Generator().manual_seed(1)) * 40).to(dtype)
+    w[0] = 0  # a zero row: scale 0, every value at the minimum
+    w[1, :32] = 0.5  # a constant group
+    q, scale, low = reference_int4(w, group)
+    ours = quantize_int4(w, group)
+    assert torch.equal(ours.packed, reference_pack(q)) and torch.equal(unpack_int4(ours), q.int())
+    got_scale, got_min = int4_scales(ours)
+    assert torch.equal(got_scale, scale) and torch.equal(got_min, low)
+    int8 = quantize_int8(w, group)
+    g = w.float().reshape(n, -1, group)
+    step = torch.maximum(-g.min(-1).values, g.max(-1).values) / 127
+    expect = (g / step.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
+    assert torch.equal(int8.scales, step) and torch.equal(int8.q, expect.reshape(n, k).to(torch.int8))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_layers_quantized_on_several_threads_equal_one_threads(tiny_model_dir, name):
+    folder = tiny_model_dir("llama")
+    method = get_quant_method(QuantSpec(name), KERNELS)
+    one = load_model(folder, dtype="bfloat16", linear_method=method, workers=1)
+    four = load_model(folder, dtype="bfloat16", linear_method=method, workers=4)
+    layers = dict(four.quantized_layers())
+    assert len(layers) > 8
+    for layer_name, layer in one.quantized_layers():
+        for field in dataclasses.fields(layer.quantized):
+            a, b = getattr(layer.quantized, field.name), getattr(layers[layer_name].quantized, field.name)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (layer_name, field.name)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj: "):  # the first in module order
+        load_model(folder, linear_method=get_quant_method(QuantSpec("int8", 64), KERNELS), workers=4)
+
+
 def test_group_sizes_are_applied_or_refused_naming_the_layer():
     assert choose_group(QuantSpec("int8"), 352, "x") == 352  # per channel
     assert choose_group(QuantSpec("int4"), 352, "x") == 32

@@ -23,6 +23,7 @@ from tokenmill.engine.metrics import EngineMetrics
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.pooling import PoolingFrontEnd
 from tokenmill.engine.pooling_config import read_pooling_config
+from tokenmill.runner.startup_log import phase
 from tokenmill.text.tokenizer import Tokenizer
 
 
@@ -63,6 +64,9 @@ def build_async_engine(
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
             loading = pool.submit(Tokenizer, config.model)
             clients, restart = local_cores(config)
+            if not loading.done():  # (said only where the start waits for it)
+                with phase("loading the tokenizer (begun on a second thread beside the model)"):
+                    loading.result()
             tokenizer = loading.result()
     processor = front_end(config, clients, tokenizer)
     return AsyncEngine(clients, processor, metrics, max_waiting, log_interval, routing, restart)

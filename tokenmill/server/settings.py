@@ -218,8 +218,11 @@ def request_caps(settings: ServeSettings) -> RequestCaps:
 
 def run_server(config: EngineConfig, settings: ServeSettings, key_on_command_line: bool) -> None:
     """Build the server `settings` describe around an engine for `config` and serve until stopped."""
-    from tokenmill.distributed.config import ParallelConfig
-    from tokenmill.server.launch import build_server, serve
+    from tokenmill.runner.startup_log import phase
+
+    with phase("loading the engine's and the server's code (torch, uvicorn)"):  # (seconds, before any model line)
+        from tokenmill.distributed.config import ParallelConfig
+        from tokenmill.server.launch import build_server, serve
 
     limits = request_caps(settings)
     if key_on_command_line:
