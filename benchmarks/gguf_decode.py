@@ -42,9 +42,9 @@ FILES = [PEERS / "gguf" / f"mid-llama-{q}.gguf" for q in ("q4_k_m", "q4_0", "q8_
 PROMPT, NEW = 128, 33  # prompt tokens, new tokens a request (32 decode steps after the first token)
 
 
-def child() -> None:
-    """(The tokenmill child) load argv's file, then per stdin line `c`: one run of c requests, its decode
-    rate as a JSON line on stdout."""
+def child(path: str, layout: str) -> None:
+    """(The tokenmill child) load `path` with `gguf_layout` `layout`, then per stdin line `c`: one run of
+    c requests, its decode rate as a JSON line on stdout."""
     import random
 
     import torch
@@ -52,7 +52,7 @@ def child() -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.outputs import OutputKind
 
-    llm = LLM(sys.argv[2], enable_prefix_caching=False, gguf_layout=sys.argv[3])
+    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout)
     engine = llm.engine
     rng = random.Random(0)
     count = 0
@@ -75,7 +75,7 @@ def child() -> None:
                 tokens += c
         return {"tok_s": tokens / seconds if seconds else 0.0, "decode_tokens": tokens}
 
-    run(1, 4)  # (warm-up)
+    run(1, NEW)  # (warm-up: a whole c=1 run, so the first measured one finds every page and path warm)
     print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         print(json.dumps(run(int(line), NEW)), flush=True)
@@ -87,7 +87,7 @@ class Tokenmill:
     def __init__(self, path: Path, layout: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(path), layout],
+            [sys.executable, __file__, "--child", str(path), "--layouts", layout],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         self.info = self._reply()
@@ -130,19 +130,22 @@ def summary(values: list[float]) -> dict[str, object]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
 
-def measure_file(path: Path, repeats: int, bin_dir: Path, threads: int, layouts: list[str]) -> dict[str, object]:
-    """Rates per repeat, keys `tokenmill_c{c}` (one layout) or `tokenmill_{layout}_c{c}` (several)."""
+def measure_file(
+    path: Path, repeats: int, bin_dir: Path, threads: int, layouts: list[str], concs: tuple[int, ...] = (1, 8)
+) -> dict[str, object]:
+    """Rates per repeat, keys `tokenmill_c{c}` (one layout) or `tokenmill_{layout}_c{c}` (several); the
+    ratios of the medians, and each repeat's own ratio (`ratios...`: the load shifts between repeats)."""
     import gguf
 
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     names = {lay: "tokenmill" if len(layouts) == 1 else f"tokenmill_{lay}" for lay in layouts}
     children: dict[str, Tokenmill] = {}
-    rates: dict[str, list[float]] = {f"{n}_c{c}": [] for c in (1, 8) for n in [*names.values(), "llama"]}
+    rates: dict[str, list[float]] = {f"{n}_c{c}": [] for c in concs for n in [*names.values(), "llama"]}
     try:
         for lay in layouts:
             children[lay] = Tokenmill(path, lay)
         for _ in range(repeats):
-            for c in (1, 8):
+            for c in concs:
                 for lay, tm in children.items():
                     rates[f"{names[lay]}_c{c}"].append(tm.rate(c))
                 rates[f"llama_c{c}"].append(llama_rate(bin_dir, path, c, threads))
@@ -155,15 +158,18 @@ def measure_file(path: Path, repeats: int, bin_dir: Path, threads: int, layouts:
         "tensor_bytes": tensor_bytes,
         "tokenmill_threads": next(iter(children.values())).info["threads"],
         "layouts": layouts,
+        "concurrency": list(concs),
     }
     for k, v in rates.items():
         result[k] = summary(v)
     for n in names.values():
         suffix = n.removeprefix("tokenmill")
-        for c in (1, 8):
-            ratio = statistics.median(rates[f"{n}_c{c}"]) / statistics.median(rates[f"llama_c{c}"])
-            result[f"ratio{suffix}_c{c}"] = ratio
-        result[f"{n}_c1_gb_s"] = statistics.median(rates[f"{n}_c1"]) * tensor_bytes / 1e9
+        for c in concs:
+            ours, peer = rates[f"{n}_c{c}"], rates[f"llama_c{c}"]
+            result[f"ratio{suffix}_c{c}"] = statistics.median(ours) / statistics.median(peer)
+            result[f"ratios{suffix}_c{c}"] = summary([a / b for a, b in zip(ours, peer, strict=True)])
+        if 1 in concs:
+            result[f"{n}_c1_gb_s"] = statistics.median(rates[f"{n}_c1"]) * tensor_bytes / 1e9
     return result
 
 
@@ -173,12 +179,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llama-bin", type=Path, default=PEERS / "llamacpp-build" / "bin")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp's threads (0: torch's default)")
+    ap.add_argument("--concurrency", default="1,8", help="the request counts measured")
     ap.add_argument("--layouts", default="auto", help="gguf_layout values, one tokenmill child each (auto,blocks,int)")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_decode.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child()
+        return child(args.child, args.layouts)
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -191,13 +198,14 @@ def main() -> None:
     report["files"] = files
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for path in args.gguf:  # (the report rewritten after each file)
-        files.append(measure_file(path, args.repeats, args.llama_bin, threads, args.layouts.split(",")))
+        concs = tuple(int(c) for c in args.concurrency.split(","))
+        files.append(measure_file(path, args.repeats, args.llama_bin, threads, args.layouts.split(","), concs))
         report["uptime_after"] = _uptime()
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
     for f in report["files"]:  # type: ignore[union-attr]
         name = Path(f["file"]).name
-        for c in (1, 8):
+        for c in f["concurrency"]:
             ll = f[f"llama_c{c}"]
             for lay in f["layouts"]:
                 key = "tokenmill" if len(f["layouts"]) == 1 else f"tokenmill_{lay}"
