@@ -157,12 +157,15 @@ def test_gguf_layout_auto_is_the_cpu_kinds_rule():
     avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
     zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False)
     amx = CpuKind(avx512=True, vnni=True, bf16=True, amx=True)
-    assert gguf_layout("auto", avx2) == "blocks"
+    assert gguf_layout("auto", avx2) == "q8_0"
     assert gguf_layout("auto", zen4) == gguf_layout("auto", amx) == "int"
     assert gguf_layout("int", avx2) == "int" and gguf_layout("blocks", amx) == "blocks"
-    assert gguf_layout("auto") in ("blocks", "int")  # this machine's
+    assert gguf_layout("auto") in ("q8_0", "int")  # this machine's
+    q8 = build(gguf=GGUF, layout="q8_0")  # Q8_0 in its blocks, Q4_1 in int4
+    assert isinstance(q8.method_for(QKV, SHAPE), GGUFBlocksMethod)
+    assert isinstance(q8.method_for(DOWN, SHAPE), Int4LinearMethod)
     assert GGUF_LAYOUTS == engine_config.GGUF_LAYOUTS  # (the setting's choices: one list in two rooms)
-    with pytest.raises(ValueError, match="gguf_layout: expected one of auto, blocks, int, got 'q8'"):
+    with pytest.raises(ValueError, match="gguf_layout: expected one of auto, blocks, q8_0, int, got 'q8'"):
         gguf_layout("q8")
 
 

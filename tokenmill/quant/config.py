@@ -13,12 +13,13 @@ and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
   its output projection dense); a GGUF file's layers stay quantized on a CPU. The K-quants (Q4_K,
   Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay in the file's own blocks
   (quant/gguf_method.py), the embedding table too where its type is one of those
-  (`embedding_blocks`). Q8_0 / Q4_0 / Q4_1 matrices go by `gguf_layout`: `blocks` keeps them so too;
-  `int` loads Q8_0 into int8 and Q4_0 / Q4_1 into int4 (groups of 32: the same grids) where every
-  tensor of the layer shares that type, and a tied output projection over a Q8_0 table becomes an int8
-  layer of its own, quantized from the table in groups of 32 (Q8_0's grid again, exactly); `auto`
-  takes the CPU kind's default (kernels/defaults.py). Over a table of another block type the tied
-  projection reads the table's blocks themselves. Otherwise dense.
+  (`embedding_blocks`). Q8_0 / Q4_0 / Q4_1 matrices go by `gguf_layout`: `blocks` keeps them so too
+  (`q8_0`: Q8_0 only, Q4_0 / Q4_1 as `int`); `int` loads Q8_0 into int8 and Q4_0 / Q4_1 into int4
+  (groups of 32: the same grids) where every tensor of the layer shares that type, and a tied output
+  projection over a Q8_0 table becomes an int8 layer of its own, quantized from the table in groups
+  of 32 (Q8_0's grid again, exactly); `auto` takes the CPU kind's default (kernels/defaults.py).
+  Over a table of another block type the tied projection reads the table's blocks themselves.
+  Otherwise dense.
 - `quantization` none: dense (the `linear_backend` method); a stored quantized checkpoint refuses it.
 2:4 checkpoints take the dense method; the loader moves their weights to the sparse tensor cores
 (quant/sparse24.py).
@@ -43,7 +44,7 @@ from tokenmill.quant.quantize import QuantSpec
 
 GGUF_BLOCK = 32  # the group of GGUF's Q8_0 / Q4_0 / Q4_1 blocks
 GGUF_INT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the block types `gguf_layout` may load into the int formats
-GGUF_LAYOUTS = ("auto", "blocks", "int")
+GGUF_LAYOUTS = ("auto", "blocks", "q8_0", "int")
 HEAD = "lm_head"  # the output projection's prefix
 GGUF_TABLE = "embed_tokens"  # `gguf_types` key of a tied output projection's table
 GGUF_EMBEDDING = "model.embed_tokens"  # `gguf_types` key of the embedding table's type (tied or not)
@@ -58,7 +59,7 @@ class QuantSettings:
     group_fallback: bool = False
     head: str = "same"  # same, int8
     linear_backend: str = "auto"  # the kernels' switch: torch keeps the quantized methods off the native kernels
-    gguf_layout: str = "auto"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices: auto, blocks, int
+    gguf_layout: str = "auto"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices: auto, blocks, q8_0, int
 
 
 @dataclass(frozen=True)
@@ -198,32 +199,32 @@ def build_quant_config(
 
 
 def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:
-    """`blocks` or `int`: the form of a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices; `auto` is the default
+    """`blocks`, `q8_0` or `int`: the form of a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices; `auto` is the default
     rule for `cpu` (None: this machine's, from /proc/cpuinfo's flags)."""
     if setting not in GGUF_LAYOUTS:
         raise ValueError(f"gguf_layout: expected one of {', '.join(GGUF_LAYOUTS)}, got {setting!r}")
     if setting != "auto":
         return setting
-    return default_choice("gguf_layout", ANY, ANY, cpu or CpuKind.from_flags(cpu_flags()), ("blocks", "int"))
+    return default_choice("gguf_layout", ANY, ANY, cpu or CpuKind.from_flags(cpu_flags()), GGUF_LAYOUTS[1:])
 
 
 def gguf_methods(kernels: CpuKernels | None, layout: str = "int") -> dict[str, LinearMethod]:
     """A GGUF tensor type -> the method that keeps such matrices as stored: the K-quants and Q5_0 /
     Q5_1 in their own blocks (which also take layers mixing block types, and embedding tables); Q8_0,
-    Q4_0 and Q4_1 as well with `layout` blocks, with `int` Q8_0 in int8 and Q4_0 / Q4_1 in int4, in
-    groups of 32 (the same grids)."""
+    Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of them Q8_0 in
+    int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids)."""
     blocks = GGUFBlocksMethod(kernels)
     kept: dict[str, LinearMethod] = {t: blocks for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
-    if layout == "blocks":
-        return kept | {t: blocks for t in GGUF_INT_TYPES}
     int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)
     int4 = Int4LinearMethod(QuantSpec("int4", GGUF_BLOCK), kernels, prequantized=True)
-    return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4} | kept
+    ints: dict[str, LinearMethod] = {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
+    in_blocks = GGUF_INT_TYPES if layout == "blocks" else ("Q8_0",) if layout == "q8_0" else ()
+    return {t: blocks if t in in_blocks else m for t, m in ints.items()} | kept
 
 
 def _gguf_config(
     dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None, layout: str
 ) -> QuantConfig:
     # a tied head over a Q8_0 table: int8 quantized from the table at load (`int`), else its blocks
-    tied = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels) if layout == "int" else None
+    tied = None if layout in ("blocks", "q8_0") else Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels)
     return QuantConfig(dense, None, gguf_methods(kernels, layout), dict(gguf_types), tied, name="none")
