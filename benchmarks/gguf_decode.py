@@ -13,12 +13,15 @@ llama.cpp: c = 1 is `llama-bench -p 0 -n 32` (tg32: 32 tokens after a warm-up), 
 `llama-batched-bench -npp 128 -ntg 32 -npl 8` (its S_TG: the 8 sequences' 32 decode steps), both on
 `--threads` threads (default: torch's thread count, the cores).
 
-Per file, each repeat runs tokenmill c=1, llama.cpp c=1, tokenmill c=8, llama.cpp c=8 in turn, so the
-machine's other load falls on both alike. Reported: tok/s median [min-max] over the repeats, the ratio
+With `--layouts` (e.g. `int,blocks`: the `gguf_layout` setting, how Q8_0 / Q4_0 / Q4_1 matrices are
+kept) one child per layout is loaded, each measured in turn.
+
+Per file, each repeat runs tokenmill c=1 (each layout), llama.cpp c=1, tokenmill c=8, llama.cpp c=8 in
+turn, so the machine's other load falls on all alike. Reported: tok/s median [min-max] over the repeats, the ratio
 of the medians, the streaming read bandwidth (benchmarks/bandwidth.py, in the same run) and the GB/s
 tokenmill's c=1 decode reads (the file's tensor bytes a token). Writes benchmarks/results/gguf_decode.json.
 
-Usage: python benchmarks/gguf_decode.py [--gguf FILE ...] [--repeats 3] [--llama-bin DIR]
+Usage: python benchmarks/gguf_decode.py [--gguf FILE ...] [--repeats 3] [--llama-bin DIR] [--layouts auto]
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ FILES = [PEERS / "gguf" / f"mid-llama-{q}.gguf" for q in ("q4_k_m", "q4_0", "q8_
 PROMPT, NEW = 128, 33  # prompt tokens, new tokens a request (32 decode steps after the first token)
 
 
-def child() -> None:
-    """(The tokenmill child) load argv's file, then per stdin line `c`: one run of c requests, its decode
-    rate as a JSON line on stdout."""
+def child(path: str, layout: str) -> None:
+    """(The tokenmill child) load `path` with `gguf_layout` `layout`, then per stdin line `c`: one run of
+    c requests, its decode rate as a JSON line on stdout."""
     import random
 
     import torch
@@ -49,7 +52,7 @@ def child() -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.outputs import OutputKind
 
-    llm = LLM(sys.argv[2], enable_prefix_caching=False)
+    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout)
     engine = llm.engine
     rng = random.Random(0)
     count = 0
@@ -72,7 +75,7 @@ def child() -> None:
                 tokens += c
         return {"tok_s": tokens / seconds if seconds else 0.0, "decode_tokens": tokens}
 
-    run(1, 4)  # (warm-up)
+    run(1, NEW)  # (warm-up: a whole c=1 run, so the first measured one finds every page and path warm)
     print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         print(json.dumps(run(int(line), NEW)), flush=True)
@@ -81,10 +84,10 @@ def child() -> None:
 class Tokenmill:
     """The child process for one file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, layout: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(path)],
+            [sys.executable, __file__, "--child", str(path), "--layouts", layout],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         self.info = self._reply()
@@ -127,30 +130,46 @@ def summary(values: list[float]) -> dict[str, object]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
 
-def measure_file(path: Path, repeats: int, bin_dir: Path, threads: int) -> dict[str, object]:
+def measure_file(
+    path: Path, repeats: int, bin_dir: Path, threads: int, layouts: list[str], concs: tuple[int, ...] = (1, 8)
+) -> dict[str, object]:
+    """Rates per repeat, keys `tokenmill_c{c}` (one layout) or `tokenmill_{layout}_c{c}` (several); the
+    ratios of the medians, and each repeat's own ratio (`ratios...`: the load shifts between repeats)."""
     import gguf
 
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
-    tm = Tokenmill(path)
-    rates: dict[str, list[float]] = {k: [] for k in ("tokenmill_c1", "llama_c1", "tokenmill_c8", "llama_c8")}
+    names = {lay: "tokenmill" if len(layouts) == 1 else f"tokenmill_{lay}" for lay in layouts}
+    children: dict[str, Tokenmill] = {}
+    rates: dict[str, list[float]] = {f"{n}_c{c}": [] for c in concs for n in [*names.values(), "llama"]}
     try:
+        for lay in layouts:
+            children[lay] = Tokenmill(path, lay)
         for _ in range(repeats):
-            for c in (1, 8):
-                rates[f"tokenmill_c{c}"].append(tm.rate(c))
+            for c in concs:
+                for lay, tm in children.items():
+                    rates[f"{names[lay]}_c{c}"].append(tm.rate(c))
                 rates[f"llama_c{c}"].append(llama_rate(bin_dir, path, c, threads))
                 print(path.name, c, {k: round(v[-1], 1) for k, v in rates.items() if v}, flush=True)
     finally:
-        tm.close()
+        for tm in children.values():
+            tm.close()
     result: dict[str, object] = {
         "file": str(path),
         "tensor_bytes": tensor_bytes,
-        "tokenmill_threads": tm.info["threads"],
+        "tokenmill_threads": next(iter(children.values())).info["threads"],
+        "layouts": layouts,
+        "concurrency": list(concs),
     }
     for k, v in rates.items():
         result[k] = summary(v)
-    for c in (1, 8):
-        result[f"ratio_c{c}"] = statistics.median(rates[f"tokenmill_c{c}"]) / statistics.median(rates[f"llama_c{c}"])
-    result["tokenmill_c1_gb_s"] = statistics.median(rates["tokenmill_c1"]) * tensor_bytes / 1e9
+    for n in names.values():
+        suffix = n.removeprefix("tokenmill")
+        for c in concs:
+            ours, peer = rates[f"{n}_c{c}"], rates[f"llama_c{c}"]
+            result[f"ratio{suffix}_c{c}"] = statistics.median(ours) / statistics.median(peer)
+            result[f"ratios{suffix}_c{c}"] = summary([a / b for a, b in zip(ours, peer, strict=True)])
+        if 1 in concs:
+            result[f"{n}_c1_gb_s"] = statistics.median(rates[f"{n}_c1"]) * tensor_bytes / 1e9
     return result
 
 
@@ -160,11 +179,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llama-bin", type=Path, default=PEERS / "llamacpp-build" / "bin")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp's threads (0: torch's default)")
+    ap.add_argument("--concurrency", default="1,8", help="the request counts measured")
+    ap.add_argument("--layouts", default="auto", help="gguf_layout values, one tokenmill child each (auto,blocks,int)")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_decode.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child()
+        return child(args.child, args.layouts)
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -177,18 +198,22 @@ def main() -> None:
     report["files"] = files
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for path in args.gguf:  # (the report rewritten after each file)
-        files.append(measure_file(path, args.repeats, args.llama_bin, threads))
+        concs = tuple(int(c) for c in args.concurrency.split(","))
+        files.append(measure_file(path, args.repeats, args.llama_bin, threads, args.layouts.split(","), concs))
         report["uptime_after"] = _uptime()
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
     for f in report["files"]:  # type: ignore[union-attr]
         name = Path(f["file"]).name
-        for c in (1, 8):
-            t, ll = f[f"tokenmill_c{c}"], f[f"llama_c{c}"]
-            print(
-                f"{name:24} c={c}  tokenmill {t['median']:6.1f} [{t['min']:.1f}-{t['max']:.1f}]  "
-                f"llama.cpp {ll['median']:6.1f} [{ll['min']:.1f}-{ll['max']:.1f}]  x{f[f'ratio_c{c}']:.2f}"
-            )
+        for c in f["concurrency"]:
+            ll = f[f"llama_c{c}"]
+            for lay in f["layouts"]:
+                key = "tokenmill" if len(f["layouts"]) == 1 else f"tokenmill_{lay}"
+                t, ratio = f[f"{key}_c{c}"], f[f"ratio{key.removeprefix('tokenmill')}_c{c}"]
+                print(
+                    f"{name:24} c={c}  tokenmill {lay:6} {t['median']:6.1f} [{t['min']:.1f}-{t['max']:.1f}]  "
+                    f"llama.cpp {ll['median']:6.1f} [{ll['min']:.1f}-{ll['max']:.1f}]  x{ratio:.2f}"
+                )
 
 
 def _uptime() -> str:

@@ -6,14 +6,17 @@ engine's prefill rate beside llama.cpp's on the same files.
   down, 2048->2048 o) at 128 and 512 x rows, the layer method's product through each path, alternated
   within every repeat; GFLOP/s median [min-max].
 - **engine** (`--engine`): for each GGUF file, one process loads `LLM(file)` (prefix caching off) and
-  times a prompt of 128 and of 512 distinct random tokens (one new token: the prefill) with every
-  GGUFBlocksMethod in the process set to each path in turn; then `llama-bench -p 128,512 -n 0` on the same
-  file and thread count. Both alternate within each repeat; tokens/s median [min-max]. Layers the file
-  stores in Q4_0 / Q4_1 / Q8_0 run tokenmill's int4 / int8 methods under both labels (not this path).
+  times a prompt of each `--lengths` (128 and 512) distinct random tokens (one new token: the prefill) with every
+  GGUFBlocksMethod in the process set to each path in turn; then `llama-bench -p <lengths> -n 0` on the same
+  file and thread count. Both alternate within each repeat; tokens/s median [min-max]. Each of
+  `--layouts` (the `gguf_layout` setting: how Q8_0 / Q4_0 / Q4_1 matrices are kept) loads its own
+  process: under `int` those layers run tokenmill's int8 / int4 methods whatever the path label says;
+  under `blocks` they take the path named.
 
 Writes benchmarks/results/gguf_prefill.json (or `--out`).
 
 Usage: python benchmarks/gguf_prefill.py [--repeats 3] [--threads 2] [--engine] [--files q4_k_m,q4_0]
+       [--layouts auto] [--paths dequant,gemm]
 """
 
 from __future__ import annotations
@@ -83,49 +86,68 @@ def kernel_cases(repeats: int, dtype_name: str) -> dict[str, dict[str, list[floa
     return rates
 
 
-def engine_child(path: str, threads: int) -> dict[str, float]:
-    """(In a child process) prefill tokens/s of `path` at 128 and 512 tokens, through each prompt path."""
+def engine_child(path: str, threads: int, layout: str, paths: list[str], lengths: list[int]) -> dict[str, float]:
+    """(In a child process) prefill tokens/s of `path` at each of `lengths` tokens, through each prompt path."""
     import torch
 
     torch.set_num_threads(threads)
     from tokenmill import LLM, SamplingParams
     from tokenmill.quant.gguf_method import GGUFBlocksMethod
 
-    llm = LLM(path, enable_prefix_caching=False)
+    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout)
     methods = [o for o in gc.get_objects() if isinstance(o, GGUFBlocksMethod)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     rng = torch.Generator().manual_seed(0)
     out: dict[str, float] = {"blocks_methods": float(len(methods))}
     llm.generate([torch.randint(100, 30000, (64,), generator=rng).tolist()], params, use_tqdm=False)  # warm
-    for length in (128, 512):
-        for p in PATHS:
+    for length in lengths:
+        for p in paths:
             for method in methods:
                 method.prompt_kernel = p
             ids = torch.randint(100, 30000, (length,), generator=rng).tolist()
             llm.generate([ids[:8]], params, use_tqdm=False)  # (this path's code warm)
             start = time.perf_counter()
             llm.generate([ids], params, use_tqdm=False)
-            out[f"tokenmill {p} p{length}"] = length / (time.perf_counter() - start)
+            out[f"tokenmill {layout} {p} p{length}"] = length / (time.perf_counter() - start)
     return out
 
 
-def llama_bench(path: str, threads: int) -> dict[str, float]:
+def llama_bench(path: str, threads: int, lengths: list[int]) -> dict[str, float]:
     binary = PEERS / "llamacpp-build" / "bin" / "llama-bench"
     env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
-    cmd = [str(binary), "-m", path, "-p", "128,512", "-n", "0", "-t", str(threads), "-r", "1", "-o", "json"]
+    cmd = [
+        str(binary),
+        "-m",
+        path,
+        "-p",
+        ",".join(map(str, lengths)),
+        "-n",
+        "0",
+        "-t",
+        str(threads),
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return {f"llama.cpp p{r['n_prompt']}": float(r["avg_ts"]) for r in json.loads(done.stdout)}
 
 
-def engine_cases(files: list[str], repeats: int, threads: int) -> dict[str, dict[str, list[float]]]:
+def engine_cases(
+    files: list[str], repeats: int, threads: int, layouts: list[str], paths: list[str], lengths: list[int]
+) -> dict[str, dict[str, list[float]]]:
     runs: dict[str, dict[str, list[float]]] = {}
     for r in range(repeats):
         for name in files:
             path = str(PEERS / "gguf" / f"mid-llama-{name}.gguf")
-            cmd = [sys.executable, __file__, "--engine-child", path, "--threads", str(threads)]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
-            ours = json.loads(done.stdout.strip().splitlines()[-1])
-            for label, value in {**ours, **llama_bench(path, threads)}.items():
+            ours: dict[str, float] = {}
+            for layout in layouts:
+                cmd = [sys.executable, __file__, "--engine-child", path, "--threads", str(threads)]
+                cmd += ["--layouts", layout, "--paths", ",".join(paths), "--lengths", ",".join(map(str, lengths))]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
+                ours |= json.loads(done.stdout.strip().splitlines()[-1])
+            for label, value in {**ours, **llama_bench(path, threads, lengths)}.items():
                 runs.setdefault(name, {}).setdefault(label, []).append(value)
             print(
                 f"repeat {r + 1}/{repeats} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in {**ours}.items()),
@@ -142,11 +164,15 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="also the engine's prefill beside llama-bench")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--files", default="q4_k_m,q4_0")
+    ap.add_argument("--layouts", default="auto", help="gguf_layout values, a process each (auto,blocks,int)")
+    ap.add_argument("--paths", default=",".join(PATHS), help="the blocks method's prompt paths (dequant,gemm)")
+    ap.add_argument("--lengths", default="128,512", help="the engine's prompt lengths (llama-bench's -p)")
     ap.add_argument("--out", default=str(RESULTS / "gguf_prefill.json"))
     ap.add_argument("--engine-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine_child:
-        print(json.dumps(engine_child(args.engine_child, args.threads)))
+        lengths = [int(n) for n in args.lengths.split(",")]
+        print(json.dumps(engine_child(args.engine_child, args.threads, args.layouts, args.paths.split(","), lengths)))
         return
     import torch
 
@@ -159,7 +185,9 @@ def main() -> None:
         report["kernels_gflop_s"] = {c: {p: summary(v) for p, v in r.items()} for c, r in rates.items()}
         report["kernel_dtype"] = args.dtype
     if args.engine:
-        runs = engine_cases(args.files.split(","), args.repeats, args.threads)
+        layouts, paths = args.layouts.split(","), args.paths.split(",")
+        lengths = [int(n) for n in args.lengths.split(",")]
+        runs = engine_cases(args.files.split(","), args.repeats, args.threads, layouts, paths, lengths)
         report["engine_tok_s"] = {f: {label: summary(v) for label, v in r.items()} for f, r in runs.items()}
     report["uptime_after"] = uptime()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ GREEDY_HEAD = ("auto", "head", "logits")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATION_HEADS = ("same", "int8")
+GGUF_LAYOUTS = ("auto", "blocks", "q8_0", "int")
 SCHEDULING = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 TASKS = ("auto", "generate", "embed", "rerank")
@@ -205,6 +206,14 @@ class EngineConfig:
     )
     quantization_group_fallback: bool = setting(
         False, "a layer whose input width the group size does not divide takes the largest power of two that does"
+    )
+    gguf_layout: str = setting(
+        "auto",
+        "a GGUF file's Q8_0, Q4_0 and Q4_1 matrices under quantization auto: blocks (the file's own blocks, "
+        "products on int8 activations, prompts through an integer GEMM), q8_0 (Q8_0 so, Q4_0 / Q4_1 as int), int "
+        "(read into tokenmill's int8 / int4 formats and their kernels), or auto (the CPU kind's default: q8_0 "
+        "without AVX-512, int with it)",
+        choices=GGUF_LAYOUTS,
     )
     speculative_config: str | None = setting(
         None,

@@ -42,11 +42,11 @@ def files(tmp_path_factory, tiny_model_dir):
     }
 
 
-def kept(native: bool, max_native_rows: int = 64) -> QuantConfig:
-    """The engine's GGUF methods; `native` False: every product through the dequantizing paths (the
-    int methods pinned to theirs, the blocks method with no native rows)."""
+def kept(native: bool, max_native_rows: int = 64, layout: str = "int") -> QuantConfig:
+    """The engine's GGUF methods (Q8_0 / Q4_x by `layout`); `native` False: every product through the
+    dequantizing paths (the int methods pinned to theirs, the blocks method with no native rows)."""
     kernels = load_cpu_kernels()
-    methods = gguf_methods(kernels)
+    methods = gguf_methods(kernels, layout)
     for m in methods.values():
         if isinstance(m, GGUFBlocksMethod):
             m.max_native_rows = max_native_rows if native else 0
@@ -135,10 +135,12 @@ def test_the_engine_serves_a_q4_k_m_file_kept_quantized(files, dtype, caplog):
 
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="native CPU kernels did not build here")
-@pytest.mark.parametrize("name", ["demo-q4_k_m", "tiny-q4_k_m"])
-def test_the_fused_decode_runs_the_blocks_as_the_modules_do(files, name):
+@pytest.mark.parametrize(
+    ("name", "layout"), [("demo-q4_k_m", "int"), ("tiny-q4_k_m", "int"), ("tiny-q4_k_m", "blocks")]
+)
+def test_the_fused_decode_runs_the_blocks_as_the_modules_do(files, name, layout):
     # (demo: q/k Q4_K beside v Q6_K; tiny: llama.cpp's fallbacks, Q5_0 beside Q8_0, q/k/v biases, the down
-    # projections in int8)
+    # projections in int8, or in their Q8_0 blocks)
     from tests.layers.test_cpu_linear import Counting
     from tests.runner.test_fused_decode import run_steps
     from tokenmill.layers.backends import get_attention_backend
@@ -146,7 +148,9 @@ def test_the_fused_decode_runs_the_blocks_as_the_modules_do(files, name):
     from tokenmill.layers.ops import get_layer_ops
 
     backend = get_attention_backend("cpu")
-    model = load_model(files[name], dtype="float32", quant=kept(True, 8), backend=backend, ops=get_layer_ops("cpu"))
+    model = load_model(
+        files[name], dtype="float32", quant=kept(True, 8, layout), backend=backend, ops=get_layer_ops("cpu")
+    )
     assert FusedDecode.supports(model)
     assert len(model.layers[0].self_attn.qkv_proj.gguf_parts) == 2  # (two runs of two types)
     prompt = list(range(3, 3 + 21))

@@ -1,8 +1,8 @@
-"""GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept quantized at load (`quantization="auto"`): the blocks read
-into tokenmill's int8 / int4 formats exactly (against the `gguf` package's own dequantization, not
-the loader's code), the kept model computing what the dequantized one does, and the types a
-config does not map dequantized as before (the engine's map keeps the K-quants too:
-test_gguf_kquant_models.py)."""
+"""GGUF's Q8_0 / Q4_0 / Q4_1 matrices kept quantized at load (`quantization="auto"`), in either
+`gguf_layout`: read into tokenmill's int8 / int4 formats exactly (against the `gguf` package's own
+dequantization, not the loader's code), or kept in the file's own blocks; the kept model computing what
+the dequantized one does, and the types a config does not map dequantized as before (the engine's map
+keeps the K-quants too: test_gguf_kquant_models.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.models.config import ModelLoadError
 from tokenmill.models.gguf_blocks import decode, pack
 from tokenmill.models.loader import load_model
-from tokenmill.quant.config import QuantConfig
-from tokenmill.quant.gguf_method import GGUFEmbedding
+from tokenmill.quant.config import QuantConfig, gguf_methods
+from tokenmill.quant.gguf_method import GGUFBlocksMethod, GGUFEmbedding
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod
 from tokenmill.quant.method import UnquantizedLinearMethod
 from tokenmill.quant.quantize import Int4Weight, Int8Weight, QuantSpec, dequantize_int4, dequantize_int8
@@ -104,6 +104,41 @@ def test_a_kept_model_computes_what_its_dequantized_weights_do(gguf_file, type_n
         assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
 
+def blocks_kept(kernels, native_rows: int = 8, prompt: str = "gemm") -> QuantConfig:
+    """The engine's map with `gguf_layout` blocks: every product of `native_rows` rows or fewer through
+    `gguf_linear`, more through `prompt` (gguf_gemm or the dequantizing path)."""
+    methods = gguf_methods(kernels, "blocks")
+    method = methods["Q8_0"]
+    assert isinstance(method, GGUFBlocksMethod) and methods["Q4_0"] is methods["Q4_1"] is method
+    method.max_native_rows, method.prompt_kernel = native_rows, prompt
+    return kept(methods)
+
+
+@pytest.mark.parametrize("type_name", sorted(KEPT))
+def test_a_model_kept_in_its_blocks_computes_what_its_dequantized_weights_do(gguf_file, type_name):
+    """The file's bytes held as they are (the tied head reading the table's): exact through the
+    dequantizing path; through the native kernels (int8 activations in runs of 32, llama.cpp's Q8_0
+    activations) within their rounding, the decode product (`gguf_linear`, the 40 rows at once) and
+    the prompt product (`gguf_gemm`) giving the same logits."""
+    path = gguf_file(type_name)
+    dense = logits(load_model(path, dtype="float32"))
+    exact = load_model(path, dtype="float32", quant=blocks_kept(None, native_rows=0, prompt="dequant"))
+    layers = [m for m in exact.modules() if isinstance(m, LinearBase)]
+    assert len(layers) == 17 and all([p.type_name for _, p in m.gguf_parts] == [type_name] for m in layers)
+    assert isinstance(exact.embed_tokens, GGUFEmbedding)
+    assert exact.lm_head.gguf_parts[0][1].data is exact.embed_tokens.matrix.data  # one copy
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    assert exact.weight_bytes() <= 1.15 * file_bytes
+    assert_logits_close(logits(exact), dense, rel=1e-5)
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        decode = logits(load_model(path, dtype="float32", quant=blocks_kept(kernels, native_rows=64)))
+        prompt = logits(load_model(path, dtype="float32", quant=blocks_kept(kernels)))
+        assert torch.equal(prompt, decode)  # the same sums in the same order
+        assert_logits_close(decode, dense, rel=4e-2)
+        assert (decode.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
+
+
 def test_types_the_config_does_not_keep_are_dequantized_with_a_log_line(gguf_file, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         model = load_model(gguf_file("Q4_K"), dtype="float32", quant=kept(methods(None)))
@@ -118,21 +153,22 @@ def test_a_kept_tensor_that_does_not_fit_names_it(tmp_path):
         load_model(path, dtype="float32", quant=kept(methods(None)))
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
-def test_the_engine_keeps_a_gguf_quantized_by_default(gguf_file, type_name, caplog):
+@pytest.mark.parametrize(("type_name", "layout"), [("Q8_0", "int"), ("Q4_1", "int"), ("Q8_0", "blocks")])
+def test_the_engine_keeps_a_gguf_quantized_by_default(gguf_file, type_name, layout, caplog):
     """`quantization` auto (the default) keeps the file's blocks: fewer weight bytes than `none`,
     and the same greedy tokens up to near ties (int4's activations are rounded to int8)."""
     prompts = ["def fibonacci(n):", "import os\n"]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5)
     kwargs = {"dtype": "float32", "kv_cache_memory": 16 * 2**20, "max_num_seqs": 4}
     with caplog.at_level(logging.INFO, logger="tokenmill"):
-        kept = LLM(str(gguf_file(type_name)), **kwargs)
-    # 4 layers x 7 projections (a Q4_1 table: the tied head's and the embedding's, its blocks kept once)
-    assert f"GGUF matrices kept quantized: {28 if type_name == 'Q8_0' else 29} {type_name}" in caplog.text
+        kept = LLM(str(gguf_file(type_name)), gguf_layout=layout, **kwargs)
+    # 4 layers x 7 projections (a table kept in its blocks: the tied head's and the embedding's, once)
+    int_head = type_name == "Q8_0" and layout == "int"
+    assert f"GGUF matrices kept quantized: {28 if int_head else 29} {type_name}" in caplog.text
     dense = LLM(str(gguf_file(type_name)), quantization="none", **kwargs)
     assert kept.stats().weight_bytes < dense.stats().weight_bytes
     model = kept.engine.core.worker.runner.model
-    if type_name == "Q8_0":  # the tied output projection: int8 of its own on the table's grid, exactly
+    if int_head:  # the tied output projection: int8 of its own on the table's grid, exactly
         reader = gguf.GGUFReader(str(gguf_file(type_name)))
         table = next(t for t in reader.tensors if t.name == "token_embd.weight")
         blocks = gguf.quants.dequantize(np.asarray(table.data), table.tensor_type).reshape(8192, 256)
@@ -140,14 +176,14 @@ def test_the_engine_keeps_a_gguf_quantized_by_default(gguf_file, type_name, capl
         assert isinstance(head, Int8Weight) and head.group == 32
         assert np.array_equal(dequantize_int8(head, torch.float32).numpy(), blocks)
         assert not isinstance(model.embed_tokens, torch.nn.Embedding)  # the dense table dropped
-    else:  # a Q4_1 table: kept in its blocks, the head reading the same bytes
+    else:  # a table kept in its blocks, the head reading the same bytes
         assert isinstance(model.embed_tokens, GGUFEmbedding)
         assert model.lm_head.gguf_parts[0][1].data is model.embed_tokens.matrix.data
     outs = kept.generate(prompts, params, use_tqdm=False), dense.generate(prompts, params, use_tqdm=False)
     for a, b in zip(*outs, strict=True):
         x, y = a.outputs[0], b.outputs[0]
-        # (int4's int8 activations move this model's logits by up to 0.29: a tie that wide)
-        tie = {"tie_nats": 0.3} if type_name == "Q4_1" else {}
+        # (int4's and the blocks' int8 activations move this model's logits by up to 0.29: a tie that wide)
+        tie = {"tie_nats": 0.3} if type_name == "Q4_1" or layout == "blocks" else {}
         assert_same_up_to_near_tie(x.token_ids, top_logprobs(x.logprobs), y.token_ids, top_logprobs(y.logprobs), **tie)
     assert_no_leaks(kept)
     assert_no_leaks(dense)

@@ -7,10 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill import config as engine_config
+from tokenmill.kernels.defaults import CpuKind
 from tokenmill.quant.awq_gptq import CheckpointInt4Method, CheckpointInt8Method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.compressed import CompressedInt4Method
-from tokenmill.quant.config import GGUF_EMBEDDING, GGUF_TABLE, QuantConfig, QuantSettings, build_quant_config
+from tokenmill.quant.config import (
+    GGUF_EMBEDDING,
+    GGUF_LAYOUTS,
+    GGUF_TABLE,
+    QuantConfig,
+    QuantSettings,
+    build_quant_config,
+    gguf_layout,
+)
 from tokenmill.quant.gguf_method import GGUFBlocksMethod
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, W8A8LinearMethod
 from tokenmill.quant.method import UnquantizedLinearMethod
@@ -20,8 +30,10 @@ QKV, DOWN, HEAD = "layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_h
 SHAPE = (96, 64)
 
 
-def build(quantization="auto", *, device=CPU, stored=None, gguf=None, group=None, head="same", backend="torch"):
-    settings = QuantSettings(quantization, group, False, head, backend)
+def build(
+    quantization="auto", *, device=CPU, stored=None, gguf=None, group=None, head="same", backend="torch", layout="int"
+):
+    settings = QuantSettings(quantization, group, False, head, backend, layout)
     return build_quant_config(
         settings, device=device, dtype=torch.float32, dense_backend=lambda: "torch", stored=stored, gguf_types=gguf
     )
@@ -129,6 +141,32 @@ def test_a_gguf_table_of_a_block_type_stays_in_its_blocks_and_a_tied_head_reads_
     untied = build(gguf={HEAD: "Q6_K", GGUF_EMBEDDING: "Q8_0"})
     assert isinstance(untied.embedding_blocks(tied=False), GGUFBlocksMethod)
     assert build(gguf={GGUF_EMBEDDING: "F16"}).embedding_blocks(tied=False) is None
+
+
+def test_gguf_layout_blocks_keeps_q8_0_and_q4_x_in_their_blocks_a_tied_q8_0_head_reading_the_table():
+    quant = build(gguf=GGUF, layout="blocks")
+    blocks = quant.method_for("layers.0.self_attn.o_proj", SHAPE)
+    assert isinstance(blocks, GGUFBlocksMethod)
+    assert quant.method_for(QKV, SHAPE) is blocks and quant.method_for(DOWN, SHAPE) is blocks
+    tied = build(gguf={GGUF_TABLE: "Q8_0", GGUF_EMBEDDING: "Q8_0"}, layout="blocks")
+    head = tied.method_for(HEAD, SHAPE)
+    assert isinstance(head, GGUFBlocksMethod) and tied.embedding_blocks(tied=True) is head  # one copy
+
+
+def test_gguf_layout_auto_is_the_cpu_kinds_rule():
+    avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
+    zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False)
+    amx = CpuKind(avx512=True, vnni=True, bf16=True, amx=True)
+    assert gguf_layout("auto", avx2) == "q8_0"
+    assert gguf_layout("auto", zen4) == gguf_layout("auto", amx) == "int"
+    assert gguf_layout("int", avx2) == "int" and gguf_layout("blocks", amx) == "blocks"
+    assert gguf_layout("auto") in ("q8_0", "int")  # this machine's
+    q8 = build(gguf=GGUF, layout="q8_0")  # Q8_0 in its blocks, Q4_1 in int4
+    assert isinstance(q8.method_for(QKV, SHAPE), GGUFBlocksMethod)
+    assert isinstance(q8.method_for(DOWN, SHAPE), Int4LinearMethod)
+    assert GGUF_LAYOUTS == engine_config.GGUF_LAYOUTS  # (the setting's choices: one list in two rooms)
+    with pytest.raises(ValueError, match="gguf_layout: expected one of auto, blocks, q8_0, int, got 'q8'"):
+        gguf_layout("q8")
 
 
 def test_gguf_types_are_kept_on_a_cpu_under_auto_only():

@@ -91,7 +91,8 @@ class Rule:
 
 
 # The first rule that matches wins (the specific before the general). Ops: `linear` (dense: `cpu`,
-# the native kernel, or `torch`'s GEMM), `int8` / `w8a8` / `int4` (quant/int_methods.py's kernels).
+# the native kernel, or `torch`'s GEMM), `int8` / `w8a8` / `int4` (quant/int_methods.py's kernels),
+# `gguf_layout` (the form a GGUF file's 32-weight block types are kept in: quant/config.py).
 RULES: tuple[Rule, ...] = (
     # dense
     Rule("linear", DECODE, ANY, ANY, ("cpu", "torch")),
@@ -125,6 +126,16 @@ RULES: tuple[Rule, ...] = (
     Rule("int4", PROMPT, ANY, ANY, ("dequant32", "dequant", "int4pack", "amx")),
     # the greedy head
     Rule("greedy_head", ANY, ANY, ANY, ("logits", "head")),
+    # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices (`gguf_layout`, every row class): `blocks` (all three
+    # in the file's own blocks, quant/gguf_method.py), `q8_0` (Q8_0 in its blocks, Q4_0 / Q4_1 in int4)
+    # or `int` (tokenmill's int8 / int4 formats and their kernels). Without AVX-512 the blocks kernel
+    # multiplies a Q8_0 block's bytes as stored (vpmaddubsw on int8 activations in runs of 32) over
+    # several weight streams a thread at one x row, where the int8 kernel widens each weight to 16 bits
+    # over one stream a thread; Q4_0's blocks pay a nibble unpack and sign step per 32 weights that
+    # the int4 kernel's layout avoids: `q8_0`. With AVX-512 (VNNI, AMX) the int kernels' wider
+    # products and AMX tiles stay the default until a measurement there says otherwise.
+    Rule("gguf_layout", ANY, ANY, "avx512", ("int", "q8_0", "blocks")),
+    Rule("gguf_layout", ANY, ANY, ANY, ("q8_0", "int", "blocks")),
 )
 
 

@@ -10,13 +10,16 @@ and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
   projection by `quantization_head` (`same`, or `int8` per channel); a checkpoint stored quantized
   already refuses them.
 - `quantization` auto: a stored AWQ / GPTQ / compressed-tensors checkpoint loads as stored (CPU only;
-  its output projection dense); a GGUF file's layers stay quantized on a CPU: Q8_0 matrices load into
-  int8 and Q4_0 / Q4_1 ones into int4 (groups of 32: the same grids) where every tensor of the layer
-  shares that type; the K-quants (Q4_K, Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay
-  in the file's own blocks (quant/gguf_method.py), the embedding table too where its type is one of
-  those (`embedding_blocks`); a tied output projection over a Q8_0 table becomes an int8 layer of its
-  own, quantized from the table in groups of 32 (Q8_0's grid again, exactly), over a table of another
-  block type the table's blocks themselves. Otherwise dense.
+  its output projection dense); a GGUF file's layers stay quantized on a CPU. The K-quants (Q4_K,
+  Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay in the file's own blocks
+  (quant/gguf_method.py), the embedding table too where its type is one of those
+  (`embedding_blocks`). Q8_0 / Q4_0 / Q4_1 matrices go by `gguf_layout`: `blocks` keeps them so too
+  (`q8_0`: Q8_0 only, Q4_0 / Q4_1 as `int`); `int` loads Q8_0 into int8 and Q4_0 / Q4_1 into int4
+  (groups of 32: the same grids) where every tensor of the layer shares that type, and a tied output
+  projection over a Q8_0 table becomes an int8 layer of its own, quantized from the table in groups
+  of 32 (Q8_0's grid again, exactly); `auto` takes the CPU kind's default (kernels/defaults.py).
+  Over a table of another block type the tied projection reads the table's blocks themselves.
+  Otherwise dense.
 - `quantization` none: dense (the `linear_backend` method); a stored quantized checkpoint refuses it.
 2:4 checkpoints take the dense method; the loader moves their weights to the sparse tensor cores
 (quant/sparse24.py).
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, load_cpu_kernels
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, cpu_flags, load_cpu_kernels
+from tokenmill.kernels.defaults import ANY, CpuKind, default_choice
 from tokenmill.quant.awq_gptq import checkpoint_method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.cpu_dense import get_dense_linear_method
@@ -39,6 +43,8 @@ from tokenmill.quant.method import LinearMethod, Shape, UnquantizedLinearMethod
 from tokenmill.quant.quantize import QuantSpec
 
 GGUF_BLOCK = 32  # the group of GGUF's Q8_0 / Q4_0 / Q4_1 blocks
+GGUF_INT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the block types `gguf_layout` may load into the int formats
+GGUF_LAYOUTS = ("auto", "blocks", "q8_0", "int")
 HEAD = "lm_head"  # the output projection's prefix
 GGUF_TABLE = "embed_tokens"  # `gguf_types` key of a tied output projection's table
 GGUF_EMBEDDING = "model.embed_tokens"  # `gguf_types` key of the embedding table's type (tied or not)
@@ -53,6 +59,7 @@ class QuantSettings:
     group_fallback: bool = False
     head: str = "same"  # same, int8
     linear_backend: str = "auto"  # the kernels' switch: torch keeps the quantized methods off the native kernels
+    gguf_layout: str = "auto"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices: auto, blocks, q8_0, int
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,7 @@ def build_quant_config(
             return QuantConfig(checkpoint_method(stored, kernels()), dense, name=stored.method)  # (the head: dense)
         if quantization == "none" or gguf_types is None or device.type != "cpu":
             return QuantConfig(dense, name="none")
-        return _gguf_config(dense, gguf_types, kernels())
+        return _gguf_config(dense, gguf_types, kernels(), gguf_layout(settings.gguf_layout))
     if stored is not None:
         raise ValueError(
             f"quantization: this checkpoint is {stored.method.upper()}-quantized already; "
@@ -191,16 +198,33 @@ def build_quant_config(
     return QuantConfig(get_quant_method(spec, native), get_head_method(spec, native), name=quantization)
 
 
-def gguf_methods(kernels: CpuKernels | None) -> dict[str, LinearMethod]:
-    """A GGUF tensor type -> the method that keeps such matrices as stored: Q8_0 in int8, Q4_0 and
-    Q4_1 in int4, in groups of 32 (the same grids); the K-quants and Q5_0 / Q5_1 in their own blocks
-    (which also take layers mixing block types, and embedding tables)."""
+def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:
+    """`blocks`, `q8_0` or `int`: the form of a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices; `auto` is the default
+    rule for `cpu` (None: this machine's, from /proc/cpuinfo's flags)."""
+    if setting not in GGUF_LAYOUTS:
+        raise ValueError(f"gguf_layout: expected one of {', '.join(GGUF_LAYOUTS)}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    return default_choice("gguf_layout", ANY, ANY, cpu or CpuKind.from_flags(cpu_flags()), GGUF_LAYOUTS[1:])
+
+
+def gguf_methods(kernels: CpuKernels | None, layout: str = "int") -> dict[str, LinearMethod]:
+    """A GGUF tensor type -> the method that keeps such matrices as stored: the K-quants and Q5_0 /
+    Q5_1 in their own blocks (which also take layers mixing block types, and embedding tables); Q8_0,
+    Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of them Q8_0 in
+    int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids)."""
+    blocks = GGUFBlocksMethod(kernels)
+    kept: dict[str, LinearMethod] = {t: blocks for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
     int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)
     int4 = Int4LinearMethod(QuantSpec("int4", GGUF_BLOCK), kernels, prequantized=True)
-    blocks = GGUFBlocksMethod(kernels)
-    return {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4} | {t: blocks for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
+    ints: dict[str, LinearMethod] = {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}
+    in_blocks = GGUF_INT_TYPES if layout == "blocks" else ("Q8_0",) if layout == "q8_0" else ()
+    return {t: blocks if t in in_blocks else m for t, m in ints.items()} | kept
 
 
-def _gguf_config(dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None) -> QuantConfig:
-    tied = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels)  # quantized from the table at load
-    return QuantConfig(dense, None, gguf_methods(kernels), dict(gguf_types), tied, name="none")
+def _gguf_config(
+    dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None, layout: str
+) -> QuantConfig:
+    # a tied head over a Q8_0 table: int8 quantized from the table at load (`int`), else its blocks
+    tied = None if layout in ("blocks", "q8_0") else Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels)
+    return QuantConfig(dense, None, gguf_methods(kernels, layout), dict(gguf_types), tied, name="none")
