@@ -71,8 +71,8 @@ class TraceWindow:
 
 
 TRACES = {
-    "azure-code": TraceWindow("azure", DATA / "azure_code_window.csv", "0:20", 1.0),
-    "azure-conv": TraceWindow("azure", DATA / "azure_conv_window.csv", "0:20", 1.0),
+    "azure-code": TraceWindow("azure", DATA / "azure_code_window.csv", "0:10", 1.0),
+    "azure-conv": TraceWindow("azure", DATA / "azure_conv_window.csv", "0:10", 1.0),
 }
 WORKLOADS = ("mixed", *TRACES)
 
@@ -111,13 +111,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=4.0, help="mixed: requests per second (Poisson)")
     parser.add_argument("--requests", type=int, default=64, help="mixed: requests")
     parser.add_argument("--model", default=str(DEMO_MODEL))
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="float32", help="float32: no bfloat16 matmul on an AVX2-only CPU")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads (1: steady on a shared machine)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"any of {', '.join(WORKLOADS)}")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help="any of the settings, by name, ';'-separated")
+    parser.add_argument("--settings", default=";".join(SETTINGS), help="any of the settings, by name, ';'-separated")
     parser.add_argument("--out", default=str(RESULTS / "doctor_sim.json"))
     args = parser.parse_args()
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    args.settings = [s.strip() for s in args.settings.replace(";", ",").split(",") if s.strip()]
+    args.settings = [s.strip() for s in args.settings.split(";") if s.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS] + [s for s in args.settings if s not in SETTINGS]
     if unknown:
         parser.error(f"unknown workloads or settings: {', '.join(unknown)}")
@@ -198,6 +199,7 @@ def build_result(args: argparse.Namespace, cases: dict[str, Case], runs: Runs, r
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags()},
         "model": Path(args.model).name,
         "dtype": args.dtype,
+        "cpu_threads": args.cpu_threads,
         "workloads": workloads,
         "repeats": args.repeats,
         "step_cost": {  # the middle probe's
@@ -236,6 +238,8 @@ def print_table(rows: dict[str, Any]) -> None:
 def main() -> None:
     args = parse_args()
     base = {"model": args.model, "dtype": args.dtype, "enable_prefix_caching": False, "seed": 0}
+    if args.cpu_threads is not None:
+        base["cpu_threads"] = args.cpu_threads
     engines = {name: LLMEngine(EngineConfig.from_kwargs(**base, **SETTINGS[name])) for name in args.settings}
     first = next(iter(engines.values()))
     cases = {name: build_case(name, first, args) for name in args.workloads}
