@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class Runs:
     step_level: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     probes: list[StepCost] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)  # the 1-minute load average after each measured run
 
 
 def parse_args() -> argparse.Namespace:
@@ -147,6 +149,7 @@ def run_once(engine: LLMEngine, key: str, repeat: int, case: Case, runs: Runs) -
     log = StepLog(engine)
     run = run_offline(engine, case.workload, key, repeat, request_rate=case.rate)
     log.close()
+    runs.loads.append(os.getloadavg()[0])
     engine.reset_prefix_cache()
     runs.step_level.setdefault(key, []).append({k: v[0] for k, v in log.measured_over_predicted(cost).items()})
     runs.measured.setdefault(key, []).append(figures(summarize(run.records, run.duration_s)))
@@ -215,6 +218,7 @@ def build_result(args: argparse.Namespace, cases: dict[str, Case], runs: Runs, r
             "calibration": cost.calibration,
         },
         "calibrations": [c.calibration for c in runs.probes],
+        "load_average_1min": runs.loads,  # the machine's load after each measured run (other jobs on it)
         "probe_decode_ms_at_16": [c.decode_step(16, 128) * 1e3 for c in runs.probes],  # how far the machine drifted
         "rows": rows,
     }
