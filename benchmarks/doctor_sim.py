@@ -22,7 +22,8 @@ of the repeats (spread shown), the error the median of the repeats' own errors. 
 apart from the schedule: each measured run's own steps (`calibrate.StepLog`), summed measured time over
 the time the cost model gives them.
 
-Writes benchmarks/results/doctor_sim.json (`--out`) and prints its table for benchmarks/RESULTS.md.
+Writes benchmarks/results/doctor_sim_traces.json (`--out`; the SmolLM2 synthetic rows of RESULTS.md are
+in doctor_sim.json) and prints its table for benchmarks/RESULTS.md.
 
 Usage: python benchmarks/doctor_sim.py [--model DIR] [--workloads mixed,azure-code,azure-conv] [--repeats 3]
 """
@@ -117,7 +118,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads (1: steady on a shared machine)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"any of {', '.join(WORKLOADS)}")
     parser.add_argument("--settings", default=";".join(SETTINGS), help="any of the settings, by name, ';'-separated")
-    parser.add_argument("--out", default=str(RESULTS / "doctor_sim.json"))
+    parser.add_argument("--out", default=str(RESULTS / "doctor_sim_traces.json"))
     args = parser.parse_args()
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.settings = [s.strip() for s in args.settings.split(";") if s.strip()]
