@@ -334,6 +334,13 @@ def test_the_doctor_runs_on_the_bundled_demo_model(tmp_path, capsys):
         "roofline, uncalibrated"
     )
     assert "## Targets (predicted" in (out / "report.md").read_text()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokenmill doctor: ")]
+    steps = [next(i for i, line in enumerate(said) if f"probe {n}/4" in line) for n in (1, 2, 3, 4)]
+    calibrating = next(i for i, line in enumerate(said) if "calibrating: the trace's first 16 requests" in line)
+    calibrated = next(i for i, line in enumerate(said) if line.startswith("tokenmill doctor: calibrated on "))
+    # the probe and the calibration say where they are
+    assert steps == sorted(steps) and steps[-1] < calibrating < calibrated
+    assert any("replay 1 (current settings): 16 requests in" in line for line in said[calibrated:])
 
 
 @pytest.mark.slow  # (tens of seconds: `make test-all` runs it)

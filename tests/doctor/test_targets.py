@@ -10,12 +10,13 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill.bench.workloads import BenchRequest, Workload, WorkloadSpec
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.diagnose import Diagnosis, Replays
-from tokenmill.doctor.hardware import BUILT_IN, Target, TargetError, load_target
+from tokenmill.doctor.hardware import BUILT_IN, Target, TargetError, load_target, measure_here
 from tokenmill.doctor.roofline import (
     Calibration,
     ModelShape,
@@ -269,3 +270,10 @@ def test_a_probe_on_the_target_round_trips_through_a_steps_file(tmp_path):
     c = read_measured_steps(str(path), 2.5).calibration
     assert c.decode.efficiency == pytest.approx(0.8) and c.other.efficiency == pytest.approx(0.55)
     assert c.decode.overhead == pytest.approx(0.002) and c.band < 1e-9 and "synthetic probe" in c.source
+
+
+@pytest.mark.parametrize(("dtype", "said"), [(torch.float32, "(float32)"), (torch.bfloat16, "(float32 or bfloat16)")])
+def test_here_names_the_matmuls_it_timed_once_each(dtype, said):
+    # (a float32 engine's "here" read "1024^3 matmul (float32 or float32)")
+    here = measure_here(dtype, memory_bytes=2**30, mib=8, n=64)
+    assert here.source.endswith(f"64^3 matmul {said}") and here.memory_bytes == 2**30

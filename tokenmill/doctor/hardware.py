@@ -135,12 +135,13 @@ def measure_here(dtype: Any, memory_bytes: int | None = None, mib: int = 256, n:
         peak = max(peak, 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, 7))
     memory = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     name = str(dtype).split(".")[-1]
+    timed = "float32" if name == "float32" else f"float32 or {name}"
     return Target(
         "here",
         "this machine",
         int(memory),
         bandwidth,
         dict.fromkeys(DTYPES, peak),
-        f"measured on this machine: {mib} MiB summed, {n}^3 matmul (float32 or {name})",
+        f"measured on this machine: {mib} MiB summed, {n}^3 matmul ({timed})",
         measured=True,
     )

@@ -1,0 +1,121 @@
+"""The doctor's own speed on a long trace: reading a 10,000-request window and replaying it.
+
+A window of `--requests` requests of a trace read as `tokenmill doctor --workload KIND:FILE` reads it
+(doctor/traces/: windowed, lengths fitted to the model's context), then replayed through the simulator
+at the current settings (`diagnose.Replays`, fast-forward on), the cost model probed on the model's
+engine first (the probe's and the calibration's progress lines printed as the doctor prints them).
+With `--diagnose`, also every replay the doctor's six questions run (`diagnose.diagnose`, without the
+measured quantization and stall checks, which run the model and do not grow with the trace).
+
+The trace: `--trace KIND:FILE` (e.g. Azure's whole `AzureLLMInferenceTrace_conv.csv`, Mooncake's
+`conversation_trace.jsonl`), else one written for the run: `--requests` rows in Azure's format whose
+lengths are drawn from benchmarks/data/azure_conv_window.csv's rows and whose arrivals are Poisson at
+that window's rate. Figures: seconds for each phase (one run each: a shared machine's noise is small
+against the minute the issue asks for). Writes benchmarks/results/doctor_speed.json.
+
+Usage: python benchmarks/doctor_speed.py [--trace KIND:FILE] [--requests 10000] [--diagnose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import random
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS, ROOT
+
+from tokenmill.bench.workloads import WorkloadSpec
+from tokenmill.config import EngineConfig
+from tokenmill.doctor.calibrate import calibrate
+from tokenmill.doctor.diagnose import Replays, diagnose
+from tokenmill.doctor.step_cost import probe
+from tokenmill.doctor.traces.load import TraceFlags, load_workload
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine_args import DEMO_MODEL
+
+WINDOW = ROOT / "data" / "azure_conv_window.csv"
+
+
+def write_azure_like(path: Path, requests: int, seed: int = 0) -> None:
+    """`requests` rows in Azure's CSV format: lengths drawn from WINDOW's rows, Poisson arrivals at its rate."""
+    with WINDOW.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    times = [datetime.fromisoformat(r["TIMESTAMP"]) for r in rows]
+    rate = (len(rows) - 1) / (times[-1] - times[0]).total_seconds()
+    rng = random.Random(seed)
+    t = times[0]
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        for _ in range(requests):
+            row = rng.choice(rows)
+            out.writerow([t.isoformat(sep=" "), row["ContextTokens"], row["GeneratedTokens"]])
+            t += timedelta(seconds=rng.expovariate(rate))
+
+
+def say(text: str) -> None:
+    print(f"doctor_speed: {text}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default=None, help="KIND:FILE (default: an Azure-like trace written for the run)")
+    parser.add_argument("--window", default=None, help="START:END seconds of the trace")
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--model", default=str(DEMO_MODEL))
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--diagnose", action="store_true", help="also every replay the six questions run")
+    parser.add_argument("--out", default=str(RESULTS / "doctor_speed.json"))
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, max_num_seqs=args.max_num_seqs, dtype="bfloat16"))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = args.trace
+        if trace is None:
+            written = Path(tmp) / "azure_like.csv"
+            write_azure_like(written, args.requests)
+            trace = f"azure:{written}"
+        vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+        start = time.perf_counter()
+        workload, info = load_workload(
+            WorkloadSpec(trace, args.requests), engine.tokenizer, engine.max_model_len, vocab,
+            TraceFlags(args.window, 1.0, "fit"),
+        )  # fmt: skip
+        read_s = time.perf_counter() - start
+    say(f"read and shaped {len(workload.requests)} requests in {read_s:.1f} s")
+    cost = calibrate(engine, workload, probe(engine, progress=say), None, progress=say)
+    start = time.perf_counter()
+    replays = Replays.of(engine, cost, workload, None, progress=say)
+    summary = replays({})
+    replay_s = time.perf_counter() - start
+    sim = replays.engine({}).record
+    result: dict[str, Any] = {
+        "machine": platform.processor() or platform.machine(),
+        "model": Path(args.model).name,
+        "trace": trace if args.trace else f"azure-like, {args.requests} rows drawn from {WINDOW.name}",
+        "requests": len(workload.requests),
+        "trace_notes": info.notes if info else [],
+        "read_seconds": read_s,
+        "replay_seconds": replay_s,
+        "read_and_replay_seconds": read_s + replay_s,
+        "simulated_steps": sim.steps,
+        "simulated_seconds": summary["duration_s"],
+        "probe_seconds": cost.probe_seconds,
+    }
+    say(f"one replay: {replay_s:.1f} s ({sim.steps} steps, {summary['duration_s']:.0f} s of trace time)")
+    if args.diagnose:
+        start = time.perf_counter()
+        diagnose(engine, workload, cost, measure_quantization=False, measure_stalls=False, progress=say)
+        result["diagnose_replays_seconds"] = time.perf_counter() - start
+        say(f"the six questions' replays: {result['diagnose_replays_seconds']:.1f} s")
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
