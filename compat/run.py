@@ -216,14 +216,16 @@ assert all(isinstance(d.embedding, str) for d in coded.data) and coded.usage == 
 decoded = [struct.unpack(f"<{width}f", base64.b64decode(d.embedding)) for d in coded.data]
 assert all(len(base64.b64decode(d.embedding)) == 4 * width for d in coded.data)
 worst = max(abs(a - b) for v, w in zip(vectors, decoded, strict=True) for a, b in zip(v, w, strict=True))
-assert worst == 0, worst  # the same float32 values, written as JSON numbers or as bytes
+assert worst < 1e-5, worst  # (a second request may read the first's prompts from the prefix cache)
 default = c.embeddings.create(model=model, input=texts)  # (the client picks the format and decodes)
-assert [list(d.embedding) for d in default.data] == vectors
+assert all(len(d.embedding) == width for d in default.data)
+fmt = max(abs(a - b) for d, v in zip(default.data, vectors, strict=True) for a, b in zip(d.embedding, v, strict=True))
+assert fmt < 1e-5, fmt
 one = c.embeddings.create(model=model, input=texts[1], encoding_format="float").data[0].embedding
 alone = max(abs(a - b) for a, b in zip(one, vectors[1], strict=True))
 assert alone < 1e-5, alone
-print(f"{len(texts)} texts x {width} floats, unit length; base64 decodes to the float answer exactly; the "
-      f"client's default equal; one text alone within {alone:.0e} ({floats.usage.prompt_tokens} prompt tokens)")
+print(f"{len(texts)} texts x {width} floats, unit length; base64 decodes to the float answer within {worst:.0e}, "
+      f"the client's default within {fmt:.0e}, one text alone within {alone:.0e} ({floats.usage.prompt_tokens} tokens)")
 """
 
 
