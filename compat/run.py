@@ -10,6 +10,10 @@ tool and exits non-zero on any failure:
   `store: true` refused;
 - anthropic: the official client's Messages API calls: a message whole and streamed (its stream helper),
   a stop sequence, a forced tool call and its tool_result sent back, an error in Anthropic's shape;
+- openai-embeddings: the official client's embeddings calls against a second server, `tokenmill serve
+  --task embed` on an embedding folder `tokenmill make-model --pooling last` writes (random weights: no
+  embedder can be downloaded here): a list of texts as float and as base64 (which decodes to the float
+  answer), the client's default (it asks for base64 and decodes it), one text alone;
 - lm-eval: `local-completions` log-likelihoods (echo + logprobs) on compat/tasks/tokenmill_python,
   each equal to lm-eval's own transformers run of the same checkpoint (`--model hf`) within 1e-3;
 - schemathesis: every check, all phases, against /openapi.json (compat/schemathesis.toml);
@@ -40,9 +44,15 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 LL_TOLERANCE = 1e-3
 
 
+TOKENMILL = ROOT / ".venv" / "bin" / "tokenmill"
+
+
 class Server:
-    def __init__(self, log: Path) -> None:
-        cmd = [str(ROOT / ".venv" / "bin" / "tokenmill"), "serve", str(MODEL), "--port", "0", "--dtype", "float32"]
+    """`tokenmill serve MODEL` on a free loopback port, float32, small KV; RuntimeError if it does not
+    come up (its log's tail)."""
+
+    def __init__(self, log: Path, model: Path = MODEL, extra: tuple[str, ...] = ()) -> None:
+        cmd = [str(TOKENMILL), "serve", str(model), "--port", "0", "--dtype", "float32", *extra]
         cmd += ["--max-model-len", "256", "--kv-cache-memory", str(64 * 2**20), "--max-waiting", "256"]
         self.log = log
         self.proc = subprocess.Popen(cmd, stderr=log.open("w"), stdout=subprocess.DEVNULL)
@@ -53,9 +63,10 @@ class Server:
                 self.url = found.group(1)
                 return
             if self.proc.poll() is not None:
-                raise SystemExit(f"tokenmill serve exited:\n{log.read_text()[-2000:]}")
+                raise RuntimeError(f"tokenmill serve exited:\n{log.read_text()[-2000:]}")
             time.sleep(0.2)
-        raise SystemExit("tokenmill serve did not start in 120 s")
+        self.stop()
+        raise RuntimeError("tokenmill serve did not start in 120 s")
 
     @staticmethod
     def _healthy(url: str) -> bool:
@@ -186,6 +197,56 @@ def check_anthropic(tools: Path, url: str, scratch: Path) -> str:
     return _client_check(ANTHROPIC_CHECK, tools, url)
 
 
+EMBEDDINGS_CHECK = r"""
+import base64, math, struct, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+(model,) = [m.id for m in c.models.list().data]
+width = int(sys.argv[2])  # the folder's hidden size
+texts = ["def fib(n):", "the quick brown fox", "import numpy as np", "fibonacci numbers"]
+floats = c.embeddings.create(model=model, input=texts, encoding_format="float")
+assert floats.object == "list" and [d.index for d in floats.data] == list(range(len(texts))), floats.data
+vectors = [d.embedding for d in floats.data]
+assert all(len(v) == width and all(isinstance(x, float) for x in v) for v in vectors), [len(v) for v in vectors]
+assert all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-5 for v in vectors)  # the folder's Normalize module
+assert len({tuple(v) for v in vectors}) == len(texts)
+assert 0 < floats.usage.prompt_tokens == floats.usage.total_tokens, floats.usage
+coded = c.embeddings.create(model=model, input=texts, encoding_format="base64")
+assert all(isinstance(d.embedding, str) for d in coded.data) and coded.usage == floats.usage
+decoded = [struct.unpack(f"<{width}f", base64.b64decode(d.embedding)) for d in coded.data]
+assert all(len(base64.b64decode(d.embedding)) == 4 * width for d in coded.data)
+worst = max(abs(a - b) for v, w in zip(vectors, decoded, strict=True) for a, b in zip(v, w, strict=True))
+assert worst < 1e-5, worst  # (a second request may read the first's prompts from the prefix cache)
+default = c.embeddings.create(model=model, input=texts)  # (the client picks the format and decodes)
+assert all(len(d.embedding) == width for d in default.data)
+fmt = max(abs(a - b) for d, v in zip(default.data, vectors, strict=True) for a, b in zip(d.embedding, v, strict=True))
+assert fmt < 1e-5, fmt
+one = c.embeddings.create(model=model, input=texts[1], encoding_format="float").data[0].embedding
+alone = max(abs(a - b) for a, b in zip(one, vectors[1], strict=True))
+assert alone < 1e-5, alone
+print(f"{len(texts)} texts x {width} floats, unit length; base64 decodes to the float answer within {worst:.0e}, "
+      f"the client's default within {fmt:.0e}, one text alone within {alone:.0e} ({floats.usage.prompt_tokens} tokens)")
+"""
+
+
+def embed_server(scratch: Path) -> Server:
+    """`tokenmill serve --task embed` on a random-weight embedding folder (last-token pooling, normalized)
+    that `tokenmill make-model` writes into `scratch`."""
+    folder = scratch / "embedder"
+    done = run([str(TOKENMILL), "make-model", "--pooling", "last", "--out", str(folder)], 300)
+    if done.returncode:
+        raise RuntimeError(f"make-model:\n{tail(done)}")
+    return Server(scratch / "serve-embed.log", folder, ("--task", "embed"))
+
+
+def check_openai_embeddings(tools: Path, url: str, scratch: Path) -> str:
+    width = json.loads((scratch / "embedder" / "config.json").read_text())["hidden_size"]
+    done = run([str(tools / "bin" / "python"), "-c", EMBEDDINGS_CHECK, url, str(width)], 180)
+    if done.returncode:
+        raise RuntimeError(tail(done))
+    return done.stdout.strip().splitlines()[-1]
+
+
 def _lm_eval(tools: Path, model: str, args: str, out: Path) -> list[list[float]]:
     cmd = [str(tools / "bin" / "lm_eval"), "--model", model, "--model_args", args, "--tasks", "tokenmill_python"]
     cmd += ["--include_path", "compat/tasks", "--log_samples", "--output_path", str(out), "--device", "cpu"]
@@ -268,11 +329,29 @@ CHECKS: dict[str, Callable[[Path, str, Path], str]] = {
     "openai": check_openai,
     "openai-responses": check_openai_responses,
     "anthropic": check_anthropic,
+    "openai-embeddings": check_openai_embeddings,
     "lm-eval": check_lm_eval,
     "guidellm": check_guidellm,
     "aiperf": check_aiperf,
     "schemathesis": check_schemathesis,
 }
+# the checks run against the embedding server (started the first time one of them runs); the others
+# against the demo model's
+EMBED_CHECKS = frozenset({"openai-embeddings"})
+
+
+def started(servers: dict[str, Server | RuntimeError], kind: str, scratch: Path) -> Server:
+    """The server of `kind` ("chat": the demo model; "embed"), started on first use; a start that failed
+    fails each check that needs it, once tried."""
+    if kind not in servers:
+        try:
+            servers[kind] = embed_server(scratch) if kind == "embed" else Server(scratch / "serve.log")
+        except RuntimeError as e:
+            servers[kind] = e
+    server = servers[kind]
+    if isinstance(server, RuntimeError):
+        raise server
+    return server
 
 
 def main() -> int:
@@ -286,23 +365,26 @@ def main() -> int:
     if unknown:
         parser.error(f"--only: unknown tool {unknown[0]!r}")
     scratch = Path(tempfile.mkdtemp(prefix="tokenmill-compat-"))
-    server = Server(scratch / "serve.log")
+    servers: dict[str, Server | RuntimeError] = {}
     failed = 0
     try:
         for name in wanted:
             start = time.monotonic()
             try:
+                server = started(servers, "embed" if name in EMBED_CHECKS else "chat", scratch)
                 line = f"PASS {name}: {CHECKS[name](tools, server.url, scratch)}"
             except Exception as e:  # one tool's failure is reported, the others still run
                 failed += 1
                 line = f"FAIL {name}: {e}"
             print(f"{line} ({time.monotonic() - start:.0f} s)", flush=True)
     finally:
-        server.stop()
-    log = (scratch / "serve.log").read_text()
-    if "Traceback" in log:
-        failed += 1
-        print(f"FAIL server log: a traceback (see {scratch / 'serve.log'})")
+        for server in servers.values():
+            if isinstance(server, Server):
+                server.stop()
+    for log in sorted(scratch.glob("serve*.log")):
+        if "Traceback" in log.read_text():
+            failed += 1
+            print(f"FAIL server log: a traceback (see {log})")
     return 1 if failed else 0
 
 

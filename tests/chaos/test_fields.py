@@ -366,6 +366,7 @@ RELATIONAL = {
     ("min_tokens", "invalid_value"),  # more than max_tokens
     ("tool_choice", "invalid_value"),  # a named tool not among the tools
     ("n", "invalid_value"),  # n x prompts
+    ("top_logprobs", "invalid_value"),  # chat: without logprobs (left out of the schema: openapi._chat_rules)
 }
 
 

@@ -7,6 +7,7 @@ the field. Every test ends with no KV block held."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -203,6 +204,31 @@ def test_tool_calls_come_after_the_reasoning(server, parser, folder):
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
     chunks = chat_stream(server, **body)
     assert joined(chunks, "reasoning_content") == message["reasoning_content"]
+
+
+def test_strict_fields_take_the_reasoning_fields(server, parser):
+    """--strict-fields refuses unknown fields, and takes the reasoning fields (chat's own properties) on
+    the chat path and on the Messages and Responses APIs that map onto it."""
+    from tokenmill.server.protocol import RequestCaps
+
+    loose = server.server.limits
+    server.server.limits = dataclasses.replace(loose, strict_fields=True)
+    try:
+        parser("qwen3")
+        fields = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}
+        message = chat(server, max_tokens=4, include_reasoning=False, **fields)["choices"][0]["message"]
+        assert "reasoning_content" not in message
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": ASK, "bogus": 1}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bogus", r.text
+        anthropic = {"model": "tiny", "max_tokens": 4, "messages": ASK, "thinking": {"type": "disabled"}}
+        anthropic["output_config"] = {"effort": "low"}
+        responses = {"input": "hi", "max_output_tokens": 4, "reasoning": {"effort": "low"}}
+        for path, body in (("/v1/messages", anthropic), ("/v1/responses", responses)):
+            r = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, (path, r.text)
+    finally:
+        server.server.limits = loose
+    assert isinstance(loose, RequestCaps) and not loose.strict_fields
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, GetJsonSchemaHandler, field_validator, model_validator
-from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import core_schema
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.caps import check_count, parse_json
@@ -150,10 +148,6 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = tuple(n for n in _Request.UNSUPPORTED if n != "reasoning_effort")
-    # accepted, and left out of the JSON schema's properties (its description names them): one more
-    # property takes the schema past what schemathesis's canonicalizer models (its allOf rules
-    # multiply with the properties), and unknown fields are allowed there anyway
-    UNDOCUMENTED: ClassVar[tuple[str, ...]] = ("chat_template_kwargs", "reasoning_effort", "include_reasoning")
 
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_tokens: PositiveInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -166,9 +160,17 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     # reasoning (server/reasoning.py): more variables for the chat template (vLLM's), the effort asked of a
     # template that reads `reasoning_effort`, and whether a reasoning parser's reasoning_content is sent
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: ReasoningEffort | None = None
-    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="More variables for the chat template (enable_thinking, say): names a template can read, "
+        "not the parameters of transformers' apply_chat_template.",
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None, description="Given to a chat template that reads reasoning_effort."
+    )
+    include_reasoning: bool = Field(
+        default=True, description="Whether reasoning_content is sent (with tokenmill serve --reasoning-parser)."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> ChatCompletionRequest:
@@ -216,20 +218,6 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
-
-    @classmethod
-    def __get_pydantic_json_schema__(
-        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
-    ) -> JsonSchemaValue:
-        json_schema = super().__get_pydantic_json_schema__(schema, handler)
-        for name in cls.UNDOCUMENTED:
-            json_schema["properties"].pop(name, None)
-        json_schema["description"] = (
-            "POST /v1/chat/completions. Also taken (docs/other-apis.md): chat_template_kwargs (an object: more "
-            "variables for the chat template), reasoning_effort (none, minimal, low, medium, high: given to the "
-            "template), include_reasoning (a boolean: reasoning_content sent with --reasoning-parser)."
-        )
-        return json_schema
 
     def template_variables(self) -> dict[str, Any]:
         """What the chat template gets besides the messages and tools: `reasoning_effort` if sent, then
