@@ -119,3 +119,11 @@ def test_serve_refuses_a_model_and_models_together(tiny_model_dir, tmp_path: Pat
     assert "give --models or --models-dir, not both" in capsys.readouterr().err
     assert main(["serve", "--models", path, "--memory", "1KiB"]) == 2
     assert "memory: a alone needs about" in capsys.readouterr().err
+
+
+def test_serve_refuses_record_trace_with_several_models(tiny_model_dir, tmp_path: Path, capsys) -> None:
+    # the trace recorder hooks one engine; with several models it would record nothing, so it is refused
+    path = write(tmp_path, f"a: {tiny_model_dir('llama')}")
+    assert main(["serve", "--models", path, "--record-trace", str(tmp_path / "t.jsonl")]) == 2
+    assert "record_trace: not with --models / --models-dir" in capsys.readouterr().err
+    assert not (tmp_path / "t.jsonl").exists()

@@ -197,3 +197,26 @@ def test_a_model_whose_process_died_loads_again(two: RunningPool) -> None:
     assert r.status_code == 200, r.text
     assert two.pid("beta") not in (None, pid)
     two.assert_no_leaks()
+
+
+def test_a_model_that_fails_to_load_answers_a_clear_500_and_wedges_nothing(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"  # a config.json passes the catalog's check; the weights do not load
+    broken.mkdir()
+    (broken / "config.json").write_bytes((folders["alpha"] / "config.json").read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    running = start_several(write_models_file(tmp_path, {"alpha": str(folders["alpha"]), "broken": str(broken)}))
+    try:
+        for _ in range(2):  # the failure is not remembered as a wedge: each try fails again, quickly
+            r = complete(running.base_url, "broken")
+            assert r.status_code == 500
+            error = r.json()["error"]
+            assert error["code"] == "model_load_failed" and error["param"] == "model"
+            assert "The model 'broken' failed to load" in error["message"]
+            assert running.state("broken") == "unloaded"
+        assert complete(running.base_url, "alpha").status_code == 200  # the other model still serves
+        assert running.pool.entries["broken"].users == running.pool.entries["broken"].waiters == 0
+        running.assert_no_leaks()
+    finally:
+        running.stop()

@@ -249,6 +249,8 @@ def run_several(config: EngineConfig, settings: ServeSettings, front: FrontDoor,
         raise ValueError("models: one engine process per model; not with data_parallel_size, disaggregate or Ray")
     if settings.served_model_name is not None:
         raise ValueError("served_model_name: with --models a model's name is its key (with --models-dir, its folder's)")
+    if settings.record_trace is not None:
+        raise ValueError("record_trace: not with --models / --models-dir yet (record one model's server at a time)")
     specs = catalog(config, settings)
     pool = ModelPool(specs, pool_settings(settings), settings, front)
     for spec in specs:
