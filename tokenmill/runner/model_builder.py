@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,46 +174,31 @@ def _load(
     bytes so placed passed to `placed`); a quantizing one leaves them to `move_to_huge_pages`, as its
     dense weights are dropped once quantized. On a CPU, torch runs one thread meanwhile, and the
     layers are quantized on as many threads as torch had, one layer each (runner/cpu_threads.py)."""
-    if device.type != "cpu":
-        return _load_on(config, device, source, resolved, backend, ops, placed, workers=1)
-    with torch_threads(1) as threads:
-        return _load_on(config, device, source, resolved, backend, ops, placed, workers=threads)
-
-
-def _load_on(
-    config: EngineConfig,
-    device: torch.device,
-    source: Source,
-    resolved: Resolved,
-    backend: AttentionBackend,
-    ops: LayerOps,
-    placed: Callable[[int], object] | None,
-    workers: int,
-) -> LlamaForCausalLM:
-    """`_load`'s work, the layers quantized on `workers` threads."""
-    name = Path(source.path if isinstance(source, GGUFCheckpoint) else source).name
-    dtype, quant = resolved.dtype, resolved.quant
-    cache = cache_for(source, quant, dtype, device)
-    if cache is not None and cache.exists():
-        try:
-            with phase(f"reading {name}'s {config.quantization} weights from the cache {cache.folder}"):
-                return cache.load(str(source), dtype, backend, ops, quant)
-        except (CacheMismatch, OSError) as exc:
-            logger.warning("quantized weights cache %s unusable (%s): quantizing again", cache.folder, exc)
-    what = f"reading the weights of {name} in {str(dtype).removeprefix('torch.')}"
-    if cache is not None:
-        what += f" and quantizing them to {config.quantization} (once: then cached)"
-    place = None
-    if placed is not None and not quantizes_at_load(quant):
-        place = lambda m: placed(huge_pages.place_on_huge_pages(m))  # noqa: E731
-    with phase(what):
-        model = load_model(
-            source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant, place=place, workers=workers
-        )
-    if cache is not None:
-        with phase(f"writing the {config.quantization} weights to the cache {cache.folder}"):
-            cache.save(model)
-    return model
+    threads = torch_threads(1) if device.type == "cpu" else nullcontext(1)
+    with threads as workers:
+        name = Path(source.path if isinstance(source, GGUFCheckpoint) else source).name
+        dtype, quant = resolved.dtype, resolved.quant
+        cache = cache_for(source, quant, dtype, device)
+        if cache is not None and cache.exists():
+            try:
+                with phase(f"reading {name}'s {config.quantization} weights from the cache {cache.folder}"):
+                    return cache.load(str(source), dtype, backend, ops, quant)
+            except (CacheMismatch, OSError) as exc:
+                logger.warning("quantized weights cache %s unusable (%s): quantizing again", cache.folder, exc)
+        what = f"reading the weights of {name} in {str(dtype).removeprefix('torch.')}"
+        if cache is not None:
+            what += f" and quantizing them to {config.quantization} (once: then cached)"
+        place = None
+        if placed is not None and not quantizes_at_load(quant):
+            place = lambda m: placed(huge_pages.place_on_huge_pages(m))  # noqa: E731
+        with phase(what):
+            model = load_model(
+                source, dtype=dtype, device=device, backend=backend, ops=ops, quant=quant, place=place, workers=workers
+            )
+        if cache is not None:
+            with phase(f"writing the {config.quantization} weights to the cache {cache.folder}"):
+                cache.save(model)
+        return model
 
 
 def quantizes_at_load(quant: QuantConfig) -> bool:
