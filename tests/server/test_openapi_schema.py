@@ -80,7 +80,7 @@ def reasoning_fields_drawn(doc: dict[str, Any]) -> set[str]:
     seen: set[str] = set()
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=100, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def draw(case: Any) -> None:
         seen.update(set(case.body) & set(REASONING))
 
