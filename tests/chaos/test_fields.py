@@ -387,7 +387,7 @@ def test_requests_generated_from_the_schema_are_accepted(openapi, path):
     refused: list[tuple[str | None, str | None]] = []
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=60, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def check(case: Any) -> None:
         body = case.body
         try:

@@ -32,7 +32,7 @@ def test_requests_generated_from_the_schema_are_accepted(path):
     operation = next(r.ok() for r in schema.get_all_operations() if r.ok().path == path)
 
     @given(case=operation.as_strategy())
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=60, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def check(case: Any) -> None:
         parse_pooling_request(KINDS[path], case.body, LIMITS)  # a RequestError fails the test
 
