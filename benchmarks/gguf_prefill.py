@@ -1,6 +1,7 @@
 """The prompt product on GGUF blocks kept quantized: `gguf_gemm` (int8 activations, kernels/csrc/gguf_gemm.cpp)
-against the dequantize-then-GEMM path it replaces (`GGUFBlocksMethod(prompt_kernel="dequant")`), and the
-engine's prefill rate beside llama.cpp's on the same files.
+and `gguf_gemm_widened` (each tile of weight rows dequantized in cache for float32 outer-product tiles,
+AVX2) against the dequantize-then-GEMM path they replace (`GGUFBlocksMethod(prompt_kernel="dequant")`),
+and the engine's prefill rate beside llama.cpp's on the same files.
 
 - **kernels**: per block type and TinyLlama-1.1B shape (2048->2560 qkv, 2048->11264 gate_up, 5632->2048
   down, 2048->2048 o) at 128 and 512 x rows, the layer method's product through each path, alternated
@@ -16,7 +17,7 @@ engine's prefill rate beside llama.cpp's on the same files.
 Writes benchmarks/results/gguf_prefill.json (or `--out`).
 
 Usage: python benchmarks/gguf_prefill.py [--repeats 3] [--threads 2] [--engine] [--files q4_k_m,q4_0]
-       [--layouts auto] [--paths dequant,gemm]
+       [--layouts auto] [--paths dequant,gemm,widened]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ SHAPES = ((2560, 2048), (11264, 2048), (2048, 5632), (2048, 2048))  # [N, K]: ou
 ROWS = (128, 512)
 TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q8_0")
 PEERS = Path("/tmp/peers")
-PATHS = ("dequant", "gemm")
+PATHS = ("dequant", "gemm", "widened")
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -165,7 +166,7 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--files", default="q4_k_m,q4_0")
     ap.add_argument("--layouts", default="auto", help="gguf_layout values, a process each (auto,blocks,int)")
-    ap.add_argument("--paths", default=",".join(PATHS), help="the blocks method's prompt paths (dequant,gemm)")
+    ap.add_argument("--paths", default=",".join(PATHS), help="the blocks method's prompt paths (dequant,gemm,widened)")
     ap.add_argument("--lengths", default="128,512", help="the engine's prompt lengths (llama-bench's -p)")
     ap.add_argument("--out", default=str(RESULTS / "gguf_prefill.json"))
     ap.add_argument("--engine-child", help=argparse.SUPPRESS)

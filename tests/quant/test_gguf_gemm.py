@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.quant.test_gguf_blocks import random_blocks, reference, rounded_x, x_run
-from tokenmill.kernels.cpu_build import load_cpu_kernels
+from tokenmill.kernels.cpu_build import cpu_flags, load_cpu_kernels
 from tokenmill.quant.gguf_method import BLOCK_TYPES, BLOCKS
 
 
@@ -63,3 +63,35 @@ def test_the_prompt_product_in_bfloat16_writes_a_column_slice(ops, type_name):
     got = wide[:, 5 : 5 + n].double().numpy()
     assert np.all(np.abs(got - expected) <= 2**-8 * np.abs(expected) + 1e-5 * np.abs(expected).max())
     assert torch.all(wide[:, :5] == 7.0) and torch.all(wide[:, 5 + n :] == 7.0)
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+@pytest.mark.parametrize("rows", [9, 16, 70])
+def test_the_widened_prompt_product_is_x_times_the_dequantized_weights(ops, type_name, rows):
+    """`gguf_gemm_widened`: float32 arithmetic on the dequantized weights, x not rounded (AVX2's
+    outer-product tiles from 16 rows; n = 300 is whole tiles of 6, so 302 leaves 2 rows to gguf_gemm).
+    Elsewhere, and under 16 rows, it is gguf_gemm's int8-rounded product."""
+    raw, x, n, k = case(type_name, rows, seed=rows + 1)
+    raw = np.concatenate([raw, random_blocks(type_name, 2, k, seed=7)])
+    n += 2
+    code = BLOCKS[type_name][0]
+    wide = torch.full((rows, n + 3), 7.0)
+    ops.gguf_gemm_widened(wide[:, :n], torch.from_numpy(x), torch.from_numpy(raw), code)
+    out = wide[:, :n].double().numpy()
+    w = reference(raw, type_name, k).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    slack = 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
+    gemm = torch.empty(rows, n)
+    ops.gguf_gemm(gemm, torch.from_numpy(x), torch.from_numpy(raw), code)
+    widened = np.abs(out - exact) <= slack  # [rows, n]: the columns the widened tiles computed
+    flags = cpu_flags().split()
+    if rows >= 16 and "avx2" in flags and "fma" in flags and "avx512f" not in flags:  # the tiles are built
+        assert widened[:, : n - 2].all()
+    if rows >= 16 and widened[:, : n - 2].all():
+        assert torch.equal(wide[:, n - 2 : n], gemm[:, n - 2 :])  # the rows short of a tile: gguf_gemm's
+    else:  # no outer-product tiles in this build (or too few rows): gguf_gemm's values throughout
+        assert torch.equal(wide[:, :n], gemm)
+    assert torch.all(wide[:, n:] == 7.0)
+    bf = torch.empty(rows, n, dtype=torch.bfloat16)
+    ops.gguf_gemm_widened(bf, torch.from_numpy(x).bfloat16(), torch.from_numpy(raw), code)
+    assert torch.allclose(bf.float(), wide[:, :n].bfloat16().float(), rtol=2e-2, atol=1e-2 * float(np.abs(exact).max()))

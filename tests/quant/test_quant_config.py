@@ -4,6 +4,8 @@ and the layer's prefix."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -181,3 +183,24 @@ def test_uniform_and_the_checkpoint_default():
     stored = QuantConfig.for_checkpoint(CheckpointQuantization("gptq", 8, 64))
     assert isinstance(stored.layers, CheckpointInt8Method) and type(stored.head) is UnquantizedLinearMethod
     assert type(QuantConfig.for_checkpoint(None).layers) is UnquantizedLinearMethod
+
+
+def test_each_block_type_takes_its_cpu_kinds_prompt_product():
+    """`auto`: on AVX2 the 32-weight types measured (Q8_0, Q4_0) take the widened float32 tiles, the
+    K-quants the integer GEMM; AVX-512 keeps the integer GEMM for all. Few rows: the decode product."""
+    avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
+    zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False)
+    kernels = SimpleNamespace(ops=object(), build_dir=None)
+    ours = GGUFBlocksMethod(kernels, cpu=avx2)  # type: ignore[arg-type]
+    prompt, decode = torch.zeros(65, 32), torch.zeros(8, 32)
+    assert ours.product("Q8_0", prompt) == ours.product("Q4_0", prompt) == "gguf_gemm_widened"
+    assert ours.product("Q4_K", prompt) == ours.product("Q6_K", prompt) == "gguf_gemm"
+    assert ours.product("Q8_0", decode) == "gguf_linear"
+    assert ours.product("Q8_0", prompt.half()) is None  # float16: dequantized chunks and torch's GEMM
+    theirs = GGUFBlocksMethod(kernels, cpu=zen4)  # type: ignore[arg-type]
+    assert {theirs.product(t, prompt) for t in ("Q8_0", "Q4_0", "Q4_K")} == {"gguf_gemm"}
+    pinned = GGUFBlocksMethod(kernels, prompt_kernel="gemm", cpu=avx2)  # type: ignore[arg-type]
+    assert pinned.product("Q8_0", prompt) == "gguf_gemm"
+    assert GGUFBlocksMethod(None, cpu=avx2).product("Q8_0", prompt) is None
+    with pytest.raises(ValueError, match="prompt_kernel: expected one of auto, gemm, widened, dequant"):
+        GGUFBlocksMethod(kernels, prompt_kernel="fast")  # type: ignore[arg-type]

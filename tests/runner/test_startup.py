@@ -58,9 +58,13 @@ def test_cpu_kinds_from_their_flags():
         (AVX2, "int8", DECODE, "bfloat16", ("dequant", "native", "tiled"), "native"),
         (AVX2, "int8", BATCH, "float32", ("dequant", "native", "tiled"), "tiled"),
         (AVX2, "int8", BATCH, "float32", ("dequant", "native"), "native"),  # per group: no tiled loop
-        (AVX2, "int8", PROMPT, "float32", ("dequant", "native", "tiled"), "dequant"),
+        # prompts on AVX2: the tiles' weight rows widened in cache (`broadcast`), in either dtype
+        (AVX2, "int8", PROMPT, "float32", ("dequant", "native", "tiled", "broadcast"), "broadcast"),
+        (AVX2, "int8", PROMPT, "bfloat16", ("dequant", "native", "tiled", "broadcast"), "broadcast"),
         (AVX2, "int8", PROMPT, "bfloat16", ("dequant", "native", "tiled"), "tiled"),
-        (ZEN4, "int8", PROMPT, "bfloat16", ("dequant", "native", "tiled"), "dequant"),
+        (ZEN4, "int8", PROMPT, "float32", ("dequant", "native", "tiled", "broadcast"), "dequant"),
+        (ZEN4, "int8", PROMPT, "bfloat16", ("dequant", "native", "tiled", "broadcast"), "dequant"),
+        (ICELAKE, "int8", PROMPT, "bfloat16", ("dequant", "native", "tiled", "broadcast"), "tiled"),
         (AMX, "int8", BATCH, "bfloat16", ("dequant", "native", "tiled", "amx"), "amx"),
         (AMX, "int8", BATCH, "bfloat16", ("dequant", "native", "tiled"), "tiled"),  # tiles not granted
         # W8A8
@@ -122,7 +126,7 @@ def test_a_start_measures_nothing_and_follows_the_table(tiny_model_dir, tmp_path
         return
     (method,) = model.quantized_methods()
     assert isinstance(method, QuantizedLinearMethod)
-    expected = {"int8": ("native", "tiled", "dequant"), "int4": ("native", "dequant", "dequant")}[quantization]
+    expected = {"int8": ("native", "tiled", "broadcast"), "int4": ("native", "dequant", "dequant")}[quantization]
     for shape, table in method.plan.items():
         most = len(table) - 1  # (the head sees max_num_seqs rows at most)
         picks = [method.kernel_for(shape, rows) for rows in (1, 8, 9, 64, 65)]

@@ -22,7 +22,9 @@ is what the kernels' designs say each CPU kind should run, by three facts about 
   bfloat16 GEMM emulates every product, and the native kernel, which widens bfloat16 to float32 once
   per load, takes the class. Quantized weights are dequantized once per product for this class
   (`dequant`; for int4's bfloat16 activations without bfloat16 arithmetic, `dequant32`: float32
-  weights and torch's float32 GEMM), except W8A8, whose integer GEMM (`int_mm`: oneDNN, VNNI where present) keeps the
+  weights and torch's float32 GEMM; for int8 on AVX2, `broadcast`: each tile of weight rows widened to
+  float32 in cache for the dense kernel's outer-product tiles, no dense copy of the layer), except W8A8,
+  whose integer GEMM (`int_mm`: oneDNN, VNNI where present) keeps the
   activations in int8, and AMX's own int8 tiles where the CPU has them.
 
 The greedy head (`greedy_head`: the argmax taken inside the output projection, or logits then
@@ -104,9 +106,12 @@ RULES: tuple[Rule, ...] = (
     Rule("int8", DECODE, ANY, ANY, ("native", "tiled", "dequant")),
     Rule("int8", BATCH, ANY, "amx", ("amx", "tiled", "native", "dequant")),
     Rule("int8", BATCH, ANY, ANY, ("tiled", "native", "dequant")),
-    Rule("int8", PROMPT, "float32", ANY, ("dequant", "tiled", "native")),
+    Rule("int8", PROMPT, "float32", "avx512", ("dequant", "tiled", "native")),
     Rule("int8", PROMPT, "bfloat16", "bf16", ("dequant", "amx", "tiled", "native")),
-    Rule("int8", PROMPT, ANY, ANY, ("tiled", "native", "dequant")),  # AVX2: no bfloat16 GEMM to dequantize to
+    Rule("int8", PROMPT, ANY, "avx512", ("tiled", "native", "dequant")),
+    # AVX2: no bfloat16 GEMM to dequantize to; each tile's rows widened to float32 for the outer-product
+    # tiles, as the dense kernel does with bfloat16 weights
+    Rule("int8", PROMPT, ANY, ANY, ("broadcast", "tiled", "native", "dequant")),
     # W8A8: int8 activations, integer products
     Rule("w8a8", DECODE, ANY, ANY, ("native", "tiled", "int_mm")),
     Rule("w8a8", BATCH, ANY, "amx", ("amx", "tiled", "native", "int_mm")),
@@ -136,6 +141,16 @@ RULES: tuple[Rule, ...] = (
     # products and AMX tiles stay the default until a measurement there says otherwise.
     Rule("gguf_layout", ANY, ANY, "avx512", ("int", "q8_0", "blocks")),
     Rule("gguf_layout", ANY, ANY, ANY, ("q8_0", "int", "blocks")),
+    # a GGUF block type's prompt product (`gguf_prompt`; the rule's dtype is the block type): `gemm`
+    # (int8 activations, integer sums: quant/gguf_method.py) or `widened` (each tile of 6 weight rows
+    # dequantized to float32 in cache for the dense kernel's outer-product tiles: AVX2 builds alone;
+    # elsewhere it runs `gemm`). On AVX2 the K-quants' integer sums run a float step per 256 weights
+    # and outpace float32 FMAs; the 32-weight types pay a sign step and a float step per 32, and the
+    # float32 tiles outpace them (benchmarks/gguf_prefill.py). AVX-512 keeps `gemm` everywhere.
+    Rule("gguf_prompt", PROMPT, "Q8_0", "avx512", ("gemm", "widened")),
+    Rule("gguf_prompt", PROMPT, "Q8_0", ANY, ("widened", "gemm")),
+    Rule("gguf_prompt", PROMPT, "Q4_0", "avx512", ("gemm", "widened")),
+    Rule("gguf_prompt", PROMPT, "Q4_0", ANY, ("widened", "gemm")),
 )
 
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, cpu_flags
+from tokenmill.kernels.defaults import PROMPT, CpuKind, default_choice
 from tokenmill.quant.method import (
     FusedKind,
     Layer,
@@ -52,6 +53,7 @@ BLOCKS = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK_TYPES = tuple(BLOCKS)
+PROMPT_KERNELS = ("auto", "gemm", "widened", "dequant")  # GGUFBlocksMethod's products for many rows
 MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the prompt product (`gguf_gemm`)
 SCRATCH_VALUES = 1 << 22  # dequantized values a prompt product holds at once (16 MiB in float32)
 
@@ -137,11 +139,21 @@ class GGUFBlocksMethod(LinearMethod):
     types = BLOCK_TYPES
 
     def __init__(
-        self, kernels: CpuKernels | None, max_native_rows: int = MAX_NATIVE_ROWS, prompt_kernel: str = "gemm"
+        self,
+        kernels: CpuKernels | None,
+        max_native_rows: int = MAX_NATIVE_ROWS,
+        prompt_kernel: str = "auto",
+        cpu: CpuKind | None = None,
     ) -> None:
+        if prompt_kernel not in PROMPT_KERNELS:
+            raise ValueError(f"prompt_kernel: expected one of {', '.join(PROMPT_KERNELS)}, got {prompt_kernel!r}")
         self.ops = kernels.ops if kernels is not None else None
         self.max_native_rows = max_native_rows
-        self.prompt_kernel = prompt_kernel  # more rows: "gemm" (`gguf_gemm`) or "dequant" (chunks + torch's GEMM)
+        # more rows: "gemm" (`gguf_gemm`), "widened" (`gguf_gemm_widened`), "dequant" (chunks + torch's
+        # GEMM), or "auto": each block type's default for this CPU kind (kernels/defaults.py)
+        self.prompt_kernel = prompt_kernel
+        kind = cpu or CpuKind.from_flags(cpu_flags())
+        self.type_prompt = {t: default_choice("gguf_prompt", PROMPT, t, kind, PROMPT_KERNELS[1:3]) for t in BLOCKS}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
 
     def create_weights(
@@ -175,18 +187,25 @@ class GGUFBlocksMethod(LinearMethod):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], layer.output_size, dtype=x.dtype)  # [M, out]
-        few = rows.shape[0] <= self.max_native_rows
-        native = self.ops is not None and x.dtype in NATIVE_DTYPES and (few or self.prompt_kernel == "gemm")
-        product = "gguf_linear" if few else "gguf_gemm"
         for start, m in layer.gguf_parts:
             cols = out[:, start : start + m.shape[0]]
-            if native:
+            product = self.product(m.type_name, rows)
+            if product is not None:
                 getattr(self.ops, product)(cols, rows, m.data, BLOCKS[m.type_name][0])
             else:
                 self._dequant_product(m, rows, cols)
         if bias is not None:
             out += bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.output_size)
+
+    def product(self, type_name: str, rows: torch.Tensor) -> str | None:
+        """The native op for `rows` [M, K] against a matrix of `type_name`, or None: dequantized chunks."""
+        if self.ops is None or rows.dtype not in NATIVE_DTYPES:
+            return None
+        if rows.shape[0] <= self.max_native_rows:
+            return "gguf_linear"
+        kernel = self.type_prompt[type_name] if self.prompt_kernel == "auto" else self.prompt_kernel
+        return {"gemm": "gguf_gemm", "widened": "gguf_gemm_widened"}.get(kernel)
 
     # --- the fused decode (decode_layer.cpp's GGUF kind: a layer of one run, or two of different types) ---
     def fusable(self, layer: Layer) -> bool:

@@ -230,6 +230,8 @@ class Int8LinearMethod(QuantizedLinearMethod):
             out["native"] = partial(self._native, mode=0)
             if self.spec.group_size is None:  # per channel: the tiled loop too
                 out["tiled"] = partial(self._native, mode=1)
+            # the outer-product tiles (AVX2, 16 rows and more; elsewhere the kernel runs `tiled`'s loop)
+            out["broadcast"] = partial(self._native, mode=3)
             if self.amx_bf16(dtype):
                 out["amx"] = partial(self._native, mode=2)
         return out

@@ -35,27 +35,6 @@ namespace {
 using namespace tm_gguf;
 using bf16 = c10::BFloat16;
 
-// ---- dequantize rows ----
-template <typename F, typename T>
-void dequant_row(const uint8_t* row, int64_t K, T* out) {
-  alignas(32) uint8_t q[RUN];
-  float a[16], b[16], w[RUN];
-  for (int64_t blk = 0; blk < K / F::W; ++blk) {
-    const uint8_t* p = row + blk * F::BYTES;
-    F::params(p, a, b);
-    for (int r = 0; r < F::W / RUN; ++r) {
-      run_bytes<F>(p, r, q);
-      for (int i = 0; i < RUN; ++i) {
-        const int qi = F::SIGNED ? static_cast<int8_t>(q[i]) : q[i] - F::OFF;
-        const float aq = a[2 * r + i / 16] * static_cast<float>(qi);  // exact
-        w[i] = F::MIN ? aq + b[2 * r + i / 16] : aq;
-      }
-      from_float_row(w, out + blk * F::W + r * RUN, RUN);
-    }
-  }
-}
-
-
 // A thread's weight rows [begin, end) taken from S places at once (row begin + s * len / S + i for each
 // i, s), so that S streams of weights are in flight, not one: one x row leaves the core idle on one
 // stream's misses (measured 4 streams ~1.3x one at one x row); 8 x rows are compute-bound and keep one.

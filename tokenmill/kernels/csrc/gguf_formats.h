@@ -275,6 +275,27 @@ inline void row_dot(const uint8_t* row, const XRows& x, float (&sums)[MM]) {
   for (int m = 0; m < MM; ++m) sums[m] = acc[m] + off[m];
 #endif
 }
+// a row of W (K weights) in float32 or rounded to bfloat16, each weight a * q (+ b) in float32 as the
+// `gguf` package's dequantizer computes it
+template <typename F, typename T>
+inline void dequant_row(const uint8_t* row, int64_t K, T* out) {
+  alignas(32) uint8_t q[RUN];
+  float a[16], b[16], w[RUN];
+  for (int64_t blk = 0; blk < K / F::W; ++blk) {
+    const uint8_t* p = row + blk * F::BYTES;
+    F::params(p, a, b);
+    for (int r = 0; r < F::W / RUN; ++r) {
+      run_bytes<F>(p, r, q);
+      for (int i = 0; i < RUN; ++i) {
+        const int qi = F::SIGNED ? static_cast<int8_t>(q[i]) : q[i] - F::OFF;
+        const float aq = a[2 * r + i / 16] * static_cast<float>(qi);  // exact
+        w[i] = F::MIN ? aq + b[2 * r + i / 16] : aq;
+      }
+      from_float_row(w, out + blk * F::W + r * RUN, RUN);
+    }
+  }
+}
+
 template <typename Fn>
 void with_format(int64_t type, Fn&& f) {
   switch (type) {

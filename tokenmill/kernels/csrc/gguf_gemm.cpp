@@ -23,6 +23,7 @@
 #include "convert.h"
 #include "gguf_formats.h"
 #include "int_dot.h"
+#include "linear_broadcast.h"
 
 namespace {
 
@@ -113,6 +114,37 @@ void gemm_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, 
     gemm32<F>(out, x, x_row, M, K, w);
 }
 
+// The columns [0, done) of out through linear_broadcast.h's float32 outer-product tiles, each tile's
+// weight rows dequantized into the thread's scratch once for all the x panels (returns done: 0 where
+// those tiles are not built, on AVX2 alone, or x has fewer rows than a panel).
+template <typename F, typename T>
+int64_t widened_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+#if defined(TM_BROADCAST_TILES)
+  if (M < tm_broadcast::MP) return 0;
+  std::vector<float> xf(std::is_same_v<T, float> ? 0 : M * K);  // [M, K]
+  const float* xp = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    xp = x;
+  } else {
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) to_float(x + m * x_row, xf.data() + m * K, K);
+    });
+    xp = xf.data();
+    x_row = K;
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  const auto rows_of = [&](int64_t n0, float* scratch) -> const float* {
+    for (int r = 0; r < tm_broadcast::NR; ++r) dequant_row<F>(wp + (n0 + r) * row_bytes, K, scratch + r * K);
+    return scratch;
+  };
+  return tm_broadcast::linear_tiles<false>(xp, x_row, M, w.size(0), K, rows_of, static_cast<const T*>(nullptr),
+                                           out.data_ptr<T>(), out.stride(0));
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 namespace tokenmill {
@@ -138,9 +170,30 @@ void gguf_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, in
   });
 }
 
+// gguf_gemm's product in float32 arithmetic on AVX2: W's rows dequantized a tile of 6 at a time (as
+// `gguf_dequant` writes them) for the dense kernel's outer-product tiles, x not rounded to int8; the
+// rows short of a tile, and every row where those tiles are not built, through gguf_gemm.
+void gguf_gemm_widened(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == blocks.size(0) && out.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gguf_gemm_widened: x [M, K] and out [M, N], rows contiguous, float32 or bfloat16, one dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  check_blocks("gguf_gemm_widened", blocks, type, K);
+  if (M == 0 || N == 0) return;
+  int64_t done = 0;
+  with_format(type, [&]<typename F>() {
+    done = x.scalar_type() == at::kFloat ? widened_any<F, float>(out, x.data_ptr<float>(), x.stride(0), M, K, blocks)
+                                         : widened_any<F, bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, K, blocks);
+  });
+  if (done < N) gguf_gemm(out.narrow(1, done, N - done), x, blocks.narrow(0, done, N - done), type);
+}
+
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def("gguf_gemm(Tensor(a!) out, Tensor x, Tensor blocks, int type) -> ()");
   m.impl("gguf_gemm", c10::DispatchKey::CPU, &tokenmill::gguf_gemm);
+  m.def("gguf_gemm_widened(Tensor(a!) out, Tensor x, Tensor blocks, int type) -> ()");
+  m.impl("gguf_gemm_widened", c10::DispatchKey::CPU, &tokenmill::gguf_gemm_widened);
 }

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -96,8 +97,9 @@ inline __m256 bcast(const c10::BFloat16* w) {
 
 // y[i, r] for the 6 weight rows from w (row stride K) and a panel (rows of its 16 real); NV = 2: both
 // vectors, NV = 1: the first only (at most 8 real rows). W: the weights' type as read here (float32
-// rows widened from bfloat16 beforehand, or the checkpoint's own); T: the output's.
-template <int NV, typename W, typename T>
+// rows widened beforehand, or the checkpoint's own); T: the output's. STREAM: w is the weights
+// themselves (the next tile's rows prefetched here), not rows widened into a scratch buffer.
+template <int NV, bool STREAM, typename W, typename T>
 inline void tile(const W* w, int64_t K, const float* panel, int64_t rows, T* y, int64_t y_row, const T* bias) {
   const W *w0 = w, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K, *w4 = w3 + K, *w5 = w4 + K;
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -107,7 +109,7 @@ inline void tile(const W* w, int64_t K, const float* panel, int64_t rows, T* y, 
   for (; k + line <= K; k += line) {
     // the next tile's rows, one line ahead of their first use (a prefetch past the end is a hint);
     // rows widened beforehand were prefetched as they were widened
-    if constexpr (std::is_same_v<W, T>)
+    if constexpr (STREAM)
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + NR) * K + k), _MM_HINT_T0);
 #pragma GCC unroll 1  // see the top
     for (int64_t u = 0; u < line; ++u) {
@@ -151,45 +153,81 @@ inline void widen_rows(const c10::BFloat16* w, int64_t K, float* out) {
   }
 }
 
-// y[:, :n_full] for x [M, K] (row stride x_row) and w [N, K], n_full = N rounded down to whole tiles
-// (returned; the caller computes the rest): weight rows in tiles of NR split between the threads, each
-// tile against every panel in turn (its rows from L1 after the first).
-template <typename T>
-int64_t linear(const float* x, int64_t x_row, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* y,
-               int64_t y_row) {
+// y[:, :n_full] for x [M, K] (row stride x_row) and N weight rows, n_full = N rounded down to whole
+// tiles (returned; the caller computes the rest): weight rows in tiles of NR split between the threads,
+// each tile against every panel in turn (its rows from L1 after the first). `rows(n0, scratch)` gives
+// the tile's NR rows from n0 (row stride K): the weights themselves (STREAM) or widened to float32
+// into `scratch` (NR x K floats, the thread's own), once per tile for all the panels.
+template <bool STREAM, typename T, typename Rows>
+int64_t linear_tiles(const float* x, int64_t x_row, int64_t M, int64_t N, int64_t K, Rows rows_of, const T* bias,
+                     T* y, int64_t y_row) {
   const int64_t count = (M + MP - 1) / MP, tiles = N / NR;
   std::vector<float> panels(count * K * MP);
   tm_panels::pack_x<MP>(x, x_row, M, K, panels.data());
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (NR * K));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-#if !defined(TM_BF16_DIRECT)
-    std::vector<float> widened(std::is_same_v<T, c10::BFloat16> ? NR * K : 0);
-#endif
+    std::vector<float> scratch(STREAM ? 0 : NR * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR;
       const T* bt = bias ? bias + n0 : nullptr;
-      const auto panels_with = [&](const auto* wt) {
-        for (int64_t p = 0; p < count; ++p) {
-          const int64_t rows = std::min<int64_t>(MP, M - p * MP);
-          const float* panel = panels.data() + p * K * MP;
-          T* yt = y + p * MP * y_row + n0;
-          if (rows > 8)
-            tile<2>(wt, K, panel, rows, yt, y_row, bt);
-          else
-            tile<1>(wt, K, panel, rows, yt, y_row, bt);
-        }
-      };
-#if !defined(TM_BF16_DIRECT)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        widen_rows(w + n0 * K, K, widened.data());
-        panels_with(widened.data());
-        continue;
+      const auto* wt = rows_of(n0, scratch.data());
+      for (int64_t p = 0; p < count; ++p) {
+        const int64_t rows = std::min<int64_t>(MP, M - p * MP);
+        const float* panel = panels.data() + p * K * MP;
+        T* yt = y + p * MP * y_row + n0;
+        if (rows > 8)
+          tile<2, STREAM>(wt, K, panel, rows, yt, y_row, bt);
+        else
+          tile<1, STREAM>(wt, K, panel, rows, yt, y_row, bt);
       }
-#endif
-      panels_with(w + n0 * K);
     }
   });
   return tiles * NR;
+}
+
+// y[:, :n_full] for w [N, K] in float32 or bfloat16 (widened a tile at a time, unless TM_BF16_DIRECT).
+template <typename T>
+int64_t linear(const float* x, int64_t x_row, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* y,
+               int64_t y_row) {
+#if !defined(TM_BF16_DIRECT)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const auto widened = [&](int64_t n0, float* scratch) -> const float* {
+      widen_rows(w + n0 * K, K, scratch);
+      return scratch;
+    };
+    return linear_tiles<false>(x, x_row, M, N, K, widened, bias, y, y_row);
+  }
+#endif
+  const auto direct = [&](int64_t n0, float*) -> const T* { return w + n0 * K; };
+  return linear_tiles<true>(x, x_row, M, N, K, direct, bias, y, y_row);
+}
+
+// y[:, :n_full] for int8 weights q [N, K] with float32 scales [N, K / group] (W = q * scale; group = K:
+// one scale a row): each tile's rows widened to float32 and scaled once for all the panels, so a
+// prompt's product runs the float32 tiles above without a dense copy of the layer.
+template <typename T>
+int64_t linear_int8(const float* x, int64_t x_row, int64_t M, const int8_t* q, const float* scales, int64_t group,
+                    int64_t N, int64_t K, const T* bias, T* y, int64_t y_row) {
+  const int64_t G = K / group;
+  const int shift = group == K ? 0 : std::countr_zero(static_cast<uint64_t>(group));  // else a power of two
+  const auto widened = [&](int64_t n0, float* scratch) -> const float* {
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* src = q + (n0 + r) * K;
+      const float* s = scales + (n0 + r) * G;
+      float* dst = scratch + r * K;
+      const auto scale_at = [&](int64_t k) { return G == 1 ? s[0] : s[k >> shift]; };
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) {  // the next tile's row a line ahead (past the end: a hint)
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + NR * K + k), _MM_HINT_T0);
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        _mm256_storeu_ps(dst + k, _mm256_mul_ps(v, _mm256_set1_ps(scale_at(k))));
+      }
+      for (; k < K; ++k) dst[k] = static_cast<float>(src[k]) * scale_at(k);
+    }
+    return scratch;
+  };
+  return linear_tiles<false>(x, x_row, M, N, K, widened, bias, y, y_row);
 }
 
 }  // namespace tm_broadcast

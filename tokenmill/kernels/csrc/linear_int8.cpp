@@ -31,6 +31,7 @@
 #include "convert.h"
 #include "int_dot.h"
 #include "linear_amx.h"
+#include "linear_broadcast.h"
 
 namespace {
 
@@ -117,8 +118,10 @@ inline void int8_row(const int8_t* q, const float* scales, int64_t group, int64_
 // loop above loads MM x vectors for every weight vector: at 8 rows it reads more x than weights).
 // sums[r * MAX_ROWS + m] for weight row r (of q, row stride K) and x row m.
 constexpr int TR = 4;  // weight rows a tile
-// W8A8's loops: one weight row at a time, TR x 4 tiles, AMX tiles (where built and granted; else rows)
-enum Mode : int64_t { ROWS = 0, TILES = 1, AMX = 2 };
+// The loops: one weight row at a time, TR x 4 tiles, AMX tiles (where built and granted; else rows),
+// and for weight-only int8 on AVX2 the outer-product tiles of linear_broadcast.h (16 x rows and more;
+// else, and for the rows short of a tile, TR x 4 tiles)
+enum Mode : int64_t { ROWS = 0, TILES = 1, AMX = 2, BROADCAST = 3 };
 
 template <int MM>
 inline void int8_tile(const int8_t* q, int64_t K, const float* scales, const int16_t* x, float* sums) {
@@ -362,6 +365,34 @@ void w8a8_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   });
 }
 
+// The columns [0, done) of out by linear_broadcast.h's tiles, x widened to float32 (returns done: 0
+// where those tiles are not built or x has fewer rows than a panel).
+template <typename T>
+int64_t int8_broadcast(at::Tensor& out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                       int64_t group, const T* bias) {
+#if defined(TM_BROADCAST_TILES)
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M < tm_broadcast::MP) return 0;
+  std::vector<float> widened(std::is_same_v<T, float> ? 0 : M * K);  // [M, K]
+  const float* xf = nullptr;
+  int64_t x_row = K;
+  if constexpr (std::is_same_v<T, float>) {
+    xf = x.data_ptr<float>();
+    x_row = x.stride(0);
+  } else {
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) to_float(xp + m * x.stride(0), widened.data() + m * K, K);
+    });
+    xf = widened.data();
+  }
+  return tm_broadcast::linear_int8(xf, x_row, M, q.data_ptr<int8_t>(), scales.data_ptr<float>(), group, q.size(0), K,
+                                   bias, out.data_ptr<T>(), out.stride(0));
+#else
+  return 0;
+#endif
+}
+
 void check_common(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q,
                   const c10::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [M, K] with contiguous rows");
@@ -383,7 +414,8 @@ namespace tokenmill {
 // out [M, N] = x [M, K] @ (q * scales)^T (+ bias): q int8 [N, K], scales float32 [N, K / group].
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
                  const c10::optional<at::Tensor>& bias, int64_t mode) {
-  TORCH_CHECK(mode == ROWS || mode == TILES || mode == AMX, "linear_int8: mode 0 (rows), 1 (tiles) or 2 (AMX)");
+  TORCH_CHECK(mode == ROWS || mode == TILES || mode == AMX || mode == BROADCAST,
+              "linear_int8: mode 0 (rows), 1 (tiles), 2 (AMX) or 3 (outer-product tiles)");
   check_common(out, x, q, bias, "linear_int8");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(group == K || (group >= 32 && (group & (group - 1)) == 0 && K % group == 0),
@@ -425,6 +457,17 @@ void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const
       const c10::optional<at::Tensor> rest_bias = bias ? c10::optional<at::Tensor>(bias->narrow(0, done, N - done)) : bias;
       linear_int8(out.narrow(1, done, N - done), x, q.narrow(0, done, N - done), scales.narrow(0, done, N - done),
                   group, rest_bias, ROWS);
+    }
+    return;
+  }
+  if (mode == BROADCAST) {
+    const int64_t done = x.scalar_type() == at::kFloat
+                             ? int8_broadcast<float>(out, x, q, scales, group, bias ? bias->data_ptr<float>() : nullptr)
+                             : int8_broadcast<bf16>(out, x, q, scales, group, bias ? bias->data_ptr<bf16>() : nullptr);
+    if (done < N) {  // the rows short of a tile (or no such tiles here): TR x 4 tiles
+      const c10::optional<at::Tensor> rest_bias = bias ? c10::optional<at::Tensor>(bias->narrow(0, done, N - done)) : bias;
+      linear_int8(out.narrow(1, done, N - done), x, q.narrow(0, done, N - done), scales.narrow(0, done, N - done),
+                  group, rest_bias, TILES);
     }
     return;
   }
