@@ -252,6 +252,13 @@ def test_target_h100_on_the_demo_model_is_labelled_uncalibrated_and_here_calibra
     assert h100.label.startswith("roofline, uncalibrated") and "this machine's" in h100.label
     assert h100.fits and h100.summary is not None and h100.best_case is not None
     assert h100.cost_per_million is not None and here.cost_per_million is not None
+    # the uncalibrated answer gives no band of its own: this machine's band is named as the CPU's fit
+    assert h100.band is None and here.band is not None
+    assert "so no error band" in h100.label and "that is the CPU's fit, not a bound on h100's error" in h100.label
+    h100_figures = next(line for line in h100.lines() if line.startswith("TTFT"))
+    assert h100_figures.endswith("(predicted, roofline, uncalibrated: no error band)") and "±" not in h100_figures
+    here_figures = next(line for line in here.lines() if line.startswith("TTFT"))
+    assert f"within ±{here.band:.0%} on this calibration's own steps" in here_figures
     text = append_targets(tmp_path, answers)
     assert "predicted" in text and "**h100**" in text and "https://www.nvidia.com/en-us/data-center/h100/" in text
     report = json.loads((tmp_path / "report.json").read_text())

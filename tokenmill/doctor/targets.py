@@ -104,7 +104,7 @@ def measured_steps_record(
 class TargetAnswer:
     target: Target
     label: str  # "roofline, calibrated ..." or "roofline, uncalibrated ..."
-    band: float  # the relative error the calibration supports
+    band: float | None  # the relative error the calibration supports; None: uncalibrated (no band)
     fit_line: str
     fits: bool
     summary: dict[str, Any] | None = None  # the replay's, on the target's priced steps
@@ -118,10 +118,14 @@ class TargetAnswer:
         t, s = self.target, self.summary
         out = [f"**{t.name}** ({t.description}; {t.source}): {self.label}", f"fits: {self.fit_line}"]
         if s is not None:
+            said = (
+                "roofline, uncalibrated: no error band"
+                if self.band is None
+                else f"within ±{self.band:.0%} on this calibration's own steps"
+            )
             out.append(
                 f"TTFT p50 / p99 {p50(s, 'ttft'):.1f} / {p99(s, 'ttft'):.1f} ms, TPOT p50 / p99 {p50(s, 'tpot'):.2f} / "
-                f"{p99(s, 'tpot'):.2f} ms, output {s['output_throughput']:.1f} tokens/s (predicted, within "
-                f"±{self.band:.0%} on this calibration's own steps)"
+                f"{p99(s, 'tpot'):.2f} ms, output {s['output_throughput']:.1f} tokens/s (predicted, {said})"
             )
             out.append(f"one replica sustains {self.replica_rate:.2f} requests/s; replicas needed: {self.replicas}")
         if self.best_case is not None:
@@ -190,7 +194,8 @@ def answer(
     reserve = activation_reserve(cfg, config.max_num_batched_tokens)
     kv_memory = usable - weights - reserve
     kv_tokens = max(0, int(kv_memory // shape.kv_bytes_per_token))
-    result = TargetAnswer(target, label, calibration.band, "", False)
+    band = calibration.band if calibration.on == target.name else None  # (another machine's fit bounds nothing here)
+    result = TargetAnswer(target, label, band, "", False)
     gb = 1e9
     head = f"{weight_dtype} weights {weights / gb:.2f} GB + activations {reserve / gb:.2f} GB of {usable / gb:.1f} GB "
     head += f"({USABLE:.0%} of {target.memory_bytes / gb:.0f} GB)"
