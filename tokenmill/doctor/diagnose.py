@@ -276,6 +276,8 @@ def diagnose(
     runs = _runs(replays, recommended_settings(findings))
     if trace_info is not None:
         findings[1].evidence += [*trace_info.prefix_lines, _replayed_hits(current)]
+        warning = trace_info.block_warning(config.block_size, current.get("cached_share"))
+        findings[1].pitfalls += [warning] if warning else []
     return Diagnosis(
         config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs,
         trace=trace_info,
