@@ -81,8 +81,8 @@ class TraceInfo:
             f"the trace's {self.hash_block}-token hash block is {self.block_tokens} tokens after --length-scale "
             f"x{self.length_scale:.4g}, smaller than a KV block ({kv_block} tokens): a KV block spans more than "
             f"one block id, so prefixes the trace shares cache less here ({hit} of prompt tokens replayed from "
-            f"the cache against the trace's own {own}); replay with --block-size {smaller} or less (a block id "
-            f"a whole number of KV blocks) or scale lengths less (--length-scale {kv_block / self.hash_block:.4g} "
+            f"the cache against the trace's own {own}); replay with --block-size {smaller} or less (a KV "
+            f"block within a block id) or scale lengths less (--length-scale {kv_block / self.hash_block:.4g} "
             "or more)"
         )
 
