@@ -28,7 +28,14 @@ from tokenmill.doctor.roofline import (
 )
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.doctor.target_report import TargetOptions, append_targets, run_targets
-from tokenmill.doctor.targets import IDEAL, Trace, answer, measured_steps_record, read_measured_steps
+from tokenmill.doctor.targets import (
+    IDEAL,
+    Trace,
+    answer,
+    capacity_p99,
+    measured_steps_record,
+    read_measured_steps,
+)
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.models.config import parse_config
 
@@ -284,3 +291,24 @@ def test_here_names_the_matmuls_it_timed_once_each(dtype, said):
     # (a float32 engine's "here" read "1024^3 matmul (float32 or float32)")
     here = measure_here(dtype, memory_bytes=2**30, mib=8, n=64)
     assert here.source.endswith(f"64^3 matmul {said}") and here.memory_bytes == 2**30
+
+
+@pytest.mark.parametrize("limit", [0.0004, 0.3, 2.0, 7.5, 40.0, 900.0, 5e6])
+@pytest.mark.parametrize("ceiling", [0.5, 6.0, 30.0, 1e5])
+def test_the_capacity_search_capped_at_the_ceiling_answers_as_the_uncapped_one_with_fewer_replays(limit, ceiling):
+    """The replica rate is min(capacity, ceiling): the search stops once a rate at the ceiling meets the
+    SLOs (the doubling towards 1e6 saved) and the answer is the same, for every SLO limit and ceiling."""
+    rates: list[float] = []
+
+    def at_rate(rate: float) -> dict:
+        rates.append(rate)  # (a replay whose p99 TPOT grows with the rate: meets the SLO up to `limit`)
+        return {"completed": 1, "failed": 0, "tpot": {"p99": 10.0 * rate / limit}}
+
+    slos = {"tpot": 10.0}
+    uncapped = min(capacity_p99(at_rate, slos, 5.0), ceiling)
+    searched = len(rates)
+    rates.clear()
+    assert min(capacity_p99(at_rate, slos, 5.0, cap=ceiling), ceiling) == uncapped
+    assert len(rates) <= searched
+    if limit > 2 * ceiling and ceiling > 5.0:
+        assert len(rates) < searched  # (the SLOs hold past the ceiling: fewer replays)
