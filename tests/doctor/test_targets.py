@@ -6,6 +6,7 @@ calibration stands behind them."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -312,3 +313,35 @@ def test_the_capacity_search_capped_at_the_ceiling_answers_as_the_uncapped_one_w
     assert len(rates) <= searched
     if limit > 2 * ceiling and ceiling > 5.0:
         assert len(rates) < searched  # (the SLOs hold past the ceiling: fewer replays)
+
+
+def test_an_h100_answer_on_a_small_window_is_the_same_with_the_capacity_search_capped(demo, monkeypatch):
+    """The demo model on an H100 meets loose SLOs even with the whole trace at once: the capped search
+    stops at the ceiling, the uncapped one (as before) doubles on towards 1e6; every figure is the same."""
+    from tokenmill.doctor import targets
+
+    capped = targets.capacity_p99
+    trace = trace_of(demo, synthetic_workload(12), {"ttft": 5000.0, "tpot": 500.0})
+    h100 = load_target("h100", price_per_hour=3.0)
+
+    def answered(search) -> tuple:
+        rates: list[float] = []
+        monkeypatch.setattr(targets, "capacity_p99", lambda f, slos, start, cap=math.inf: search(
+            lambda r: rates.append(r) or f(r), slos, start, cap))  # fmt: skip
+        a = answer(trace, demo.model_config, "bfloat16", h100, IDEAL, "x")
+        return (
+            a.fits,
+            a.fit_line,
+            a.summary,
+            a.best_case,
+            a.replica_rate,
+            a.replicas,
+            a.cost_per_million,
+            a.notes,
+        ), rates
+
+    before, searched_before = answered(lambda f, slos, start, cap: capped(f, slos, start))
+    after, searched_after = answered(capped)
+    assert after == before and "the SLOs hold even with the whole trace at once" in after[-1][0]
+    assert len(searched_after) < len(searched_before)
+    assert demo.stats().kv_blocks_free == demo.stats().kv_blocks_total
