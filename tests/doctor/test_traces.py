@@ -219,3 +219,17 @@ def test_prompts_without_ids_share_nothing(tmp_path):
     prompts = [r.prompt_token_ids for r in workload.requests]
     assert all(shared_blocks(a, b, 16) == 0 for i, a in enumerate(prompts) for b in prompts[:i])
     assert "no prompt content" in info.prefix_lines[0] and info.trace_reuse is None
+
+
+def test_the_block_warning_reaches_question_2s_pitfalls_and_not_when_blocks_fit():
+    from tokenmill.doctor.diagnose import _trace_evidence
+    from tokenmill.doctor.findings import Finding
+
+    rows = [TraceRow(float(i), 1536, 1, blocks=["a", f"b{i}", f"c{i}"]) for i in range(6)]
+    _, info = shape(ParsedTrace("mooncake:x", rows, 512), Shaping(4096, 100, length_scale=1 / 64))
+    prefix = Finding("2. Prompt redundancy", "v", [])
+    _trace_evidence(prefix, info, {"cached_share": 0.0}, 16)
+    assert prefix.pitfalls == [info.block_warning(16, 0.0)] and prefix.evidence[-1].startswith("replayed at")
+    fitting = Finding("2. Prompt redundancy", "v", [])
+    _trace_evidence(fitting, info, {"cached_share": 0.1}, 8)
+    assert not fitting.pitfalls
