@@ -29,6 +29,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.doctor.draft_check import DraftAgreement
 from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode import DraftRequest, NgramProposer
 
 QUESTION = "5. Per-token latency"
@@ -46,6 +47,7 @@ class LookupAgreement:
 
 def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: int = 64) -> LookupAgreement:
     proposer = NgramProposer(1, 4)
+    params = SamplingParams()  # (frozen: one for every position, not one validated per position)
     kept: list[int] = []
     drafted: list[int] = []
     for prompt in prompts:
@@ -54,7 +56,7 @@ def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: i
             continue
         stride = max(1, (len(prompt) - 1 - start) // per_prompt)
         for t in range(start, len(prompt) - 1, stride):
-            drafts = proposer.propose([DraftRequest("doctor", prompt[:t], k)])[0]
+            drafts = proposer.propose([DraftRequest("doctor", prompt[:t], k, params=params)])[0]
             truth = prompt[t : t + len(drafts)]
             n = 0
             while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
