@@ -40,9 +40,11 @@ from common import RESULTS, ROOT
 
 from tokenmill.bench.workloads import WorkloadSpec
 from tokenmill.config import EngineConfig
+from tokenmill.doctor import target_report as report_module
 from tokenmill.doctor import targets as targets_module
 from tokenmill.doctor.calibrate import calibrate
 from tokenmill.doctor.diagnose import Diagnosis, Replays, diagnose
+from tokenmill.doctor.hardware import measure_here
 from tokenmill.doctor.step_cost import StepCost, probe
 from tokenmill.doctor.target_report import TargetOptions, run_targets
 from tokenmill.doctor.traces.load import TraceFlags, load_workload
@@ -79,6 +81,8 @@ def time_targets(
     """The Targets section `repeats` times, each run beside one with the capacity search uncapped (as before
     the cap at the ceiling): seconds and replays of each, and the answers compared."""
     capped = targets_module.capacity_p99
+    here = measure_here(engine.core.worker.dtype, opts.memory)  # (once: a new measurement a run moves `here`)
+    report_module.measure_here = lambda dtype, memory: here
 
     def uncapped(at_rate: Any, slos: dict[str, float], start: float, cap: float = 0.0) -> float:
         return capped(at_rate, slos, start)
