@@ -13,7 +13,13 @@ lengths are drawn from benchmarks/data/azure_conv_window.csv's rows and whose ar
 that window's rate. Figures: seconds for each phase (one run each: a shared machine's noise is small
 against the minute the issue asks for). Writes benchmarks/results/doctor_speed.json.
 
+With `--targets here,h100 --slo tpot:MS [--repeats N]`, also the report's Targets section (`run_targets`,
+each target's capacity search), N times interleaved with the search as it was before the cap at the
+ceiling (`capacity_p99` without `cap`, patched in for the run): seconds and replays of each, median and
+spread, and whether both gave the same answers (they must).
+
 Usage: python benchmarks/doctor_speed.py [--trace KIND:FILE] [--requests 10000] [--diagnose]
+    [--targets here,h100 --slo tpot:50 --repeats 3]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import csv
 import json
 import platform
 import random
+import statistics
 import tempfile
 import time
 from datetime import datetime, timedelta
@@ -33,9 +40,13 @@ from common import RESULTS, ROOT
 
 from tokenmill.bench.workloads import WorkloadSpec
 from tokenmill.config import EngineConfig
+from tokenmill.doctor import target_report as report_module
+from tokenmill.doctor import targets as targets_module
 from tokenmill.doctor.calibrate import calibrate
-from tokenmill.doctor.diagnose import Replays, diagnose
-from tokenmill.doctor.step_cost import probe
+from tokenmill.doctor.diagnose import Diagnosis, Replays, diagnose
+from tokenmill.doctor.hardware import measure_here
+from tokenmill.doctor.step_cost import StepCost, probe
+from tokenmill.doctor.target_report import TargetOptions, run_targets
 from tokenmill.doctor.traces.load import TraceFlags, load_workload
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import DEMO_MODEL
@@ -64,6 +75,54 @@ def say(text: str) -> None:
     print(f"doctor_speed: {text}", flush=True)
 
 
+def time_targets(
+    engine: LLMEngine, workload: Any, cost: StepCost, diagnosis: Diagnosis, opts: TargetOptions, repeats: int
+) -> dict[str, Any]:
+    """The Targets section `repeats` times, each run beside one with the capacity search uncapped (as before
+    the cap at the ceiling): seconds and replays of each, and the answers compared."""
+    capped = targets_module.capacity_p99
+    here = measure_here(engine.core.worker.dtype, opts.memory)  # (once: a new measurement a run moves `here`)
+    report_module.measure_here = lambda dtype, memory: here
+
+    def uncapped(at_rate: Any, slos: dict[str, float], start: float, cap: float = 0.0) -> float:
+        return capped(at_rate, slos, start)
+
+    seconds: dict[str, list[float]] = {"before": [], "after": []}
+    searched: dict[str, int] = {}
+    answers: dict[str, list[Any]] = {}
+    with tempfile.TemporaryDirectory() as out:
+        for repeat in range(repeats):
+            for variant in ("before", "after") if repeat % 2 == 0 else ("after", "before"):
+                targets_module.capacity_p99 = uncapped if variant == "before" else capped
+                calls = []
+                inner = targets_module.capacity_p99
+
+                def counted(at_rate: Any, *rest: Any, _inner: Any = inner, _calls: list = calls, **kw: Any) -> float:
+                    return _inner(lambda r: _calls.append(r) or at_rate(r), *rest, **kw)
+
+                targets_module.capacity_p99 = counted
+                start = time.perf_counter()
+                got = run_targets(engine, workload, cost, diagnosis, opts, Path(out))
+                seconds[variant].append(time.perf_counter() - start)
+                targets_module.capacity_p99 = capped
+                searched[variant] = len(calls)
+                answers[variant] = [(a.fits, a.replica_rate, a.replicas, a.summary and a.summary["tpot"]) for a in got]
+                say(
+                    f"targets {variant} (repeat {repeat + 1}): {seconds[variant][-1]:.1f} s, "
+                    f"{len(calls)} search replays"
+                )
+    return {
+        variant: {
+            "median_seconds": statistics.median(v),
+            "min_seconds": min(v),
+            "max_seconds": max(v),
+            "seconds": v,
+            "capacity_search_replays": searched[variant],
+        }
+        for variant, v in seconds.items()
+    } | {"same_answers": answers["before"] == answers["after"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=None, help="KIND:FILE (default: an Azure-like trace written for the run)")
@@ -72,6 +131,9 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEMO_MODEL))
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--diagnose", action="store_true", help="also every replay the six questions run")
+    parser.add_argument("--targets", default=None, help="e.g. here,h100: also the Targets section, timed")
+    parser.add_argument("--slo", default="tpot:50", help="with --targets: ttft:MS,tpot:MS")
+    parser.add_argument("--repeats", type=int, default=3, help="with --targets: interleaved runs of each")
     parser.add_argument("--out", default=str(RESULTS / "doctor_speed.json"))
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, max_num_seqs=args.max_num_seqs, dtype="bfloat16"))
@@ -109,11 +171,17 @@ def main() -> None:
         "probe_seconds": cost.probe_seconds,
     }
     say(f"one replay: {replay_s:.1f} s ({sim.steps} steps, {summary['duration_s']:.0f} s of trace time)")
-    if args.diagnose:
+    slos = {k: float(v) for k, v in (part.split(":") for part in args.slo.split(","))}
+    if args.diagnose or args.targets:
         start = time.perf_counter()
-        diagnose(engine, workload, cost, measure_quantization=False, measure_stalls=False, progress=say)
+        found = diagnose(
+            engine, workload, cost, slos=slos, measure_quantization=False, measure_stalls=False, progress=say
+        )
         result["diagnose_replays_seconds"] = time.perf_counter() - start
         say(f"the six questions' replays: {result['diagnose_replays_seconds']:.1f} s")
+        if args.targets:
+            opts = TargetOptions(args.targets.split(","), price_per_hour=2.0, slos=slos)
+            result["targets"] = {"slos": slos, **time_targets(engine, workload, cost, found, opts, args.repeats)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -6,6 +6,7 @@ calibration stands behind them."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -28,7 +29,14 @@ from tokenmill.doctor.roofline import (
 )
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.doctor.target_report import TargetOptions, append_targets, run_targets
-from tokenmill.doctor.targets import IDEAL, Trace, answer, measured_steps_record, read_measured_steps
+from tokenmill.doctor.targets import (
+    IDEAL,
+    Trace,
+    answer,
+    capacity_p99,
+    measured_steps_record,
+    read_measured_steps,
+)
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.models.config import parse_config
 
@@ -252,6 +260,13 @@ def test_target_h100_on_the_demo_model_is_labelled_uncalibrated_and_here_calibra
     assert h100.label.startswith("roofline, uncalibrated") and "this machine's" in h100.label
     assert h100.fits and h100.summary is not None and h100.best_case is not None
     assert h100.cost_per_million is not None and here.cost_per_million is not None
+    # the uncalibrated answer gives no band of its own: this machine's band is named as the CPU's fit
+    assert h100.band is None and here.band is not None
+    assert "so no error band" in h100.label and "that is the CPU's fit, not a bound on h100's error" in h100.label
+    h100_figures = next(line for line in h100.lines() if line.startswith("TTFT"))
+    assert h100_figures.endswith("(predicted, roofline, uncalibrated: no error band)") and "±" not in h100_figures
+    here_figures = next(line for line in here.lines() if line.startswith("TTFT"))
+    assert f"within ±{here.band:.0%} on this calibration's own steps" in here_figures
     text = append_targets(tmp_path, answers)
     assert "predicted" in text and "**h100**" in text and "https://www.nvidia.com/en-us/data-center/h100/" in text
     report = json.loads((tmp_path / "report.json").read_text())
@@ -277,3 +292,56 @@ def test_here_names_the_matmuls_it_timed_once_each(dtype, said):
     # (a float32 engine's "here" read "1024^3 matmul (float32 or float32)")
     here = measure_here(dtype, memory_bytes=2**30, mib=8, n=64)
     assert here.source.endswith(f"64^3 matmul {said}") and here.memory_bytes == 2**30
+
+
+@pytest.mark.parametrize("limit", [0.0004, 0.3, 2.0, 7.5, 40.0, 900.0, 5e6])
+@pytest.mark.parametrize("ceiling", [0.5, 6.0, 30.0, 1e5])
+def test_the_capacity_search_capped_at_the_ceiling_answers_as_the_uncapped_one_with_fewer_replays(limit, ceiling):
+    """The replica rate is min(capacity, ceiling): the search stops once a rate at the ceiling meets the
+    SLOs (the doubling towards 1e6 saved) and the answer is the same, for every SLO limit and ceiling."""
+    rates: list[float] = []
+
+    def at_rate(rate: float) -> dict:
+        rates.append(rate)  # (a replay whose p99 TPOT grows with the rate: meets the SLO up to `limit`)
+        return {"completed": 1, "failed": 0, "tpot": {"p99": 10.0 * rate / limit}}
+
+    slos = {"tpot": 10.0}
+    uncapped = min(capacity_p99(at_rate, slos, 5.0), ceiling)
+    searched = len(rates)
+    rates.clear()
+    assert min(capacity_p99(at_rate, slos, 5.0, cap=ceiling), ceiling) == uncapped
+    assert len(rates) <= searched
+    if limit > 2 * ceiling and ceiling > 5.0:
+        assert len(rates) < searched  # (the SLOs hold past the ceiling: fewer replays)
+
+
+def test_an_h100_answer_on_a_small_window_is_the_same_with_the_capacity_search_capped(demo, monkeypatch):
+    """The demo model on an H100 meets loose SLOs even with the whole trace at once: the capped search
+    stops at the ceiling, the uncapped one (as before) doubles on towards 1e6; every figure is the same."""
+    from tokenmill.doctor import targets
+
+    capped = targets.capacity_p99
+    trace = trace_of(demo, synthetic_workload(12), {"ttft": 5000.0, "tpot": 500.0})
+    h100 = load_target("h100", price_per_hour=3.0)
+
+    def answered(search) -> tuple:
+        rates: list[float] = []
+        monkeypatch.setattr(targets, "capacity_p99", lambda f, slos, start, cap=math.inf: search(
+            lambda r: rates.append(r) or f(r), slos, start, cap))  # fmt: skip
+        a = answer(trace, demo.model_config, "bfloat16", h100, IDEAL, "x")
+        return (
+            a.fits,
+            a.fit_line,
+            a.summary,
+            a.best_case,
+            a.replica_rate,
+            a.replicas,
+            a.cost_per_million,
+            a.notes,
+        ), rates
+
+    before, searched_before = answered(lambda f, slos, start, cap: capped(f, slos, start))
+    after, searched_after = answered(capped)
+    assert after == before and "the SLOs hold even with the whole trace at once" in after[-1][0]
+    assert len(searched_after) < len(searched_before)
+    assert demo.stats().kv_blocks_free == demo.stats().kv_blocks_total

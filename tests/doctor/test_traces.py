@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench.workloads import WorkloadSpec
+from tokenmill.doctor.prefix_report import TraceRequest, replay_kv_cache
 from tokenmill.doctor.traces.load import TraceFlags, load_workload
 from tokenmill.doctor.traces.public import read_azure, read_burstgpt, read_mooncake
 from tokenmill.doctor.traces.rows import ParsedTrace, TraceRow, Window
@@ -194,8 +195,41 @@ def test_the_traces_own_block_reuse_is_counted_on_whole_prefix_blocks():
     assert all(3 <= t < 100 for r in workload.requests for t in r.prompt_token_ids)
 
 
+def test_a_hash_block_scaled_below_a_kv_block_is_warned_of_with_its_numbers():
+    """Ids of 512 tokens scaled x1/64 cover 8 tokens: a 16-token KV block spans two ids, so a shared first id
+    is never a whole KV block and the replay finds no reuse; 8-token KV blocks (what the warning says) find it."""
+    rows = [TraceRow(float(i), 1536, 1, blocks=["a", f"b{i}", f"c{i}"]) for i in range(6)]
+    workload, info = shape(ParsedTrace("mooncake:x", rows, 512), Shaping(4096, 100, length_scale=1 / 64))
+    trace = [TraceRequest(r.prompt_token_ids, None, r.max_tokens) for r in workload.requests]
+    assert replay_kv_cache(trace, 16, 1000)[0] == 0  # (the first id's 8 tokens: half a KV block)
+    assert replay_kv_cache(trace, 8, 1000)[0] == 5 * 8  # (every request after the first: its first id)
+    warning = info.block_warning(16, 0.0)
+    assert warning is not None
+    assert "512-token hash block is 8 tokens after --length-scale x0.01562" in warning
+    assert "smaller than a KV block (16 tokens)" in warning
+    assert f"0.0% of prompt tokens replayed from the cache against the trace's own {info.trace_reuse:.1%}" in warning
+    assert "--block-size 8 or less" in warning and "--length-scale 0.03125 or more" in warning
+    assert info.block_warning(8, 0.2) is None  # a KV block within a block id: nothing to warn of
+    _, unscaled = shape(ParsedTrace("mooncake:x", rows, 512), Shaping(4096, 100, length_scale=1 / 16))
+    assert unscaled.block_tokens == 32 and unscaled.block_warning(16, 0.3) is None
+
+
 def test_prompts_without_ids_share_nothing(tmp_path):
     workload, info = load(f"burstgpt:{BURST}")
     prompts = [r.prompt_token_ids for r in workload.requests]
     assert all(shared_blocks(a, b, 16) == 0 for i, a in enumerate(prompts) for b in prompts[:i])
     assert "no prompt content" in info.prefix_lines[0] and info.trace_reuse is None
+
+
+def test_the_block_warning_reaches_question_2s_pitfalls_and_not_when_blocks_fit():
+    from tokenmill.doctor.diagnose import _trace_evidence
+    from tokenmill.doctor.findings import Finding
+
+    rows = [TraceRow(float(i), 1536, 1, blocks=["a", f"b{i}", f"c{i}"]) for i in range(6)]
+    _, info = shape(ParsedTrace("mooncake:x", rows, 512), Shaping(4096, 100, length_scale=1 / 64))
+    prefix = Finding("2. Prompt redundancy", "v", [])
+    _trace_evidence(prefix, info, {"cached_share": 0.0}, 16)
+    assert prefix.pitfalls == [info.block_warning(16, 0.0)] and prefix.evidence[-1].startswith("replayed at")
+    fitting = Finding("2. Prompt redundancy", "v", [])
+    _trace_evidence(fitting, info, {"cached_share": 0.1}, 8)
+    assert not fitting.pitfalls

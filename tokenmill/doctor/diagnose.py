@@ -275,11 +275,19 @@ def diagnose(
     curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts))
     runs = _runs(replays, recommended_settings(findings))
     if trace_info is not None:
-        findings[1].evidence += [*trace_info.prefix_lines, _replayed_hits(current)]
+        _trace_evidence(findings[1], trace_info, current, config.block_size)
     return Diagnosis(
         config.model, config, workload.spec.name, cost, current, findings, prompts, outputs, curve, num_blocks, runs,
         trace=trace_info,
     )  # fmt: skip
+
+
+def _trace_evidence(prefix: Finding, info: TraceInfo, current: dict[str, Any], block_size: int) -> None:
+    """Question 2 gains the trace's own block-level reuse beside the replayed hits, and a pitfall where a
+    scaled block id is smaller than a KV block."""
+    prefix.evidence += [*info.prefix_lines, _replayed_hits(current)]
+    warning = info.block_warning(block_size, current.get("cached_share"))
+    prefix.pitfalls += [warning] if warning else []
 
 
 def _replayed_hits(current: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.doctor.draft_check import DraftAgreement
 from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode import DraftRequest, NgramProposer
 
 QUESTION = "5. Per-token latency"
@@ -46,6 +47,7 @@ class LookupAgreement:
 
 def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: int = 64) -> LookupAgreement:
     proposer = NgramProposer(1, 4)
+    params = SamplingParams()  # (frozen: one for every position, not one validated per position)
     kept: list[int] = []
     drafted: list[int] = []
     for prompt in prompts:
@@ -54,7 +56,7 @@ def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: i
             continue
         stride = max(1, (len(prompt) - 1 - start) // per_prompt)
         for t in range(start, len(prompt) - 1, stride):
-            drafts = proposer.propose([DraftRequest("doctor", prompt[:t], k)])[0]
+            drafts = proposer.propose([DraftRequest("doctor", prompt[:t], k, params=params)])[0]
             truth = prompt[t : t + len(drafts)]
             n = 0
             while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
@@ -115,13 +117,16 @@ def speculation_gain(cost: StepCost, batch: int, spec: Speculator, context: int 
         return 1.0
     per_drafting = spec.drafts_per_step / spec.proposing  # d': drafts where it proposes
     chunks = [(1 + round(per_drafting), context)] * drafting + [(1, context)] * (batch - drafting)
-    step = cost.predict(chunks, decoding=False)
+    # (a verification step runs every row a plain step runs and more: never cheaper, though the mixed-step
+    # model, fitted on other steps, can price it below the decode curve, which read E = 1 as a speed-up)
+    step = max(cost.predict(chunks, decoding=False), plain)
     if spec.draft is not None:
         step += K * spec.draft.draft_step(batch)
     return spec.tokens_per_step * plain / step if step > 0 else 1.0
 
 
 LOSES = 0.95  # a configured speculation predicted below this at the trace's batch: switched off
+WORTH = 1.1  # a speculation predicted at least this at the trace's batch: recommended
 
 
 def latency_finding(
@@ -183,7 +188,7 @@ def latency_finding(
             f"TPOT about {loss:.2f}x of today's at batch {batch}",
             [*pitfalls, f"{configured.name} at the trace's load: {loss:.2f}x predicted (measured step costs)"],
         )
-    if gain >= 1.1:
+    if gain >= WORTH:
         return Finding(
             QUESTION,
             f"{best.name} is predicted {gain:.2f}x faster decoding at the trace's batch of {batch}; {breaks} (the "
@@ -201,9 +206,19 @@ def latency_finding(
 
 
 def _where_it_loses(gains: dict[int, float]) -> str:
-    losing = [b for b, g in gains.items() if g < 1]
-    if not losing:
+    """Where speculation loses (below 1x) or pays (WORTH or more) among the batches measured, in words
+    that hold whatever the gains' shape (a gain need not fall with the batch)."""
+    batches = list(gains)
+    losing = [b for b in batches if gains[b] < 1]
+    if len(losing) == len(batches):
+        return "it loses at every batch measured"
+    if losing and losing == batches[-len(losing) :]:
+        return f"it would lose above a batch of {batches[batches.index(losing[0]) - 1]}"
+    if losing:
+        return "it loses at batches " + ", ".join(map(str, losing))
+    paying = [b for b in batches if gains[b] >= WORTH]
+    if len(paying) == len(batches):
         return "it wins at every batch measured"
-    if losing[0] == min(gains):
-        return "it loses at every batch"
-    return f"it would lose above a batch of {losing[0] // 2}"
+    if not paying:
+        return f"it gains under {WORTH - 1:.0%} at every batch measured"
+    return f"it gains {WORTH - 1:.0%} or more only at batches " + ", ".join(map(str, paying))

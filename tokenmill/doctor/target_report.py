@@ -90,11 +90,12 @@ def run_targets(
         else:
             target = load_target(name, opts.price_per_hour)
             label = (
-                f"roofline, uncalibrated: no steps measured on {target.name}; this machine's factors carried "
-                f"over ({fit_text(local.carried())}; efficiencies at most 1), which fit this machine's steps "
-                f"within ±{local.band:.0%}. That band is this machine's: on {target.name} the error is not "
-                "bounded by any measurement (its kernels reach another share of its roofline, and this "
-                "machine's per-step overhead is not its host's); the best case below is the roofline itself"
+                f"roofline, uncalibrated: no steps measured on {target.name}, so no error band; this machine's "
+                f"factors carried over ({fit_text(local.carried())}; efficiencies at most 1). They fit this "
+                f"machine's own (CPU) steps within ±{local.band:.0%}: that is the CPU's fit, not a bound on "
+                f"{target.name}'s error, which no measurement bounds (its kernels reach another share of its "
+                "roofline, and this machine's per-step overhead is not its host's); the best case below is the "
+                "roofline itself"
             )
             a = answer(trace, cfg, opts.weight_dtype, target, local.carried(), label)
         answers.append(a)

@@ -104,7 +104,7 @@ def measured_steps_record(
 class TargetAnswer:
     target: Target
     label: str  # "roofline, calibrated ..." or "roofline, uncalibrated ..."
-    band: float  # the relative error the calibration supports
+    band: float | None  # the relative error the calibration supports; None: uncalibrated (no band)
     fit_line: str
     fits: bool
     summary: dict[str, Any] | None = None  # the replay's, on the target's priced steps
@@ -118,10 +118,14 @@ class TargetAnswer:
         t, s = self.target, self.summary
         out = [f"**{t.name}** ({t.description}; {t.source}): {self.label}", f"fits: {self.fit_line}"]
         if s is not None:
+            said = (
+                "roofline, uncalibrated: no error band"
+                if self.band is None
+                else f"within ±{self.band:.0%} on this calibration's own steps"
+            )
             out.append(
                 f"TTFT p50 / p99 {p50(s, 'ttft'):.1f} / {p99(s, 'ttft'):.1f} ms, TPOT p50 / p99 {p50(s, 'tpot'):.2f} / "
-                f"{p99(s, 'tpot'):.2f} ms, output {s['output_throughput']:.1f} tokens/s (predicted, within "
-                f"±{self.band:.0%} on this calibration's own steps)"
+                f"{p99(s, 'tpot'):.2f} ms, output {s['output_throughput']:.1f} tokens/s (predicted, {said})"
             )
             out.append(f"one replica sustains {self.replica_rate:.2f} requests/s; replicas needed: {self.replicas}")
         if self.best_case is not None:
@@ -146,11 +150,15 @@ def meets_p99(summary: dict[str, Any], slos: dict[str, float]) -> bool:
     return all(p99(summary, k) <= v for k, v in slos.items() if k in ("ttft", "tpot"))
 
 
-def capacity_p99(at_rate: Any, slos: dict[str, float], start: float) -> float:
+def capacity_p99(at_rate: Any, slos: dict[str, float], start: float, cap: float = math.inf) -> float:
     """The highest Poisson rate (within 10%) whose replay meets the SLOs at p99; 0 if a thousandth of
-    `start` does not."""
+    `start` does not. A rate of `cap` or more that meets them is returned at once: the search only ever
+    raises its lower end, so min(answer, cap) is the same as searching on (the doubling towards 1e6 a
+    target that meets its SLOs even with the whole trace at once took, each a replay, saved)."""
     lo, hi = 0.0, max(start, 1e-3)
     while meets_p99(at_rate(hi), slos):
+        if hi >= cap:
+            return hi
         lo, hi = hi, hi * 2
         if hi > 1e6:
             return hi
@@ -190,7 +198,8 @@ def answer(
     reserve = activation_reserve(cfg, config.max_num_batched_tokens)
     kv_memory = usable - weights - reserve
     kv_tokens = max(0, int(kv_memory // shape.kv_bytes_per_token))
-    result = TargetAnswer(target, label, calibration.band, "", False)
+    band = calibration.band if calibration.on == target.name else None  # (another machine's fit bounds nothing here)
+    result = TargetAnswer(target, label, band, "", False)
     gb = 1e9
     head = f"{weight_dtype} weights {weights / gb:.2f} GB + activations {reserve / gb:.2f} GB of {usable / gb:.1f} GB "
     head += f"({USABLE:.0%} of {target.memory_bytes / gb:.0f} GB)"
@@ -226,7 +235,9 @@ def _size(result: TargetAnswer, replays: Any, trace: Trace, blocks: int) -> None
     ceiling = replays.run({}, num_blocks=blocks, request_rate=math.inf)[0]["request_throughput"]
     if trace.slos:
         start = trace.trace_rate or max(s["request_throughput"], 1e-3)
-        rate = capacity_p99(lambda r: replays.run({}, num_blocks=blocks, request_rate=r)[0], trace.slos, start)
+        rate = capacity_p99(
+            lambda r: replays.run({}, num_blocks=blocks, request_rate=r)[0], trace.slos, start, cap=ceiling
+        )
         result.replica_rate = min(rate, ceiling)
         if rate >= ceiling:
             result.notes.append(

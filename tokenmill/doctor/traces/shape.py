@@ -64,6 +64,27 @@ class TraceInfo:
     prefix_lines: list[str] = field(default_factory=list)  # question 2's evidence
     clipped_share: float = 0.0  # requests clipped to the model's context
     trace_reuse: float | None = None  # the trace's own block-level reuse, as read (None: no block ids)
+    hash_block: int | None = None  # the tokens a block id covers, as read (None: no block ids)
+    block_tokens: int | None = None  # ... and as replayed (lengths scaled)
+    length_scale: float = 1.0  # the factor lengths were scaled by
+
+    def block_warning(self, kv_block: int, replayed_share: float | None) -> str | None:
+        """A pitfall when a block id, scaled, covers fewer tokens than a KV block: the replay's cache then
+        shares only the whole KV blocks inside a common prefix of ids, so it finds less reuse than the
+        trace holds (None when the scaled block is a KV block or more)."""
+        if self.hash_block is None or self.block_tokens is None or self.block_tokens >= kv_block:
+            return None
+        smaller = 1 << (self.block_tokens.bit_length() - 1)  # the largest power of 2 within a block id
+        hit = f"{replayed_share:.1%}" if replayed_share is not None else "the replayed hit rate"
+        own = f"{self.trace_reuse:.1%}" if self.trace_reuse is not None else "the trace's own"
+        return (
+            f"the trace's {self.hash_block}-token hash block is {self.block_tokens} tokens after --length-scale "
+            f"x{self.length_scale:.4g}, smaller than a KV block ({kv_block} tokens): a KV block spans more than "
+            f"one block id, so prefixes the trace shares cache less here ({hit} of prompt tokens replayed from "
+            f"the cache against the trace's own {own}); replay with --block-size {smaller} or less (a KV "
+            f"block within a block id) or scale lengths less (--length-scale {kv_block / self.hash_block:.4g} "
+            "or more)"
+        )
 
 
 class BlockTokens:
@@ -197,6 +218,7 @@ def _info(
     info = TraceInfo(parsed.source, notes, clipped_share=clipped / n)
     if parsed.block_size and any(r.blocks for r in rows) and block is not None:
         info.trace_reuse = block_reuse(rows, parsed.block_size)
+        info.hash_block, info.block_tokens, info.length_scale = parsed.block_size, block, factor
         replayed = block_reuse(rows, block, prompts)
         info.prefix_lines.append(
             f"the trace's own block-level reuse (its block ids, {parsed.block_size}-token blocks, an unbounded "
