@@ -23,7 +23,7 @@ from tokenmill.server.front_door import FrontDoor
 from tokenmill.server.launch import bind
 from tokenmill.server.model_catalog import read_models_file
 from tokenmill.server.model_pool import ModelPool, PoolSettings
-from tokenmill.server.multi_app import create_multi_app
+from tokenmill.server.multi_app import create_multi_app, record_traces
 from tokenmill.server.settings import ServeSettings
 
 BLOCKS = 64  # each model's KV cache, in 16-token blocks of the tiny models
@@ -71,6 +71,8 @@ class RunningPool:
         pids = [e.served.pid for e in self.pool.entries.values() if e.served is not None]
         self.uvicorn_server.should_exit = True
         self.thread.join(60)
+        for recorder in self.pool.traces.values():
+            recorder.close()
         for pid in pids:
             assert not _alive(pid), f"process {pid} outlived the server"
 
@@ -104,12 +106,15 @@ def start_several(
     load_wait: float = 120.0,
     api_key: str | None = None,
     blocks: int = BLOCKS,
+    record_trace: Mapping[str, Any] | None = None,
     **engine: Any,
 ) -> RunningPool:
+    """`record_trace`: the served settings `record_trace`, `record_trace_privacy`, ... (each model its file)."""
     specs = read_models_file(str(models_file), tiny_base(blocks, **engine))
     front = FrontDoor(api_keys=(api_key,) if api_key else ())
-    serve = ServeSettings(max_waiting=8, max_n=4, log_interval=60, drain_timeout=5)
+    serve = ServeSettings(max_waiting=8, max_n=4, log_interval=60, drain_timeout=5, **(record_trace or {}))
     pool = ModelPool(specs, PoolSettings(memory, idle_unload, load_wait, 5.0), serve, front)
+    pool.traces = record_traces(specs, serve)
     app = create_multi_app(pool, front)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -218,8 +218,12 @@ def test_a_model_answer_nested_too_deep_stays_text():
     tools = (ToolParam.model_validate(tool(0)),)
     deep = "[" * 3000 + "]" * 3000
     assert ToolMode("required", tools).answer(deep, "stop") == (deep, [], "stop")
+    # a block that opens as a call is one (as streamed): its arguments, read without recursion, as written
     auto = f'<tool_call>{{"name": "f0", "arguments": {deep}}}</tool_call>'
-    assert ToolMode("auto", tools).answer(auto, "stop") == (auto, [], "stop")
+    content, calls, finish = ToolMode("auto", tools).answer(auto, "stop")
+    assert (content, [c.function.arguments for c in calls], finish) == (None, [deep], "tool_calls")
+    broken = f'<tool_call>{{"arguments": {deep}, "name": "f0"}}</tool_call>'  # (another order: parsed whole)
+    assert ToolMode("auto", tools).answer(broken, "stop") == (broken, [], "stop")
     content, calls, _ = ToolMode("named", tools, "f0").answer(deep, "stop")
     assert content is None and calls[0].function.arguments == deep
     assert NamedToolChoice.model_validate({"type": "function", "function": {"name": "f0"}}).function.name == "f0"

@@ -121,8 +121,10 @@ def test_a_forced_tool_call_and_its_result(server):
     stream = events(server, **body, tool_choice={"type": "any", "disable_parallel_tool_use": True})
     starts = [p["content_block"] for k, p in stream if k == "content_block_start"]
     assert [s["type"] for s in starts] == ["tool_use"] and starts[0]["input"] == {}
-    partial = "".join(p["delta"]["partial_json"] for k, p in stream if k == "content_block_delta")
-    jsonschema.validate(json.loads(partial), WEATHER["input_schema"])
+    pieces = [p["delta"]["partial_json"] for k, p in stream if k == "content_block_delta"]
+    assert len(pieces) > 1  # (the arguments stream as they are generated)
+    jsonschema.validate(json.loads("".join(pieces)), WEATHER["input_schema"])
+    assert [k for k, _ in stream].count("content_block_stop") == 1
     assert stream[-2][1]["delta"]["stop_reason"] == "tool_use"
     back = body["messages"] + [
         {"role": "assistant", "content": m["content"]},

@@ -121,9 +121,10 @@ def test_serve_refuses_a_model_and_models_together(tiny_model_dir, tmp_path: Pat
     assert "memory: a alone needs about" in capsys.readouterr().err
 
 
-def test_serve_refuses_record_trace_with_several_models(tiny_model_dir, tmp_path: Path, capsys) -> None:
-    # the trace recorder hooks one engine; with several models it would record nothing, so it is refused
-    path = write(tmp_path, f"a: {tiny_model_dir('llama')}")
+def test_serve_refuses_two_models_that_would_record_to_one_trace_file(tiny_model_dir, tmp_path: Path, capsys) -> None:
+    # each model records to FILE with its name in it (a/b and a_b would share one): refused before anything serves
+    folder = tiny_model_dir("llama")
+    path = write(tmp_path, f"a/b: {folder}\na_b: {folder}")
     assert main(["serve", "--models", path, "--record-trace", str(tmp_path / "t.jsonl")]) == 2
-    assert "record_trace: not with --models / --models-dir" in capsys.readouterr().err
-    assert not (tmp_path / "t.jsonl").exists()
+    assert "record_trace: two model names give the same trace file" in capsys.readouterr().err
+    assert not list(tmp_path.glob("t.*"))

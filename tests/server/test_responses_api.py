@@ -95,9 +95,12 @@ def test_a_function_call_and_its_output(server, client):
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     events = list(client.responses.create(model="tiny", input=asked, tools=[WEATHER], max_output_tokens=48,
                                           tool_choice="required", parallel_tool_calls=False, stream=True))  # fmt: skip
-    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and done[0].arguments == args and events[-1].type == "response.completed"
+    assert len(pieces) > 1  # (the arguments stream as they are generated)
+    assert len(done) == 1 and done[0].arguments == "".join(pieces) and events[-1].type == "response.completed"
+    assert events[-1].response.output[0].arguments == done[0].arguments
+    jsonschema.validate(json.loads(done[0].arguments), WEATHER["parameters"])
     back = [*asked, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]  # fmt: skip
     after = client.responses.create(model="tiny", input=back, tools=[WEATHER], max_output_tokens=4, temperature=0)

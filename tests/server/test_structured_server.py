@@ -114,9 +114,14 @@ def test_tool_choice_required_and_named_return_parseable_calls(client, stream):
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         r = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
                                            max_tokens=120, temperature=1.0, seed=5, stream=stream)  # fmt: skip
-        if stream:
+        if stream:  # (each call's first delta has its id and name, the rest fragments of its arguments)
             chunks = list(r)
-            calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+            calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or [] if tc.id]
+            for call in calls:
+                call.function.arguments = "".join(
+                    tc.function.arguments for c in chunks if c.choices
+                    for tc in c.choices[0].delta.tool_calls or [] if tc.index == call.index
+                )  # fmt: skip
             finish = chunks[-1].choices[0].finish_reason
         else:
             calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
@@ -126,6 +131,29 @@ def test_tool_choice_required_and_named_return_parseable_calls(client, stream):
             jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
         if isinstance(choice, dict):
             assert all(c.function.name == "get_time" for c in calls)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_calls_arrive_in_pieces_that_join_to_the_whole_answers_arguments(server, client, choice):
+    kwargs = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120,
+                  temperature=1.0, seed=7)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    pieces = [(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices]
+    deltas = [tc for p in pieces for tc in p]
+    firsts = [tc for tc in deltas if tc.id is not None]
+    # the first piece of each call: index, id, type, name and empty arguments; then the arguments in fragments
+    assert [(tc.index, tc.type, tc.function.arguments) for tc in firsts] == [
+        (k, "function", "") for k in range(len(firsts))
+    ]
+    assert [tc.function.name for tc in firsts] == [c.function.name for c in whole.message.tool_calls]
+    for k, call in enumerate(whole.message.tool_calls):
+        fragments = [tc.function.arguments for tc in deltas if tc.index == k and tc.id is None]
+        assert len(fragments) > 1 and "".join(fragments) == call.function.arguments
+        assert all(tc.function.name is None for tc in deltas if tc.index == k and tc.id is None)
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    server.wait_all_free()
 
 
 def test_a_conversation_with_calls_and_their_results_is_accepted(client):

@@ -1,4 +1,5 @@
-"""`tokenmill doctor MODEL --workload W|jsonl:TRACE|KIND:FILE [--window S:E] [--time-scale X] [--length-scale F|fit]
+"""`tokenmill doctor --models FILE|--models-dir DIR [--memory SIZE]`, or
+`tokenmill doctor MODEL --workload W|jsonl:TRACE|KIND:FILE [--window S:E] [--time-scale X] [--length-scale F|fit]
 [--memory BYTES] [--slo ttft:MS,tpot:MS] [--config FILE]
 [--request-rate R] [--draft DIR] [--verify [--budget-s S] [--repeats N] [--apply]] [--out DIR]`: the parser
 and the command (the work is in diagnose.py and, for --verify, verify.py).
@@ -75,7 +76,17 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     doc.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals a second (default: the trace's, or at once)"
     )
-    doc.add_argument("--memory", default=None, help="bytes for weights + KV cache (default: what the settings take)")
+    doc.add_argument(
+        "--memory",
+        default=None,
+        help="bytes for weights + KV cache (default: what the settings take; with --models: the available memory)",
+    )
+    doc.add_argument(
+        "--models",
+        default=None,
+        help="a serve --models file: which of its models fit in --memory together, which take turns (nothing else)",
+    )
+    doc.add_argument("--models-dir", default=None, help="as --models, for the models a serve --models-dir DIR serves")
     doc.add_argument("--slo", default=None, help="latency goals in ms, e.g. ttft:500,tpot:50")
     doc.add_argument(
         "--link-gbps", type=float, default=10.0, help="network between machines, for a prefill/decode split"
@@ -117,6 +128,8 @@ def _doctor(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine import LLMEngine
 
     memory = parse_bytes(args.memory) if args.memory is not None else None
+    if args.models is not None or args.models_dir is not None:
+        return _several(args, memory)
     if not args.link_gbps > 0:
         raise ValueError(f"--link-gbps: must be above 0, got {args.link_gbps}")
     if args.verify and (args.repeats < 2 or not args.budget_s > 0):
@@ -179,6 +192,19 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.apply:
         write_applied(args, config, recommended_settings(diagnosis.findings), Path(args.out) / "recommended.yaml")
     print(f"tokenmill doctor: wrote {args.out}/report.md, report.json and recommended.yaml")
+    return 0
+
+
+def _several(args: argparse.Namespace, memory: int | None) -> int:
+    """`--models FILE` / `--models-dir DIR`: question 1 for the models a several-model server serves."""
+    from tokenmill.doctor.several_fit import read_specs, several_fit, write_several_report
+
+    if args.model is not None:
+        raise ValueError("model: give a MODEL or --models / --models-dir, not both")
+    specs = read_specs(args.models, args.models_dir, engine_config(args, model="."))
+    text = write_several_report(several_fit(specs, memory), args.models or args.models_dir, Path(args.out))
+    print(text)
+    print(f"tokenmill doctor: wrote {args.out}/report.md and report.json")
     return 0
 
 

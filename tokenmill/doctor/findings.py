@@ -84,12 +84,18 @@ def render_markdown(title: str, preamble: list[str], findings: list[Finding]) ->
         lines.append("Nothing new: the current settings suit this workload.")
     lines.append("")
     for f in findings:
-        lines += [f"## {f.question}", "", f"**{f.verdict}**", ""]
-        lines += [f"- {e}" for e in f.evidence]
-        if f.settings:
-            lines += ["", f"Settings: `{serve_flags(f.settings)}`"]
-        if f.predicted_gain:
-            lines += ["", f"Predicted: {f.predicted_gain}"]
-        lines += [f"\nPitfall: {p}" for p in f.pitfalls]
-        lines.append("")
+        lines += render_finding(f)
     return "\n".join(lines)
+
+
+def render_finding(f: Finding) -> list[str]:
+    """One question's section of report.md: its verdict, evidence, settings, gain and pitfalls."""
+    lines = [f"## {f.question}", "", f"**{f.verdict}**", ""]
+    lines += [f"- {e}" for e in f.evidence]
+    if f.settings:
+        lines += ["", f"Settings: `{serve_flags(f.settings)}`"]
+    if f.predicted_gain:
+        lines += ["", f"Predicted: {f.predicted_gain}"]
+    lines += [f"\nPitfall: {p}" for p in f.pitfalls]
+    lines.append("")
+    return lines

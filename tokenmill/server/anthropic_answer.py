@@ -176,10 +176,13 @@ class _Blocks:
         )
 
     def tool(self, call: dict[str, Any]) -> Iterator[str]:
+        """A chat stream's call delta: its first (id, name) opens a tool_use block, each fragment of its
+        arguments is an input_json_delta; the block closes when the next one starts, or at the end."""
         function = call["function"]
-        yield from self.start({"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}})
-        yield self.delta({"type": "input_json_delta", "partial_json": function["arguments"]})
-        yield from self.close()
+        if call.get("id"):
+            yield from self.start({"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}})
+        if function.get("arguments"):
+            yield self.delta({"type": "input_json_delta", "partial_json": function["arguments"]})
 
 
 async def message_events(

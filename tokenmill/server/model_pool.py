@@ -34,6 +34,7 @@ from tokenmill.server.model_catalog import ModelSpec
 from tokenmill.server.pool_metrics import PoolMetrics
 from tokenmill.server.served_model import ServedModel, forget_endpoints, load_model
 from tokenmill.server.settings import ServeSettings
+from tokenmill.server.trace_recorder import TraceRecorder
 
 logger = logging.getLogger("tokenmill")
 
@@ -124,6 +125,7 @@ class ModelPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle_task: asyncio.Task[None] | None = None
         self._closing = False
+        self.traces: dict[str, TraceRecorder] = {}  # --record-trace: each model's recorder (multi_app's)
 
     # -- the server's side ---------------------------------------------------------------------------
 
@@ -260,6 +262,8 @@ class ModelPool:
             self._loaded_not(entry, None)
             return
         served.engine.start()
+        if name in self.traces:
+            served.engine.on_finished = self.traces[name].record
         entry.metrics = served.metrics
         seconds = time.monotonic() - entry.load_started
         entry.served, entry.state, entry.load_seconds = served, LOADED, seconds

@@ -55,6 +55,7 @@ from tokenmill.server.model_pool import (
 )
 from tokenmill.server.pool_metrics import render
 from tokenmill.server.settings import ServeSettings
+from tokenmill.server.trace_recorder import TraceRecorder, model_trace_paths
 from tokenmill.server.validation import RequestError
 
 logger = logging.getLogger("tokenmill")
@@ -249,8 +250,6 @@ def run_several(config: EngineConfig, settings: ServeSettings, front: FrontDoor,
         raise ValueError("models: one engine process per model; not with data_parallel_size, disaggregate or Ray")
     if settings.served_model_name is not None:
         raise ValueError("served_model_name: with --models a model's name is its key (with --models-dir, its folder's)")
-    if settings.record_trace is not None:
-        raise ValueError("record_trace: not with --models / --models-dir yet (record one model's server at a time)")
     specs = catalog(config, settings)
     pool = ModelPool(specs, pool_settings(settings), settings, front)
     for spec in specs:
@@ -259,4 +258,26 @@ def run_several(config: EngineConfig, settings: ServeSettings, front: FrontDoor,
     app = create_multi_app(pool, front)
     what = f"{len(specs)} models ({', '.join(s.name for s in specs)})"
     keyed = bool(front.api_keys)
-    serve_app(app, what, pool, settings.host, settings.port, keyed, settings.drain_timeout, connections, busiest)
+    pool.traces = record_traces(specs, settings)
+    try:
+        serve_app(app, what, pool, settings.host, settings.port, keyed, settings.drain_timeout, connections, busiest)
+    finally:
+        for recorder in pool.traces.values():
+            recorder.close()
+
+
+def record_traces(specs: Sequence[ModelSpec], settings: ServeSettings) -> dict[str, TraceRecorder]:
+    """`--record-trace FILE`: a recorder per model, each to its own file (`model_trace_path`)."""
+    if settings.record_trace is None:
+        return {}
+    paths = model_trace_paths(settings.record_trace, [s.name for s in specs])
+    recorders: dict[str, TraceRecorder] = {}
+    try:
+        for name, path in paths.items():
+            recorders[name] = TraceRecorder(path, settings.record_trace_privacy, settings.record_trace_max_bytes, name)
+            logger.info("model %s: recording finished requests to %s", name, path)
+    except BaseException:
+        for recorder in recorders.values():
+            recorder.close()
+        raise
+    return recorders

@@ -114,6 +114,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent)
     content: str | None = Field(default=None, exclude_if=_absent)
     reasoning_content: str | None = Field(default=None, exclude_if=_absent)
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, exclude_if=_absent)  # (server/tool_stream.py)
 
 
 class ChatChunkChoice(BaseModel):

@@ -193,7 +193,7 @@ class _Stream:
     model: str = ""
     sequence: int = 0
     output: list[OutputItem] = field(default_factory=list)
-    open: OutputItem | None = None  # the item text deltas extend
+    open: OutputItem | None = None  # the item text deltas (or a call's argument fragments) extend
 
     def event(self, kind: str, **payload: Any) -> str:
         self.sequence += 1
@@ -237,6 +237,8 @@ class _Stream:
 
     def close(self) -> list[str]:
         item, self.open = self.open, None
+        if item is not None and item.type == "function_call":
+            return self._close_call(item)
         if item is None or item.content is None:
             return []
         item.status = "completed"
@@ -252,31 +254,45 @@ class _Stream:
         return [*events, self.event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))]
 
     def call(self, call: dict[str, Any]) -> list[str]:
-        events = self.close()
+        """A chat stream's call delta: its first (id, name) adds a function_call item, each fragment of its
+        arguments is a function_call_arguments.delta; the item is done when the next starts, or at the end."""
+        events: list[str] = []
         function = call["function"]
-        item = OutputItem(
-            type="function_call",
-            id=f"fc_{_hex(self.request_id)}_{len(self.output)}",
-            status="in_progress",
-            call_id=call["id"],
-            name=function["name"],
-            arguments="",
-        )
-        self.output.append(item)
-        index = len(self.output) - 1
-        events.append(self.event("response.output_item.added", output_index=index, item=item.model_dump(mode="json")))
-        arguments = function["arguments"]
-        events.append(
-            self.event("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=arguments)
-        )
-        item.arguments, item.status = arguments, "completed"
-        events.append(
-            self.event(
-                "response.function_call_arguments.done", item_id=item.id, output_index=index, arguments=arguments
+        if call.get("id"):
+            events += self.close()
+            item = OutputItem(
+                type="function_call",
+                id=f"fc_{_hex(self.request_id)}_{len(self.output)}",
+                status="in_progress",
+                call_id=call["id"],
+                name=function["name"],
+                arguments="",
             )
-        )
-        events.append(self.event("response.output_item.done", output_index=index, item=item.model_dump(mode="json")))
+            self.output.append(item)
+            self.open = item
+            index = len(self.output) - 1
+            events.append(
+                self.event("response.output_item.added", output_index=index, item=item.model_dump(mode="json"))
+            )
+        item = self.open
+        fragment = function.get("arguments") or ""
+        if fragment and item is not None and item.type == "function_call":
+            item.arguments = (item.arguments or "") + fragment
+            index = len(self.output) - 1
+            events.append(
+                self.event(
+                    "response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=fragment
+                )
+            )
         return events
+
+    def _close_call(self, item: OutputItem) -> list[str]:
+        item.status = "completed"
+        index = len(self.output) - 1
+        done = self.event(
+            "response.function_call_arguments.done", item_id=item.id, output_index=index, arguments=item.arguments
+        )
+        return [done, self.event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))]
 
 
 async def response_events(

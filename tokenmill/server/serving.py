@@ -50,6 +50,7 @@ from tokenmill.server.responses import (
     usage_info,
 )
 from tokenmill.server.tenancy import cache_salt
+from tokenmill.server.tool_stream import ToolStreamer, call_deltas
 from tokenmill.server.tools import ToolMode, template_tools, tools_system_message
 from tokenmill.server.validation import ignored_fields_warning, param_of, refusal
 from tokenmill.text.tokenizer import Tokenizer
@@ -77,6 +78,7 @@ class Job:
     continuous_usage: bool = False  # usage (so far) in every chunk: vLLM's continuous_usage_stats
     tool_mode: ToolMode | None = None  # a chat request with tools (server/tools.py)
     reasoning: ReasoningSplits | None = None  # a chat request's reasoning split (server/reasoning.py)
+    tool_streams: dict[int, ToolStreamer] = field(default_factory=dict)  # streamed choice -> its calls so far
 
 
 @dataclass
@@ -263,9 +265,7 @@ class Server:
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE events for a streaming request, ending with `data: [DONE]`. Nothing is sent before the
         engine accepts every prompt, so a refused request still gets its error status. A chat request
-        with tools is answered whole and then streamed (its calls are known only at the end)."""
-        if job.tool_mode is not None:
-            return self._tool_events(job, await self.complete(job))
+        with tools streams its calls as they are generated (server/tool_stream.py)."""
         streams = self._start(job, OutputKind.DELTA)
         try:  # the first item (or the refusal) of each prompt, all submitted at once
             results = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
@@ -348,27 +348,6 @@ class Server:
             await asyncio.gather(*tasks, return_exceptions=True)
             _close_all(streams)
 
-    async def _tool_events(self, job: Job, whole: dict[str, Any]) -> AsyncIterator[str]:
-        """A finished chat answer with tools as OpenAI streams one: the role, the content or each call
-        (id, name and arguments in one delta), the finish reason, the usage if asked, [DONE]."""
-        base = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
-        for choice in whole["choices"]:
-            i, message = choice["index"], choice["message"]
-            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
-            if message.get("reasoning_content"):
-                yield _sse(
-                    {**base, "choices": [{"index": i, "delta": {"reasoning_content": message["reasoning_content"]}}]}
-                )
-            if message.get("content"):
-                yield _sse({**base, "choices": [{"index": i, "delta": {"content": message["content"]}}]})
-            for k, call in enumerate(message.get("tool_calls") or []):
-                yield _sse({**base, "choices": [{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}}]})
-            end = {"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}
-            yield _sse({**base, "choices": [end]})
-        if job.include_usage:
-            yield _sse({**base, "choices": [], "usage": whole["usage"]})
-        yield "data: [DONE]\n\n"
-
     def _chunk_for(
         self, job: Job, i: int, out: RequestOutput, c: CompletionOutput, first: bool
     ) -> ChatCompletionChunk | CompletionStreamResponse | None:
@@ -379,22 +358,41 @@ class Server:
         entries = c.logprobs
         if job.chat:
             logprobs = chat_logprobs(entries, self.token_text) if entries else None
-            delta = DeltaMessage(content=c.text)
+            reasoning, content, calls, finish = None, c.text, None, c.finish_reason
             if job.reasoning is not None:  # (text that may start a tag waits for the next delta)
                 reasoning, content = job.reasoning.delta(key, c.text, c.finish_reason is not None)
-                if reasoning is None and content is None and c.finish_reason is None and not entries:
-                    return None
-                delta = DeltaMessage(content=content, reasoning_content=reasoning)
+            if job.tool_mode is not None:  # (calls are read after the reasoning; text that may be one waits)
+                content, calls, finish = self._tool_delta(job, key, content or "", c.finish_reason)
+            if reasoning is None and content is None and not calls and c.finish_reason is None and not entries:
+                return None
+            delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
+            if job.reasoning is None and job.tool_mode is None:
+                delta = DeltaMessage(content=c.text)
             choice = ChatChunkChoice(
                 index=key,
                 delta=delta,
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
             return self._chat_chunk_choice(job, choice)
         choice = self._completion_choice(job, i, out, c, c.text, entries, first)
         return CompletionStreamResponse(id=job.request_id, created=job.created, model=job.model, choices=[choice])
+
+    @staticmethod
+    def _tool_delta(
+        job: Job, key: int, text: str, finish_reason: str | None
+    ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+        """(content, delta.tool_calls, finish reason) of choice `key`'s next delta with tools."""
+        assert job.tool_mode is not None
+        streamer = job.tool_streams.setdefault(key, job.tool_mode.streamer())
+        content, pieces = streamer.feed(text)
+        if finish_reason is not None:
+            rest, more = streamer.finish()
+            content, pieces = content + rest, pieces + more
+        if finish_reason == "stop" and streamer.calls:
+            finish_reason = "tool_calls"
+        return content or None, call_deltas(pieces) or None, finish_reason
 
     def _chat_chunk(self, job: Job, index: int, delta: DeltaMessage) -> ChatCompletionChunk:
         return self._chat_chunk_choice(job, ChatChunkChoice(index=index, delta=delta))

@@ -8,6 +8,9 @@
 - `"auto"` (the default with tools): the model decides; its `<tool_call>{"name", "arguments"}</tool_call>`
   blocks (Hermes-style, as Qwen's templates ask for) become `tool_calls`, the rest stays `content`.
 
+The calls are read from the answer by `tool_stream.ToolStreamer`, streamed or not: a stream sends each
+call's name first and then its arguments as they are generated.
+
 The chat template gets the tools (`tools=` of transformers' `apply_chat_template`); a template that
 has no tools section gets them described in a system message, with the `<tool_call>` format to use.
 """
@@ -15,17 +18,13 @@ has no tools section gets them described in a system message, with the `<tool_ca
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.server.caps import parse_json
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+from tokenmill.server.tool_stream import ToolStreamer, read_calls
 
 
 class _Fields(BaseModel):
@@ -100,31 +99,20 @@ class ToolMode:
         return next(t for t in self.tools if t.function.name == name)
 
     def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
-        """(content, tool calls, finish reason) of a finished answer. An answer cut short (length) stays text."""
+        """(content, tool calls, finish reason) of a finished answer, read by the same streamer as a streamed
+        answer (server/tool_stream.py). An answer cut short (length) stays text."""
         if finish_reason == "length":
             return text, [], finish_reason
-        if self.choice == "named":
-            assert self.name is not None
-            return None, [_call(self.name, _arguments_text(text))], "tool_calls"
-        if self.choice == "required":
-            try:
-                calls = parse_json(text)
-            except ValueError:
-                return text, [], finish_reason
-            return None, [_call(c["name"], json.dumps(c["arguments"])) for c in calls], "tool_calls"
-        found = []
-        for block in TOOL_CALL.findall(text):
-            try:
-                call = parse_json(block)
-            except ValueError:
-                continue
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                args = call.get("arguments", call.get("parameters", {}))
-                found.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args)))
-        if not found:
+        content, calls = read_calls(self.choice, self.name, text)
+        if not calls:
             return text, [], finish_reason
-        rest = TOOL_CALL.sub("", text).strip()
-        return rest or None, found, "tool_calls"
+        found = [
+            ToolCall(id=c.id or "", function=CalledFunction(name=c.name or "", arguments=c.arguments)) for c in calls
+        ]
+        return content.strip() or None, found, "tool_calls"
+
+    def streamer(self) -> ToolStreamer:
+        return ToolStreamer(self.choice, self.name)
 
 
 def tool_mode(tools: list[ToolParam] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolMode | None:
@@ -154,14 +142,3 @@ def tools_system_message(tools: list[ToolParam]) -> str:
 
 def _parameters(tool: ToolParam) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
-
-
-def _arguments_text(text: str) -> str:
-    try:
-        return json.dumps(parse_json(text))
-    except ValueError:
-        return text
-
-
-def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=CalledFunction(name=name, arguments=arguments))

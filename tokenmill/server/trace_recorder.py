@@ -18,6 +18,13 @@ record and counts it. When the file would pass `max_bytes` it is renamed FILE.1 
 lowest number the oldest, nothing deleted) and a new FILE starts with the same header (same run, same
 salt: hashes compare across the parts). A write that fails (a full disk, a removed folder) logs the
 error once and stops the recording; the server runs on.
+
+With several models (`serve --models`), each model records to a file of its own, FILE with the model's
+name before its suffix (`trace.jsonl` -> `trace.chat.jsonl`; characters other than letters, digits,
+`.`, `_` and `-` become `_`), each header naming its model, each read by `doctor --workload trace:FILE`
+as a one-model trace. A model's recorder lives as long as the server (a model unloaded and loaded again
+appends to the same file, same salt, arrivals on the same clock); it records what the model's engine
+(in the server's process, its core in a child) finishes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import threading
 import time
@@ -69,6 +77,21 @@ def rotated_parts(path: Path) -> list[Path]:
         parts.append(part)
         n += 1
     return parts + ([path] if path.exists() else [])
+
+
+def model_trace_path(path: str | Path, model: str) -> Path:
+    """The trace file of model `model` when the server records to `path` (see the module docstring)."""
+    path = Path(path)
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model)
+    return path.with_name(f"{path.stem}.{safe}{path.suffix}")
+
+
+def model_trace_paths(path: str | Path, models: Sequence[str]) -> dict[str, Path]:
+    """Each model's trace file; two names that would share one are refused."""
+    paths = {name: model_trace_path(path, name) for name in models}
+    if len(set(paths.values())) != len(paths):
+        raise ValueError(f"record_trace: two model names give the same trace file under {path}; rename one")
+    return paths
 
 
 class TraceRecorder:
