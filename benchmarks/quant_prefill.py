@@ -59,11 +59,11 @@ def child(model: str, quantization: str, threads: int, kernels: list[str], lengt
 
 
 def llama_bench(path: str, threads: int, lengths: list[int]) -> dict[str, float]:
-    binary = PEERS / "llamacpp-build" / "bin" / "llama-bench"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
-    cmd = [str(binary), "-m", path, "-p", ",".join(map(str, lengths)), "-n", "0", "-t", str(threads)]
-    done = subprocess.run([*cmd, "-r", "1", "-o", "json"], env=env, capture_output=True, text=True, check=True)
-    return {f"llama.cpp {Path(path).stem} p{r['n_prompt']}": float(r["avg_ts"]) for r in json.loads(done.stdout)}
+    """gguf_prefill.py's llama-bench run, each rate labelled with the file's name."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gguf_prefill import llama_bench as run
+
+    return {f"llama.cpp {Path(path).stem} {k.split()[-1]}": v for k, v in run(path, threads, lengths).items()}
 
 
 def cpu_flags() -> str:
