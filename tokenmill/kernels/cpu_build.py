@@ -34,6 +34,7 @@ SOURCES = (
     "layer_ops.cpp",
     "linear.cpp",
     "linear_int4.cpp",
+    "linear_int4_wide.cpp",
     "linear_int8.cpp",
     "decode_layer.cpp",
     "gguf_blocks.cpp",

@@ -20,7 +20,8 @@ a shape missing from the plan takes `default_kernel`):
   the activations rounded to int8 in runs of 32, as llama.cpp's Q8_0 activations), `amx` (as int8's,
   each group dequantized to bfloat16 as it is read), `dequant` or, for bfloat16 activations,
   `dequant32` (float32 weights and a float32 GEMM: the many-row kernel where the CPU has no bfloat16
-  arithmetic and torch emulates its bfloat16 GEMM); where the native kernels do not build,
+  arithmetic and torch emulates its bfloat16 GEMM), `widened` (AVX2: float32 outer-product tiles, each
+  tile of weight rows dequantized in cache, kernels/csrc/linear_int4_wide.cpp); where the native kernels do not build,
   torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
   activations: float32 ones are rounded to bfloat16 for it, as its float32 path is many times slower)
   or `dequant`.
@@ -323,6 +324,8 @@ class Int4LinearMethod(QuantizedLinearMethod):
         out: dict[str, Kernel] = {"native": partial(self._native, amx=False), "dequant": self._dequant}
         if dtype == torch.bfloat16:
             out["dequant32"] = self._dequant32
+        if self.ops.broadcast_tiles_built():
+            out["widened"] = self._widened
         if self.amx_bf16(dtype):
             out["amx"] = partial(self._native, amx=True)
         return out
@@ -332,6 +335,15 @@ class Int4LinearMethod(QuantizedLinearMethod):
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.rows, dtype=x.dtype)
         self.ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias, amx)  # type: ignore[union-attr]
+        return out
+
+    def _widened(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Many rows with the activations kept in float: each tile of weight rows dequantized to
+        float32 in cache for the outer-product tiles (kernels/csrc/linear_int4_wide.cpp; AVX2)."""
+        q = cast(Int4Weight, w)
+        x = _contiguous_rows(x)
+        out = torch.empty(x.shape[0], q.rows, dtype=x.dtype)  # [M, N]
+        self.ops.linear_int4_wide(out, x, q.packed, q.scales, q.mins, q.group, bias)  # type: ignore[union-attr]
         return out
 
     @staticmethod
