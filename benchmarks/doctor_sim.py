@@ -20,7 +20,9 @@ cost model taken just before it (`diagnose.Replays`: the simulator, the real sch
 fast-forward on); runs repeated and interleaved across workloads and settings, each figure the median
 of the repeats (spread shown), the error the median of the repeats' own errors. And the cost model
 apart from the schedule: each measured run's own steps (`calibrate.StepLog`), summed measured time over
-the time the cost model gives them.
+the time the cost model gives them. And, for comparison, the replay without the after-prompt term
+(`StepCost.after_prompt`: the first decode step after a prompt step priced as a steady one, as before that
+term), its probe the same and calibrated its own way on the same requests: its errors, in the last column.
 
 Writes benchmarks/results/doctor_sim_traces.json (`--out`; the SmolLM2 synthetic rows of RESULTS.md are
 in doctor_sim.json) and prints its table for benchmarks/RESULTS.md.
@@ -31,6 +33,7 @@ Usage: python benchmarks/doctor_sim.py [--model DIR] [--workloads mixed,azure-co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -102,6 +105,7 @@ class Runs:
 
     measured: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     predicted: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    before: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # without the after-prompt term
     step_level: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     probes: list[StepCost] = field(default_factory=list)
@@ -145,7 +149,11 @@ def build_case(name: str, engine: LLMEngine, args: argparse.Namespace) -> Case:
 
 def run_once(engine: LLMEngine, key: str, repeat: int, case: Case, runs: Runs) -> None:
     """Probe and calibrate on `engine`, run the workload for real, then through the doctor's replay."""
-    cost = calibrate(engine, case.workload, probe(engine), case.rate)
+    raw = probe(engine)
+    cost = calibrate(engine, case.workload, raw, case.rate)
+    # the replay as it was before the after-prompt term (step_cost.py), calibrated its own way, for the table
+    plain = dataclasses.replace(raw, after_prompt_tokens=[], after_prompt_seconds=[])
+    before = calibrate(engine, case.workload, plain, case.rate)
     runs.probes.append(cost)
     log = StepLog(engine)
     run = run_offline(engine, case.workload, key, repeat, request_rate=case.rate)
@@ -156,6 +164,7 @@ def run_once(engine: LLMEngine, key: str, repeat: int, case: Case, runs: Runs) -
     runs.measured.setdefault(key, []).append(figures(summarize(run.records, run.duration_s)))
     replays = Replays.of(engine, cost, case.workload, case.rate)
     runs.predicted.setdefault(key, []).append(figures(replays({})))
+    runs.before.setdefault(key, []).append(figures(Replays.of(engine, before, case.workload, case.rate)({})))
     runs.steps[key] = replays.engine({}).record.steps
     print(f"{key} #{repeat} (probe {cost.probe_seconds:.1f} s): measured {runs.measured[key][-1]}, "
           f"predicted {runs.predicted[key][-1]}, the run's own steps measured/predicted "
@@ -168,6 +177,7 @@ def summarize_rows(runs: Runs, settings: dict[str, dict[str, Any]]) -> dict[str,
     for key, measured in runs.measured.items():
         sims = runs.predicted[key]
         errors = [{m: p[m] / r[m] - 1 for m in METRICS} for r, p in zip(measured, sims, strict=True)]
+        olds = [{m: p[m] / r[m] - 1 for m in METRICS} for r, p in zip(measured, runs.before[key], strict=True)]
         rows[key] = {
             "settings": settings[key.split(" / ", 1)[1]],
             "measured": {m: statistics.median(r[m] for r in measured) for m in METRICS},
@@ -177,6 +187,9 @@ def summarize_rows(runs: Runs, settings: dict[str, dict[str, Any]]) -> dict[str,
             "error": {m: statistics.median(e[m] for e in errors) for m in METRICS},
             "error_range": {m: [min(e[m] for e in errors), max(e[m] for e in errors)] for m in METRICS},
             "within_15pct": all(abs(statistics.median(e[m] for e in errors)) <= 0.15 for m in METRICS),
+            # the replay without the after-prompt term (the decode step after a prompt step priced as a steady one)
+            "predicted_before": {m: statistics.median(p[m] for p in runs.before[key]) for m in METRICS},
+            "error_before": {m: statistics.median(e[m] for e in olds) for m in METRICS},
             "simulated_steps": runs.steps[key],
             # each measured run's own steps through the cost model: summed measured / predicted time
             "own_steps_measured_over_predicted": {
@@ -215,6 +228,8 @@ def build_result(args: argparse.Namespace, cases: dict[str, Case], runs: Runs, r
             "per_decode_key_ns": cost.per_decode_key * 1e9,
             "per_prompt_pair_ns": cost.per_prompt_pair * 1e9,
             "per_mixed_key_ns": cost.per_mixed_key * 1e9,
+            "after_prompt_tokens": cost.after_prompt_tokens,  # the first decode step after such a prompt step ...
+            "after_prompt_ms": [s * 1e3 for s in cost.after_prompt_seconds],  # ... costs this much more
             "probe_seconds": cost.probe_seconds,
             "calibration": cost.calibration,
         },
@@ -227,8 +242,8 @@ def build_result(args: argparse.Namespace, cases: dict[str, Case], runs: Runs, r
 
 def print_table(rows: dict[str, Any]) -> None:
     print("| workload / setting | TTFT p50 (ms) measured / predicted | TPOT p50 (ms) | output tokens/s "
-          "| own steps decode / other / all |")  # fmt: skip
-    print("|---|---|---|---|---|")
+          "| own steps decode / other / all | error without the after-prompt term |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for key, r in rows.items():
         cells = [
             f"{r['measured'][m]:.1f} / {r['predicted'][m]:.1f} ({r['error'][m] * 100:+.0f}% "
@@ -237,7 +252,8 @@ def print_table(rows: dict[str, Any]) -> None:
         ]
         own = r["own_steps_measured_over_predicted"]
         steps = " / ".join(f"{own[k]:.2f}" if k in own else "-" for k in ("decode", "other", "all"))
-        print(f"| {key} | " + " | ".join(cells) + f" | {steps} |")
+        old = " / ".join(f"{r['error_before'][m] * 100:+.0f}%" for m in METRICS)
+        print(f"| {key} | " + " | ".join(cells) + f" | {steps} | {old} |")
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import measure_stall
-from tokenmill.doctor.step_cost import StepCost, fit_context, probe
+from tokenmill.doctor.step_cost import AFTER_STEPS, StepCost, fit_context, probe
 from tokenmill.doctor.verify import METRICS
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import engine_config, read_config_file
@@ -261,6 +261,8 @@ def test_the_step_log_sees_every_step_and_calibration_rescales_the_cost_model(en
     assert "step" not in vars(engine) and "schedule" not in vars(engine.core.scheduler)  # the wrappers gone
     assert sum(q for s in log.steps for q, _ in s.chunks) == sum(map(len, prompts)) + 6 * (12 - 1)
     assert any(s.decoding for s in log.steps) and all(s.seconds > 0 for s in log.steps)
+    decodes = [s for s in log.steps if s.decoding]  # the step before each: the prompt step, then decodes
+    assert [s.prompt_before for s in decodes] == [sum(map(len, prompts))] + [0] * (len(decodes) - 1)
     slow = curve(base_ms=100.0)  # ten times a tiny model's step, and more
     ratios = log.measured_over_predicted(slow)
     assert ratios["all"][1] == len(log.steps) and 0 < ratios["all"][0] < 0.5
@@ -317,6 +319,7 @@ def test_the_probe_and_the_stall_fit_any_model_length(tiny_model_dir, max_model_
     )
     cost = probe(engine, repeats=1)
     assert cost.decode_batch[-1] == 9 and not engine.has_unfinished_requests()
+    assert cost.after_prompt_tokens[0] == 32 and cost.after_prompt_tokens[-1] + 1 + AFTER_STEPS <= max_model_len
     stall = measure_stall(engine, [max_model_len], 8, 0.5, max_model_len, steps=4)
     assert stall is not None and stall.context + 8 <= max_model_len
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total

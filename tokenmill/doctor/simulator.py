@@ -4,7 +4,9 @@
 run_offline` takes it as it is, with the simulator's clock and sleep): requests go to the real
 `Scheduler` (or `StaticScheduler`) over a real `KVManager` of the block count a setting gives, each step
 runs the scheduler's own rule (admission, chunked prompts, prefix-cache hits, preemption), and instead
-of a forward the simulated clock moves on by what `StepCost` predicts for the step's chunks. Every
+of a forward the simulated clock moves on by what `StepCost` predicts for the step's chunks (and, for the
+first decode-only step after a step that ran prompt tokens, what it costs more after them:
+`StepCost.after_prompt`, the caches refilled; on short outputs that step is most inter-token gaps). Every
 sampling chunk "samples" a token (a negative id of its own per request, which no prompt holds: the
 outputs' blocks take room and hash as real ones do, and never match a prompt). Requests generate
 max_tokens tokens (as with ignore_eos), so a trace states each request's output length as max_tokens.
@@ -27,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
-from tokenmill.doctor.step_cost import CostModel, step_chunks
+from tokenmill.doctor.step_cost import CostModel, after_prompt, step_chunks
 from tokenmill.outputs import (
     CompletionOutput,
     EngineStats,
@@ -84,6 +86,7 @@ class SimulatedEngine:
         self.arrivals: list[float] | None = None  # the run's arrival times, ascending: fast-forward on
         self._next_arrival = 0  # index of the first arrival not yet passed
         self._stable = False  # the last step can repeat as it is (see the module docstring)
+        self._prompt_before = 0  # tokens the last step ran if not decode-only (the next decode step costs more)
 
     # -- the simulated clock (run_offline's `clock` and `sleep`) ----------------------------------
 
@@ -140,6 +143,10 @@ class SimulatedEngine:
         scheduled = scheduler.schedule(self.now)
         chunks, decoding = step_chunks(scheduled, scheduler.requests)
         seconds = self.cost.predict(chunks, decoding) if chunks else 0.0
+        tokens = sum(q for q, _ in chunks)
+        if chunks:
+            seconds += after_prompt(self.cost, self._prompt_before) if decoding else 0.0
+            self._prompt_before = 0 if decoding else tokens
         self.now += seconds
         result = StepOutput()
         for c in scheduled.chunks:
@@ -148,7 +155,6 @@ class SimulatedEngine:
         changed = scheduler.update(scheduled, result, self.now)
         kv = scheduler.kv
         live = sum(r.num_computed_tokens for r in scheduler.running)
-        tokens = sum(q for q, _ in chunks)
         self.last_step = StepStats(len(chunks), tokens, seconds, seconds, live, kv.num_allocated_slots())
         rec = self.record
         rec.steps += 1

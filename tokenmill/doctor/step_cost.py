@@ -9,6 +9,12 @@ plus attention beyond what the probe's steps had: a decoding chunk reads its s +
 (`per_decode_key` in a step of decodes only, `per_mixed_key` beside prompt chunks: memory-bound, K and
 V read once per query), a prompt chunk scores its q s + q (q + 1) / 2 query-key pairs
 (`per_prompt_pair`: many queries share each key read).
+And what a step costs because of the one before: the first decode-only step after a step that ran T prompt
+tokens costs `after_prompt(T)` more than the same step among decode steps (measured, whatever its cause:
+most likely the caches the prompt step's activations took over, which that decode step fills back with
+the weights; the steps after it are steady again, or nearly). With outputs of a few tokens, as in code
+completion, most inter-token gaps are such a step. `StepCost.predict` prices a step alone; the simulator
+and the step log add this term from the step before.
 Curves are piecewise linear in T (B) between the probed points, extended along their last segment,
 and made non-decreasing (a busy moment during the probe must not make more tokens look cheaper).
 
@@ -16,10 +22,12 @@ and made non-decreasing (a busy moment during the probe must not make more token
 max_num_batched_tokens tokens (each alone in its step), B requests decoding at a short context for
 B = 1 .. max_num_seqs, a few at a long context (the decode attention term), one long prompt's chunks
 at start 0 and at start one budget (the prompt attention term), and a prompt chunk run beside a few
-decoding requests at a short and at a long context (the mixed steps' terms); random distinct prompts, so the prefix
-cache never answers; medians of repeats. Where no chunk can join running requests (static batching)
-the mixed terms are not measured: 0 per request (a step's cost follows its tokens, not how many
-prompts they come in), decode attention's per key. Nothing else should run on the
+decoding requests at a short and at a long context (the mixed steps' terms); random distinct prompts,
+so the prefix cache never answers; medians of repeats; and the first decode step after one-request
+prompts of 32 .. budget tokens against the same request's later decode steps (paired: the after-prompt
+term). Where no chunk can join running requests (static batching) the mixed terms are not measured: 0
+per request (a step's cost follows its tokens, not how many prompts they come in), decode attention's
+per key. Nothing else should run on the
 machine meanwhile.
 """
 
@@ -40,6 +48,8 @@ if TYPE_CHECKING:
     from tokenmill.outputs import SchedulerOutput
     from tokenmill.request import Request
 
+AFTER_STEPS = 8  # decode steps the probe times after a prompt step: the first, and the last four as the steady price
+
 
 class CostModel(Protocol):
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
@@ -56,6 +66,13 @@ def step_chunks(scheduled: SchedulerOutput, requests: Mapping[str, Request]) -> 
         len(c.token_ids) == 1 and c.start_position >= requests[c.request_id].num_prompt_tokens for c in scheduled.chunks
     )
     return chunks, decoding
+
+
+def after_prompt(cost: CostModel, tokens: int) -> float:
+    """What `cost` adds to the first decode-only step after a step of `tokens` prompt tokens (0 with a cost
+    model that does not price the step before, as `StepCost.after_prompt` does)."""
+    price = getattr(cost, "after_prompt", None)
+    return float(price(tokens)) if price is not None and tokens > 0 else 0.0
 
 
 def decode_keys(chunks: Sequence[tuple[int, int]]) -> float:
@@ -90,6 +107,8 @@ class StepCost:
     probe_seconds: float = 0.0  # what the probe took
     notes: list[str] = field(default_factory=list)
     calibration: dict[str, float] = field(default_factory=dict)  # factors a run of the trace set (calibrate.py)
+    after_prompt_tokens: list[int] = field(default_factory=list)  # tokens of the prompt step before ...
+    after_prompt_seconds: list[float] = field(default_factory=list)  # ... what the first decode step costs more
 
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
         """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every
@@ -101,6 +120,13 @@ class StepCost:
         tokens = sum(q for q, _ in chunks)
         prompt = interpolate(self.prompt_tokens, self.prompt_seconds, tokens)
         return prompt + self.per_request * (len(chunks) - 1) + work
+
+    def after_prompt(self, tokens: int) -> float:
+        """Seconds the first decode-only step after a step of `tokens` prompt tokens costs beyond the same
+        step after a decode step: linear from 0 at 0 tokens through the probed points."""
+        if tokens <= 0 or not self.after_prompt_tokens:
+            return 0.0
+        return interpolate([0, *self.after_prompt_tokens], [0.0, *self.after_prompt_seconds], tokens)
 
     def decode_step(self, batch: int, context: int) -> float:
         """Seconds for a step of `batch` requests decoding at `context` tokens each."""
@@ -242,6 +268,7 @@ def probe(
     mixed = _Mixed(p, min(8, config.max_num_seqs - 1), budget, repeats, prompt_points, prompt_seconds)
     mixed_context = fit_context(engine.max_model_len, long_context, mixed.b, budget, 4 + 4 * repeats)
     per_request, per_mixed_key = mixed.costs(short, mixed_context, per_key)
+    after_tokens, after_seconds = _after_prompt(p, min(budget, engine.max_model_len - AFTER_STEPS - 1), max(5, repeats))
     return StepCost(
         prompt_points,
         monotone(prompt_seconds),
@@ -253,7 +280,25 @@ def probe(
         per_mixed_key,
         time.perf_counter() - t0,
         notes,
+        after_prompt_tokens=after_tokens,
+        after_prompt_seconds=after_seconds,
     )
+
+
+def _after_prompt(p: Prober, top: int, repeats: int) -> tuple[list[int], list[float]]:
+    """The first decode step after a one-request prompt of T tokens (T = 32, 64, ... up to `top`), beyond
+    the median of the same request's last four decode steps (paired: the machine's mood of the moment
+    cancels): (the T, the median extra seconds, made non-decreasing in T). Nothing below 32 tokens."""
+    points = grid(top, 32) if top >= 32 else []
+    extra: dict[int, list[float]] = {tokens: [] for tokens in points}
+    for _ in range(repeats):
+        for tokens in p.rng.sample(points, len(points)):
+            p.add(tokens, 1 + AFTER_STEPS)  # (its first token comes from the prompt step)
+            decodes = [seconds for seconds, _, batched in p.drain() if batched == 1]
+            if len(decodes) == AFTER_STEPS:
+                extra[tokens].append(decodes[0] - statistics.median(decodes[-4:]))
+    kept = [t for t in points if extra[t]]
+    return kept, monotone([max(0.0, statistics.median(extra[t])) for t in kept])
 
 
 def _prompt_curve(p: Prober, budget: int, repeats: int) -> tuple[list[int], list[float]]:
