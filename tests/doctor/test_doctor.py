@@ -261,8 +261,8 @@ def test_the_step_log_sees_every_step_and_calibration_rescales_the_cost_model(en
     assert "step" not in vars(engine) and "schedule" not in vars(engine.core.scheduler)  # the wrappers gone
     assert sum(q for s in log.steps for q, _ in s.chunks) == sum(map(len, prompts)) + 6 * (12 - 1)
     assert any(s.decoding for s in log.steps) and all(s.seconds > 0 for s in log.steps)
-    decodes = [s for s in log.steps if s.decoding]  # the step before each: the prompt step, then decodes
-    assert [s.prompt_before for s in decodes] == [sum(map(len, prompts))] + [0] * (len(decodes) - 1)
+    decodes = [s for s in log.steps if s.decoding]  # the steps before each: the prompt step, then decodes
+    assert [s.after for s in decodes[:3]] == [(sum(map(len, prompts)), j) for j in range(3)]
     slow = curve(base_ms=100.0)  # ten times a tiny model's step, and more
     ratios = log.measured_over_predicted(slow)
     assert ratios["all"][1] == len(log.steps) and 0 < ratios["all"][0] < 0.5

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import Workload
-from tokenmill.doctor.step_cost import CostModel, StepCost, after_prompt, step_chunks
+from tokenmill.doctor.step_cost import AFTER_DECAY_STEPS, CostModel, StepCost, after_prompt, step_chunks
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
@@ -37,7 +37,7 @@ class LoggedStep:
     chunks: list[tuple[int, int]]  # (query length, start position) of each chunk, as the simulator sees them
     decoding: bool  # every chunk decodes one token
     seconds: float  # the whole `LLMEngine.step`
-    prompt_before: int = 0  # tokens the step before ran, if it was not decode-only (0: it was)
+    after: tuple[int, int] = (0, 0)  # (tokens of the last step before that ran prompt tokens, decode steps since)
 
 
 class StepLog:
@@ -59,15 +59,20 @@ class StepLog:
             outputs = step()
             seconds = time.perf_counter() - start
             if pending and pending[-1][0]:
-                before = self.steps[-1] if self.steps else None
-                prompt = sum(q for q, _ in before.chunks) if before is not None and not before.decoding else 0
-                self.steps.append(LoggedStep(*pending[-1], seconds, prompt))
+                self.steps.append(LoggedStep(*pending[-1], seconds, self._after()))
             pending.clear()
             return outputs
 
         scheduler.schedule = logged_schedule  # type: ignore[method-assign]
         engine.step = logged_step  # type: ignore[method-assign]
         self._wrapped = (scheduler, engine)
+
+    def _after(self) -> tuple[int, int]:
+        """The next step's `LoggedStep.after`, from the steps logged so far ((0, n) past the term's reach)."""
+        for since, s in enumerate(reversed(self.steps[-AFTER_DECAY_STEPS - 1 :])):
+            if not s.decoding:
+                return sum(q for q, _ in s.chunks), since
+        return 0, min(len(self.steps), AFTER_DECAY_STEPS + 1)
 
     def close(self) -> None:
         """Stop logging: the engine's own `schedule` and `step` back (the wrappers were instance attributes)."""
@@ -81,7 +86,7 @@ class StepLog:
             for kind in ("decode" if s.decoding else "other", "all"):
                 sums[kind][0] += s.seconds
                 sums[kind][1] += cost.predict(s.chunks, s.decoding) + (
-                    after_prompt(cost, s.prompt_before) if s.decoding else 0.0
+                    after_prompt(cost, *s.after) if s.decoding else 0.0
                 )
                 sums[kind][2] += 1
         return {k: (measured / predicted, int(n)) for k, (measured, predicted, n) in sums.items() if predicted > 0}
@@ -97,7 +102,7 @@ def scaled(cost: StepCost, decode: float, other: float) -> StepCost:
         per_request=cost.per_request * other,
         per_prompt_pair=cost.per_prompt_pair * other,
         per_mixed_key=cost.per_mixed_key * other,
-        after_prompt_seconds=[t * decode for t in cost.after_prompt_seconds],  # (a decode step's)
+        after_prompt_seconds=[t * decode for t in cost.after_prompt_seconds],  # (decode steps': the decay kept)
         calibration={"decode": decode, "other": other},
     )
 

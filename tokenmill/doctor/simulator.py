@@ -5,8 +5,8 @@ run_offline` takes it as it is, with the simulator's clock and sleep): requests 
 `Scheduler` (or `StaticScheduler`) over a real `KVManager` of the block count a setting gives, each step
 runs the scheduler's own rule (admission, chunked prompts, prefix-cache hits, preemption), and instead
 of a forward the simulated clock moves on by what `StepCost` predicts for the step's chunks (and, for the
-first decode-only step after a step that ran prompt tokens, what it costs more after them:
-`StepCost.after_prompt`, the caches refilled; on short outputs that step is most inter-token gaps). Every
+first few decode-only steps after a step that ran prompt tokens, what they cost more after it:
+`StepCost.after_prompt`; on short outputs those steps are most inter-token gaps). Every
 sampling chunk "samples" a token (a negative id of its own per request, which no prompt holds: the
 outputs' blocks take room and hash as real ones do, and never match a prompt). Requests generate
 max_tokens tokens (as with ignore_eos), so a trace states each request's output length as max_tokens.
@@ -16,7 +16,8 @@ setting, in a fraction of the time the run would take (a discrete-event simulati
 Fast-forward: given the run's arrival times (`arrivals`, which the replay knows before it starts), a
 stretch of steps in which nothing can change but the decoding requests' lengths runs as one call: after
 a step that decoded every running request, finished none, preempted none, and left nothing waiting
-that a later step could admit (nothing waits, or the batch is full), the same step repeats until the
+that a later step could admit (nothing waits, or the batch is full), with the after-prompt term spent
+(the next steps steady), the same step repeats until the
 first of: a request's last token (that step runs normally), the step that ends at or past the next
 arrival, the free blocks running out. Those k steps are priced at once (a decode step's cost being
 affine in its rows' context, as `StepCost`'s is) and applied to the scheduler at once
@@ -86,7 +87,8 @@ class SimulatedEngine:
         self.arrivals: list[float] | None = None  # the run's arrival times, ascending: fast-forward on
         self._next_arrival = 0  # index of the first arrival not yet passed
         self._stable = False  # the last step can repeat as it is (see the module docstring)
-        self._prompt_before = 0  # tokens the last step ran if not decode-only (the next decode step costs more)
+        # (tokens of the last step that ran prompt tokens, decode-only steps since): the next decode step's extra
+        self._after = (0, 0)
 
     # -- the simulated clock (run_offline's `clock` and `sleep`) ----------------------------------
 
@@ -144,9 +146,11 @@ class SimulatedEngine:
         chunks, decoding = step_chunks(scheduled, scheduler.requests)
         seconds = self.cost.predict(chunks, decoding) if chunks else 0.0
         tokens = sum(q for q, _ in chunks)
-        if chunks:
-            seconds += after_prompt(self.cost, self._prompt_before) if decoding else 0.0
-            self._prompt_before = 0 if decoding else tokens
+        if chunks and decoding:
+            seconds += after_prompt(self.cost, *self._after)
+            self._after = (self._after[0], self._after[1] + 1)
+        elif chunks:
+            self._after = (tokens, 0)
         self.now += seconds
         result = StepOutput()
         for c in scheduled.chunks:
@@ -171,6 +175,7 @@ class SimulatedEngine:
             and scheduler.num_preemptions == preemptions
             and all(not r.status.finished for r in changed)
             and self._nothing_admissible(len(chunks))
+            and after_prompt(self.cost, *self._after) == 0.0  # (the steps to come steady: priced as one)
         )
         return [self._output(r) for r in changed]
 

@@ -9,12 +9,12 @@ plus attention beyond what the probe's steps had: a decoding chunk reads its s +
 (`per_decode_key` in a step of decodes only, `per_mixed_key` beside prompt chunks: memory-bound, K and
 V read once per query), a prompt chunk scores its q s + q (q + 1) / 2 query-key pairs
 (`per_prompt_pair`: many queries share each key read).
-And what a step costs because of the one before: the first decode-only step after a step that ran T prompt
-tokens costs `after_prompt(T)` more than the same step among decode steps (measured, whatever its cause:
-most likely the caches the prompt step's activations took over, which that decode step fills back with
-the weights; the steps after it are steady again, or nearly). With outputs of a few tokens, as in code
-completion, most inter-token gaps are such a step. `StepCost.predict` prices a step alone; the simulator
-and the step log add this term from the step before.
+And what a step costs because of those before: the first decode-only step after a step that ran T prompt
+tokens costs `after_prompt(T)` more than the same step among decode steps, the next one `after_prompt_decay`
+times that, and so on for AFTER_DECAY_STEPS steps (measured, whatever its cause: most likely the caches
+the prompt step's activations took over, which the decode steps fill back with the weights). With outputs
+of a few tokens, as in code completion, most inter-token gaps are such steps. `StepCost.predict` prices a
+step alone; the simulator and the step log add this term from the steps before.
 Curves are piecewise linear in T (B) between the probed points, extended along their last segment,
 and made non-decreasing (a busy moment during the probe must not make more tokens look cheaper).
 
@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from tokenmill.outputs import SchedulerOutput
     from tokenmill.request import Request
 
-AFTER_STEPS = 8  # decode steps the probe times after a prompt step: the first, and the last four as the steady price
+AFTER_STEPS = 10  # decode steps the probe times after a prompt step: the first few, and the last four as steady
+AFTER_DECAY_STEPS = 4  # decode steps after a prompt step that cost more (the after-prompt term); 0 after those
 
 
 class CostModel(Protocol):
@@ -68,11 +69,11 @@ def step_chunks(scheduled: SchedulerOutput, requests: Mapping[str, Request]) -> 
     return chunks, decoding
 
 
-def after_prompt(cost: CostModel, tokens: int) -> float:
-    """What `cost` adds to the first decode-only step after a step of `tokens` prompt tokens (0 with a cost
-    model that does not price the step before, as `StepCost.after_prompt` does)."""
+def after_prompt(cost: CostModel, tokens: int, since: int = 0) -> float:
+    """What `cost` adds to a decode-only step that follows, by `since` decode-only steps, a step of `tokens`
+    prompt tokens (0 with a cost model that does not price the steps before, as `StepCost.after_prompt` does)."""
     price = getattr(cost, "after_prompt", None)
-    return float(price(tokens)) if price is not None and tokens > 0 else 0.0
+    return float(price(tokens, since)) if price is not None and tokens > 0 else 0.0
 
 
 def decode_keys(chunks: Sequence[tuple[int, int]]) -> float:
@@ -109,6 +110,7 @@ class StepCost:
     calibration: dict[str, float] = field(default_factory=dict)  # factors a run of the trace set (calibrate.py)
     after_prompt_tokens: list[int] = field(default_factory=list)  # tokens of the prompt step before ...
     after_prompt_seconds: list[float] = field(default_factory=list)  # ... what the first decode step costs more
+    after_prompt_decay: float = 0.0  # each next decode step's extra over the one before's (AFTER_DECAY_STEPS in all)
 
     def predict(self, chunks: Sequence[tuple[int, int]], decoding: bool) -> float:
         """Seconds for a step of these chunks ((query length, start position) each); `decoding`: every
@@ -121,12 +123,14 @@ class StepCost:
         prompt = interpolate(self.prompt_tokens, self.prompt_seconds, tokens)
         return prompt + self.per_request * (len(chunks) - 1) + work
 
-    def after_prompt(self, tokens: int) -> float:
-        """Seconds the first decode-only step after a step of `tokens` prompt tokens costs beyond the same
-        step after a decode step: linear from 0 at 0 tokens through the probed points."""
-        if tokens <= 0 or not self.after_prompt_tokens:
+    def after_prompt(self, tokens: int, since: int = 0) -> float:
+        """Seconds a decode-only step costs beyond a steady one when `since` decode-only steps separate it
+        from a step of `tokens` prompt tokens: for the first (since 0) linear from 0 at 0 tokens through the
+        probed points, then decaying by `after_prompt_decay` a step; 0 from AFTER_DECAY_STEPS on."""
+        if tokens <= 0 or since >= AFTER_DECAY_STEPS or not self.after_prompt_tokens:
             return 0.0
-        return interpolate([0, *self.after_prompt_tokens], [0.0, *self.after_prompt_seconds], tokens)
+        first = interpolate([0, *self.after_prompt_tokens], [0.0, *self.after_prompt_seconds], tokens)
+        return first * self.after_prompt_decay**since
 
     def decode_step(self, batch: int, context: int) -> float:
         """Seconds for a step of `batch` requests decoding at `context` tokens each."""
@@ -268,7 +272,8 @@ def probe(
     mixed = _Mixed(p, min(8, config.max_num_seqs - 1), budget, repeats, prompt_points, prompt_seconds)
     mixed_context = fit_context(engine.max_model_len, long_context, mixed.b, budget, 4 + 4 * repeats)
     per_request, per_mixed_key = mixed.costs(short, mixed_context, per_key)
-    after_tokens, after_seconds = _after_prompt(p, min(budget, engine.max_model_len - AFTER_STEPS - 1), max(5, repeats))
+    top = min(budget, engine.max_model_len - AFTER_STEPS - 1)
+    after_tokens, after_seconds, decay = _after_prompt(p, top, max(5, repeats))
     return StepCost(
         prompt_points,
         monotone(prompt_seconds),
@@ -282,23 +287,30 @@ def probe(
         notes,
         after_prompt_tokens=after_tokens,
         after_prompt_seconds=after_seconds,
+        after_prompt_decay=decay,
     )
 
 
-def _after_prompt(p: Prober, top: int, repeats: int) -> tuple[list[int], list[float]]:
-    """The first decode step after a one-request prompt of T tokens (T = 32, 64, ... up to `top`), beyond
-    the median of the same request's last four decode steps (paired: the machine's mood of the moment
-    cancels): (the T, the median extra seconds, made non-decreasing in T). Nothing below 32 tokens."""
+def _after_prompt(p: Prober, top: int, repeats: int) -> tuple[list[int], list[float], float]:
+    """The first AFTER_DECAY_STEPS decode steps after a one-request prompt of T tokens (T = 32, 64, ... up to
+    `top`), each beyond the median of the same request's last four decode steps (paired: the machine's
+    mood of the moment cancels): (the T, the first step's median extra seconds, made non-decreasing in T,
+    and how the extra decays a step: the next steps' summed median extras over the steps' before, pooled
+    over T, within 0 .. 0.9). Nothing below 32 tokens."""
     points = grid(top, 32) if top >= 32 else []
-    extra: dict[int, list[float]] = {tokens: [] for tokens in points}
+    extra: dict[int, list[list[float]]] = {tokens: [] for tokens in points}
     for _ in range(repeats):
         for tokens in p.rng.sample(points, len(points)):
             p.add(tokens, 1 + AFTER_STEPS)  # (its first token comes from the prompt step)
             decodes = [seconds for seconds, _, batched in p.drain() if batched == 1]
             if len(decodes) == AFTER_STEPS:
-                extra[tokens].append(decodes[0] - statistics.median(decodes[-4:]))
+                steady = statistics.median(decodes[-4:])
+                extra[tokens].append([t - steady for t in decodes[:AFTER_DECAY_STEPS]])
     kept = [t for t in points if extra[t]]
-    return kept, monotone([max(0.0, statistics.median(extra[t])) for t in kept])
+    medians = [[max(0.0, statistics.median(x[j] for x in extra[t])) for j in range(AFTER_DECAY_STEPS)] for t in kept]
+    earlier = sum(sum(m[:-1]) for m in medians)
+    decay = min(0.9, sum(sum(m[1:]) for m in medians) / earlier) if earlier > 0 else 0.0
+    return kept, monotone([m[0] for m in medians]), decay
 
 
 def _prompt_curve(p: Prober, budget: int, repeats: int) -> tuple[list[int], list[float]]:
