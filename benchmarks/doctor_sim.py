@@ -22,7 +22,8 @@ of the repeats (spread shown), the error the median of the repeats' own errors. 
 apart from the schedule: each measured run's own steps (`calibrate.StepLog`), summed measured time over
 the time the cost model gives them. And, for comparison, the replay without the after-prompt term
 (`StepCost.after_prompt`: the first decode step after a prompt step priced as a steady one, as before that
-term), its probe the same and calibrated its own way on the same requests: its errors, in the last column.
+term), its probe the same and calibrated its own way on the same logged steps: its errors, in the last
+column.
 
 Writes benchmarks/results/doctor_sim_traces.json (`--out`; the SmolLM2 synthetic rows of RESULTS.md are
 in doctor_sim.json) and prints its table for benchmarks/RESULTS.md.
@@ -48,7 +49,7 @@ from tokenmill.bench.metrics import summarize
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import Workload, WorkloadSpec, build_workload
 from tokenmill.config import EngineConfig
-from tokenmill.doctor.calibrate import StepLog, calibrate
+from tokenmill.doctor.calibrate import StepLog, rescaled, run_head
 from tokenmill.doctor.diagnose import Replays
 from tokenmill.doctor.step_cost import StepCost, probe
 from tokenmill.doctor.traces.load import TraceFlags, load_workload
@@ -109,6 +110,7 @@ class Runs:
     step_level: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     probes: list[StepCost] = field(default_factory=list)
+    probes_before: list[StepCost] = field(default_factory=list)  # the same, calibrated without the after-prompt term
     loads: list[float] = field(default_factory=list)  # the 1-minute load average after each measured run
 
 
@@ -150,11 +152,12 @@ def build_case(name: str, engine: LLMEngine, args: argparse.Namespace) -> Case:
 def run_once(engine: LLMEngine, key: str, repeat: int, case: Case, runs: Runs) -> None:
     """Probe and calibrate on `engine`, run the workload for real, then through the doctor's replay."""
     raw = probe(engine)
-    cost = calibrate(engine, case.workload, raw, case.rate)
-    # the replay as it was before the after-prompt term (step_cost.py), calibrated its own way, for the table
-    plain = dataclasses.replace(raw, after_prompt_tokens=[], after_prompt_seconds=[])
-    before = calibrate(engine, case.workload, plain, case.rate)
+    head = run_head(engine, case.workload, case.rate)  # (as `calibrate` does)
+    cost = rescaled(head, raw)
+    # the replay as it was before the after-prompt term (step_cost.py), calibrated its own way on the same steps
+    before = rescaled(head, dataclasses.replace(raw, after_prompt_tokens=[], after_prompt_seconds=[]))
     runs.probes.append(cost)
+    runs.probes_before.append(before)
     log = StepLog(engine)
     run = run_offline(engine, case.workload, key, repeat, request_rate=case.rate)
     log.close()
@@ -234,6 +237,9 @@ def build_result(args: argparse.Namespace, cases: dict[str, Case], runs: Runs, r
             "calibration": cost.calibration,
         },
         "calibrations": [c.calibration for c in runs.probes],
+        "calibrations_before": [c.calibration for c in runs.probes_before],  # without the after-prompt term
+        "after_prompt_ms_at_256": [c.after_prompt(256) * 1e3 for c in runs.probes],  # (the first decode step's)
+        "after_prompt_decay": [c.after_prompt_decay for c in runs.probes],
         "load_average_1min": runs.loads,  # the machine's load after each measured run (other jobs on it)
         "probe_decode_ms_at_16": [c.decode_step(16, 128) * 1e3 for c in runs.probes],  # how far the machine drifted
         "rows": rows,

@@ -116,6 +116,14 @@ def calibrate(
 ) -> StepCost:
     """`cost` scaled to what the trace's first requests measured on `engine` (idle, and left so: its prefix
     cache emptied after); `progress` told when it starts and what it found."""
+    return rescaled(run_head(engine, workload, request_rate, progress), cost, progress)
+
+
+def run_head(
+    engine: LLMEngine, workload: Workload, request_rate: float | None, progress: Callable[[str], None] | None = None
+) -> StepLog:
+    """The trace's first CALIBRATION_REQUESTS run for real on `engine` (idle, and left so: its prefix cache
+    emptied after), every step logged."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the calibration needs an idle engine")
     head = Workload(workload.spec, workload.requests[:CALIBRATION_REQUESTS])
@@ -128,6 +136,12 @@ def calibrate(
     finally:
         log.close()
     engine.reset_prefix_cache()
+    return log
+
+
+def rescaled(log: StepLog, cost: StepCost, progress: Callable[[str], None] | None = None) -> StepCost:
+    """`cost` scaled by what the logged steps measured over what it gives them (decode-only steps and the
+    others apart; a factor 1 where fewer than MIN_STEPS such steps were logged)."""
     ratios = log.measured_over_predicted(cost)
     factors = {k: ratios[k][0] if k in ratios and ratios[k][1] >= MIN_STEPS else 1.0 for k in ("decode", "other")}
     if progress is not None:
