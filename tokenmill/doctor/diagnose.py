@@ -30,7 +30,7 @@ from tokenmill.doctor.findings import Finding, p50, recommended_settings, render
 from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, fit_finding
 from tokenmill.doctor.plots import hit_rate_chart, latency_cdfs, lengths_chart, render_html, step_cost_chart
-from tokenmill.doctor.prefix_report import TraceRequest, replay_kv_cache
+from tokenmill.doctor.prefix_report import TraceRequest, block_chains, replay_kv_cache
 from tokenmill.doctor.quant_check import quality_line, speed_lines
 from tokenmill.doctor.redundancy import redundancy_finding
 from tokenmill.doctor.replays import Replays, kv_value_bytes
@@ -122,6 +122,7 @@ def diagnose(
     prompts = [len(t.token_ids) for t in trace]
     outputs = [r.max_tokens for r in requests]
     ids = [t.token_ids for t in trace]
+    chains = block_chains(trace, config.block_size)  # (hashed once: question 2's replay and the hit-rate curve's)
     agreement = draft_agreement(engine, draft, ids, cost.decode_batch) if draft is not None else None
     replayed = replays.engine({}).record
     busy = [b for b in replayed.batch_sizes if b > 0]
@@ -144,6 +145,7 @@ def diagnose(
             config.max_num_batched_tokens,
             replays,
             engine.tokenizer,
+            chains,
         ),
         length_finding(prompts, outputs, config.scheduling, replays),
         fragmentation_finding(prompts, outputs, engine.max_model_len, config.block_size, current["kv_live_share"]),
@@ -158,7 +160,7 @@ def diagnose(
         errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
         findings[0].pitfalls.append(f"{current['failed']} of {len(requests)} requests cannot run here: {errors}")
     _predict_gains(findings, replays, current)
-    curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts))
+    curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts), chains)
     runs = _runs(replays, recommended_settings(findings))
     if trace_info is not None:
         _trace_evidence(findings[1], trace_info, current, config.block_size)
@@ -213,11 +215,11 @@ def _predict_gains(findings: list[Finding], replays: Replays, current: dict[str,
 
 
 def _hit_curve(
-    trace: list[TraceRequest], block_size: int, num_blocks: int, prompt_tokens: int
+    trace: list[TraceRequest], block_size: int, num_blocks: int, prompt_tokens: int, chains: list[list[bytes]]
 ) -> list[tuple[int, float]]:
     """The prefix-cache hit share of the trace's prompt tokens at fractions of the current cache."""
     sizes = sorted({max(1, int(num_blocks * f)) for f in (1 / 256, 1 / 64, 1 / 16, 1 / 4, 1 / 2, 1)})
-    return [(n, replay_kv_cache(trace, block_size, n)[0] / max(1, prompt_tokens)) for n in sizes]
+    return [(n, replay_kv_cache(trace, block_size, n, chains=chains)[0] / max(1, prompt_tokens)) for n in sizes]
 
 
 def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch: int) -> None:

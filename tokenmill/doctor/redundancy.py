@@ -29,8 +29,12 @@ def redundancy_finding(
     max_num_batched_tokens: int,
     simulate: Callable[[dict[str, Any]], dict[str, Any]],
     tokenizer: TextTokenizer | None = None,
+    chains: list[list[bytes]] | None = None,
 ) -> Finding:
-    report = analyse(requests, block_size, cache_blocks, tokenizer, max_num_batched_tokens=max_num_batched_tokens)
+    """`chains`: the requests' `prefix_report.block_chains`, if hashed already."""
+    report = analyse(
+        requests, block_size, cache_blocks, tokenizer, max_num_batched_tokens=max_num_batched_tokens, chains=chains
+    )
     evidence = [
         f"{report.prompts} prompts, {report.prompt_tokens:,} tokens, blocks of {block_size} (the prompts through the "
         "block hasher and the engine's KV manager)",

@@ -10,6 +10,8 @@ outputs' blocks take room and hash as real ones do, and never match a prompt). R
 max_tokens tokens (as with ignore_eos), so a trace states each request's output length as max_tokens.
 The result is the run's records, as a measured run's: TTFT, TPOT, throughput and KV use, for any
 setting, in a fraction of the time the run would take (a discrete-event simulation, as Vidur's).
+A step's outputs are only those of requests it gave a token or finished, each request's one object
+updated in place step after step (the caller reads them before the next step, as `run_offline` does).
 
 Fast-forward: given the run's arrival times (`arrivals`, which the replay knows before it starts), a
 stretch of steps in which nothing can change but the decoding requests' lengths runs as one call: after
@@ -81,6 +83,7 @@ class SimulatedEngine:
         self.tokenizer = None  # prompts come as token ids
         self._reported: dict[str, int] = {}  # request -> output tokens already returned
         self._token: dict[str, int] = {}  # request -> the token id its simulated outputs carry
+        self._outputs: dict[str, RequestOutput] = {}  # request -> its output object, until it finishes
         self.arrivals: list[float] | None = None  # the run's arrival times, ascending: fast-forward on
         self._next_arrival = 0  # index of the first arrival not yet passed
         self._stable = False  # the last step can repeat as it is (see the module docstring)
@@ -166,7 +169,7 @@ class SimulatedEngine:
             and all(not r.status.finished for r in changed)
             and self._nothing_admissible(len(chunks))
         )
-        return [self._output(r) for r in changed]
+        return [out for r in changed if (out := self._output(r)) is not None]
 
     def _nothing_admissible(self, batch: int) -> bool:
         """No step of the same batch can admit a waiting request (nor touch its cached prefix): nothing
@@ -219,29 +222,38 @@ class SimulatedEngine:
         rec.allocated_slots += allocated
         rec.decode_only_steps += k
         rec.batch_sizes.extend([len(running)] * k)
-        return [self._output(r) for r in running]
+        return [out for r in running if (out := self._output(r)) is not None]
 
-    def _output(self, request: Request) -> RequestOutput:
-        had = self._reported[request.request_id]
-        new = request.output_token_ids[had:]
-        self._reported[request.request_id] = len(request.output_token_ids)
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The request's output for this step: its own object, updated in place (read before the next
+        step, as `run_offline` does); None when the step gave it no token and did not finish it."""
+        rid = request.request_id
+        had = self._reported[rid]
+        tokens = request.output_token_ids
         finished = request.status.finished
-        reason = None
+        if len(tokens) == had and not finished:
+            return None  # (a prompt chunk that samples nothing: nothing for the caller)
+        self._reported[rid] = len(tokens)
+        out = self._outputs.get(rid)
+        if out is None:
+            out = RequestOutput(
+                rid, None, request.prompt_token_ids, None, [CompletionOutput(0, "", [], None, None)], False,
+                RequestMetrics(request.times.arrival, None, None, None),
+            )  # fmt: skip
+            self._outputs[rid] = out
+        completion = out.outputs[0]
+        completion.token_ids = tokens[had:]
+        times, metrics = request.times, out.metrics
+        metrics.first_scheduled_time, metrics.first_token_time = times.first_scheduled, times.first_token
+        out.num_cached_tokens = request.num_cached_tokens
         if finished:
-            reason = {RequestStatus.FINISHED_LENGTH: "length", RequestStatus.FINISHED_ABORTED: "abort"}.get(
-                request.status, "stop"
-            )
-        times = request.times
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=None,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[CompletionOutput(0, "", list(new), None, reason)],
-            finished=finished,
-            metrics=RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished),
-            num_cached_tokens=request.num_cached_tokens,
-        )
+            completion.finish_reason = {
+                RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort",
+            }.get(request.status, "stop")
+            out.finished, metrics.finished_time = True, times.finished
+            del self._outputs[rid]
+        return out
 
 
 def _most_steps(contexts: list[int], held: list[int], block_size: int, limit: int, free: int) -> int:
