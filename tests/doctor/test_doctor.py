@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -336,10 +337,12 @@ def test_the_doctor_runs_on_the_bundled_demo_model(tmp_path, capsys):
     assert "## Targets (predicted" in (out / "report.md").read_text()
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokenmill doctor: ")]
     steps = [next(i for i, line in enumerate(said) if f"probe {n}/4" in line) for n in (1, 2, 3, 4)]
+    probed = next(i for i, line in enumerate(said) if re.fullmatch(r"tokenmill doctor: probe done in \d+ s", line))
     calibrating = next(i for i, line in enumerate(said) if "calibrating: the trace's first 16 requests" in line)
     calibrated = next(i for i, line in enumerate(said) if line.startswith("tokenmill doctor: calibrated on "))
-    # the probe and the calibration say where they are
-    assert steps == sorted(steps) and steps[-1] < calibrating < calibrated
+    # the probe and the calibration say where they are, and how long they took
+    assert steps == sorted(steps) and steps[-1] < probed < calibrating < calibrated
+    assert re.match(r"tokenmill doctor: calibrated on \d+ steps in \d+ s: decode x", said[calibrated])
     assert any("replay 1 (current settings): 16 requests in" in line for line in said[calibrated:])
 
 

@@ -1,10 +1,11 @@
-"""The doctor's replays and trace analyses give the figures they gave before they were made faster (issue 46,
-item 5): a planted trace (shared system prompts, one-token and long outputs, Poisson-like arrivals, a
+"""The doctor's replays and trace analyses give the figures they gave before they were made faster (issue
+46, item 5): a planted trace (shared system prompts, one-token and long outputs, Poisson-like arrivals, a
 few follow-up turns) replayed at the settings the six questions weigh (static batching, the prefix
 cache off, a smaller step budget, a cache small enough to preempt, an ample one, decode-only steps,
-Poisson rates, the whole trace at once), its LRU prefix-hit replays and its prompt-lookup agreement,
-each figure against data/replay_figures.json, written by the code before the speed-ups
-(`python -m tests.doctor.test_replay_figures` writes it anew: only for a change meant to move them)."""
+Poisson rates, the whole trace at once), its LRU prefix-hit replays, question 2's prefix analyses and
+its prompt-lookup agreement, each figure against data/replay_figures.json, written by the code before
+the speed-ups (`python -m tests.doctor.test_replay_figures --write` writes it anew: only for a change
+meant to move them)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.doctor.diagnose import Replays
 from tokenmill.doctor.latency import lookup_agreement
 from tokenmill.doctor.prefix_report import TraceRequest, analyse, replay_kv_cache
+from tokenmill.doctor.redundancy import _sharing
 from tokenmill.doctor.scale import DecodeOnlyCost
 
 FIGURES = Path(__file__).parent / "data" / "replay_figures.json"
@@ -38,7 +40,7 @@ SETTINGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("Poisson 5/s", {}, {"request_rate": 5.0}),
     ("all at once", {}, {"request_rate": math.inf}),
 ]
-NAMES = [name for name, _, _ in SETTINGS] + ["lru hits", "analyse", "lookup"]
+NAMES = [name for name, _, _ in SETTINGS] + ["lru hits", "analyse", "sharing", "lookup"]
 
 
 def planted() -> Workload:
@@ -95,6 +97,7 @@ def figures() -> dict[str, Any]:
     out["lru hits"] = [list(replay_kv_cache(trace, 16, n)) for n in (30, 80, 200, 1000)]
     report = analyse(trace, 16, 300, max_num_batched_tokens=256)
     out["analyse"] = [report.achievable_hit_tokens, report.lru_hit_tokens, [d.position for d in report.divergences]]
+    out["sharing"] = list(_sharing(trace, 16))
     agreement = lookup_agreement([t.token_ids for t in trace] + [[1, 2, 3, 4] * 30 + [7, 1, 2, 3] * 10])
     out["lookup"] = [agreement.positions, agreement.tokens_per_step, agreement.drafts_per_step, agreement.proposing]
     return out

@@ -108,6 +108,7 @@ def calibrate(
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the calibration needs an idle engine")
     head = Workload(workload.spec, workload.requests[:CALIBRATION_REQUESTS])
+    start = time.perf_counter()
     if progress is not None:
         tokens = sum(len(r.token_ids(engine.tokenizer)) + r.max_tokens for r in head.requests)
         progress(f"calibrating: the trace's first {len(head.requests)} requests ({tokens} tokens) run for real ...")
@@ -121,6 +122,7 @@ def calibrate(
     factors = {k: ratios[k][0] if k in ratios and ratios[k][1] >= MIN_STEPS else 1.0 for k in ("decode", "other")}
     if progress is not None:
         progress(
-            f"calibrated on {len(log.steps)} steps: decode x{factors['decode']:.2f}, others x{factors['other']:.2f}"
+            f"calibrated on {len(log.steps)} steps in {time.perf_counter() - start:.0f} s: decode "
+            f"x{factors['decode']:.2f}, others x{factors['other']:.2f}"
         )
     return scaled(cost, factors["decode"], factors["other"])

@@ -259,7 +259,8 @@ def analyse(
         if i == 0:
             continue
         earlier = requests[max(0, i - COMPARE_WINDOW) : i]
-        candidates = [other.token_ids for other in earlier if other.cache_salt == salt]
+        first = ids[0]  # (a prompt whose first token differs shares nothing: not compared)
+        candidates = [o.token_ids for o in earlier if o.cache_salt == salt and o.token_ids and o.token_ids[0] == first]
         shared = max((common_prefix(ids, other) for other in candidates), default=0)
         longest_shared = max(longest_shared, shared)
         if shared < len(ids):

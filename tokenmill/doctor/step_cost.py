@@ -201,7 +201,7 @@ def probe(
     progress: Callable[[str], None] | None = None,
 ) -> StepCost:
     """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random);
-    `progress` is told each phase as it starts."""
+    `progress` is told each phase as it starts, and the end."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the step-cost probe needs an idle engine")
     t0 = time.perf_counter()
@@ -242,6 +242,8 @@ def probe(
     mixed = _Mixed(p, min(8, config.max_num_seqs - 1), budget, repeats, prompt_points, prompt_seconds)
     mixed_context = fit_context(engine.max_model_len, long_context, mixed.b, budget, 4 + 4 * repeats)
     per_request, per_mixed_key = mixed.costs(short, mixed_context, per_key)
+    if progress is not None:
+        progress(f"probe done in {time.perf_counter() - t0:.0f} s")
     return StepCost(
         prompt_points,
         monotone(prompt_seconds),
