@@ -79,7 +79,7 @@ def run_offline(
         run.account(engine.last_step, outputs, clock() - t0)
     duration = clock() - t0
     extras = _extras(before, engine.stats(), run)
-    if run.stopped:
+    if run.stopped and (run.pending or run.ready or run.in_flight):  # (stopped at the last request: a whole run)
         extras["stopped"] = True
         for record in run.in_flight.values():
             record.error = "not finished: the run was stopped early"
