@@ -9,6 +9,7 @@ meant to move them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -121,3 +122,51 @@ def test_each_figure_is_what_the_code_before_the_speed_ups_gave(now, name):
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     FIGURES.write_text(json.dumps(figures(), indent=1, sort_keys=True) + "\n")
+
+
+def traces_for_the_peak():
+    """(name, workload, cache blocks, the shortcut expected): none shared, in ample room and in a cache
+    that evicts; shared system prompts in a cache that keeps them; the same one at a time in a cache
+    that evicts them (hits lost, blocks cached again); a cache small enough to preempt."""
+    rng = random.Random(7)
+    distinct = [[rng.randrange(5, 4000) for _ in range(rng.randint(20, 300))] for _ in range(80)]
+    outputs = [rng.choice([1, 8, 40, 120]) for _ in distinct]
+    shared = planted()
+    requests = [
+        BenchRequest(i, o, prompt_token_ids=p, arrival_s=0.02 * i)
+        for i, (p, o) in enumerate(zip(distinct, outputs, strict=True))
+    ]
+    yield "nothing shared", Workload(shared.spec, requests), 900, True
+    apart = [dataclasses.replace(q, arrival_s=1000.0 * q.index) for q in requests]
+    yield "nothing shared, evicted", Workload(shared.spec, apart), 60, True  # (evictions no hit would have read)
+    yield "shared prefixes kept", shared, 900, True
+    alone = [dataclasses.replace(q, arrival_s=1000.0 * q.index, after=None) for q in shared.requests]
+    yield "shared prefixes evicted", Workload(shared.spec, alone), 60, False  # (one at a time: none refused)
+    yield "preemptions", shared, 120, False
+
+
+@pytest.mark.parametrize(
+    ("name", "w", "blocks", "shortcut"), list(traces_for_the_peak()), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_the_current_replay_stands_for_an_ample_cache_only_where_it_would_replay_alike(name, w, blocks, shortcut):
+    """Where the current replay's KV manager saw nothing an ample cache would do otherwise, the ample
+    replay is the same run (every request's times and tokens, the peak); the peak the diagnosis reads
+    is the ample replay's either way."""
+    from tokenmill.doctor.diagnose import _peak_tokens
+    from tokenmill.doctor.simulator import WatchedKV
+
+    r = replays()
+    r.workload, r.kv_memory = w, blocks * 16 * 1024  # (a cache of `blocks` blocks at the current settings)
+    totals = [len(q.prompt_token_ids or []) + q.max_tokens for q in w.requests]
+    ample = sum(-(-t // 16) for t in totals) + 1
+    summary, sim = r.run({})
+    kv = sim.scheduler.kv
+    assert isinstance(kv, WatchedKV) and sim.scheduler.kv.num_blocks == blocks
+    whole, ample_sim = r.run({}, num_blocks=ample)
+    assert _peak_tokens(r, totals, 16) == ample_sim.record.peak_blocks * 16
+    assert kv.same_with(ample) == shortcut
+    if shortcut:  # (the same run: fast-forward's stretches may part differently, so sums to rounding)
+        now, then = summary_figures(summary, sim), summary_figures(whole, ample_sim)
+        assert now.keys() == then.keys() and sim.record.peak_blocks == ample_sim.record.peak_blocks
+        for key, value in then.items():
+            assert now[key] == (value if value is None else pytest.approx(value, rel=1e-12)), key

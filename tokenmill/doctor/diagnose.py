@@ -35,6 +35,7 @@ from tokenmill.doctor.quant_check import quality_line, speed_lines
 from tokenmill.doctor.redundancy import redundancy_finding
 from tokenmill.doctor.replays import Replays, kv_value_bytes
 from tokenmill.doctor.scale import capacity, scale_finding
+from tokenmill.doctor.simulator import WatchedKV
 from tokenmill.doctor.slo_watch import SloWatch
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
 from tokenmill.doctor.step_cost import StepCost
@@ -192,8 +193,12 @@ def _runs(replays: Replays, settings: dict[str, Any]) -> dict[str, list[RequestR
 
 
 def _peak_tokens(replays: Replays, totals: list[int], block_size: int) -> int:
-    """The most KV tokens the trace holds at once, replayed with blocks for every request (none evicted)."""
+    """The most KV tokens the trace holds at once, replayed with blocks for every request (none evicted):
+    the current replay's peak where its KV manager saw nothing such a cache would do otherwise."""
     ample = sum(-(-t // block_size) for t in totals) + 1
+    current = replays.engine({})
+    if isinstance(current.scheduler.kv, WatchedKV) and current.scheduler.kv.same_with(ample):
+        return current.record.peak_blocks * block_size
     return replays.engine({}, num_blocks=ample).record.peak_blocks * block_size
 
 

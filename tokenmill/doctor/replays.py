@@ -116,7 +116,9 @@ class Replays:
         config = dataclasses.replace(self.config, **settings)
         memory = settings.get("kv_cache_memory", self.kv_memory)
         blocks = num_blocks or max(1, int(memory // (config.block_size * self.kv_token_bytes)))
-        sim = SimulatedEngine(config, blocks, self.max_model_len, cost or self.cost)
+        current = not settings and num_blocks is None and cost is None and request_rate is None and watch is None
+        # (the current replay's KV manager notes whether an ample cache would replay it alike: diagnose's peak)
+        sim = SimulatedEngine(config, blocks, self.max_model_len, cost or self.cost, watch_kv=current)
         start = time.perf_counter()
         workload = self.workload
         if request_rate is not None:  # the trace's requests, at this rate

@@ -26,6 +26,7 @@ request's k tokens come as one output (its inter-token gaps merge; TTFT, TPOT an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
@@ -59,15 +60,71 @@ class SimulatedSteps:
     batch_sizes: list[int] = field(default_factory=list)  # requests in each step
 
 
+class WatchedKV(KVManager):
+    """A replay's KV manager that also notes what a larger cache could have done otherwise: an allocation
+    it refused (a preemption, an admission that waited on blocks), a prefix lookup cut short by an
+    eviction (its first missing block was cached once), a block cached again after its eviction (a
+    larger cache would still hold the first copy, which later hits would share instead), and the most
+    blocks held after an admission (against a larger cache's watermark). A cache that never evicts (at
+    least every block the trace's requests can ask for) replays the trace exactly as this one did, every
+    request holding as many blocks at every step, where none of the three happened and its watermark
+    still admits at that peak (`same_with`): each block's hash then lives on the block its first writer
+    filled in both, so every lookup finds as much, and shares as much, in both."""
+
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int, enable_prefix_caching: bool) -> None:
+        super().__init__(num_blocks, block_size, watermark_blocks, enable_prefix_caching)
+        self.refused = False  # an allocation refused
+        self.lost_hit = False  # a lookup cut short by an eviction
+        self.recached = False  # a block cached again after its eviction
+        self.admitted_peak = 0  # the most blocks held right after an admission's allocation
+        self._ever_cached: set[bytes] = set()
+
+    def allocate(self, request_id: str, num_tokens: int, keep_watermark: bool = False) -> bool:
+        if not super().allocate(request_id, num_tokens, keep_watermark):
+            self.refused = True
+            return False
+        if keep_watermark:
+            self.admitted_peak = max(self.admitted_peak, self.num_blocks - self.num_free_blocks)
+        return True
+
+    def lookup_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        blocks = super().lookup_prefix(hashes)
+        if len(blocks) < len(hashes) and hashes[len(blocks)] in self._ever_cached:
+            self.lost_hit = True
+        return blocks
+
+    def cache_blocks(self, request_id: str, hashes: Sequence[bytes]) -> None:
+        for h in hashes[self.num_hashed_blocks(request_id) :]:
+            if h in self._ever_cached:
+                self.recached = self.recached or self.pool.lookup(h) is None  # (evicted, now cached again)
+            else:
+                self._ever_cached.add(h)
+        super().cache_blocks(request_id, hashes)
+
+    def same_with(self, blocks: int) -> bool:
+        """A cache of `blocks` blocks (never evicting: at least every block the requests can ask for)
+        replays the trace as this one did."""
+        clean = not (self.refused or self.lost_hit or self.recached)
+        return clean and self.admitted_peak + max(1, blocks // 100) <= blocks
+
+
 class SimulatedEngine:
     def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, cost: CostModel, weight_bytes: int = 0
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        cost: CostModel,
+        weight_bytes: int = 0,
+        watch_kv: bool = False,
     ) -> None:
+        """`watch_kv`: the KV manager a `WatchedKV` (for a plain `Scheduler` without drafts only)."""
         self.config = config
         self.cost = cost
         self.max_model_len = max_model_len
         self.weight_bytes = weight_bytes
-        kv = KVManager(
+        watched = watch_kv and config.scheduling != "static" and config.speculative_config is None
+        kv = (WatchedKV if watched else KVManager)(
             num_blocks,
             config.block_size,
             watermark_blocks=max(1, num_blocks // 100),
@@ -198,7 +255,8 @@ class SimulatedEngine:
         while self._next_arrival < len(arrivals) and arrivals[self._next_arrival] <= self.now:
             self._next_arrival += 1
         due = arrivals[self._next_arrival] if self._next_arrival < len(arrivals) else float("inf")
-        seconds, end = [], self.now
+        seconds: list[float] = []
+        end = self.now
         while len(seconds) < k and end < due:  # (the step that reaches the arrival runs, then it is admitted)
             seconds.append(base + slope * len(seconds))
             end += seconds[-1]
