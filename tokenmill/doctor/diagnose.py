@@ -134,20 +134,15 @@ def diagnose(
     share = 1 - replayed.decode_only_steps / max(1, replayed.steps)
     stall = measure_stall(engine, prompts, batch, share, int(statistics.median(prompts))) if measure_stalls else None
     storage = _storage(config, str(worker.dtype))
+    prefix = redundancy_finding(
+        trace, config.block_size, num_blocks, config.enable_prefix_caching, config.max_num_batched_tokens, replays,
+        engine.tokenizer, chains,
+    )  # fmt: skip
     findings = [
         fit_finding(
             cfg, storage, budget, value_bytes, config.max_num_batched_tokens, max(totals), peak, config.max_num_seqs
         ),
-        redundancy_finding(
-            trace,
-            config.block_size,
-            num_blocks,
-            config.enable_prefix_caching,
-            config.max_num_batched_tokens,
-            replays,
-            engine.tokenizer,
-            chains,
-        ),
+        prefix,
         length_finding(prompts, outputs, config.scheduling, replays),
         fragmentation_finding(prompts, outputs, engine.max_model_len, config.block_size, current["kv_live_share"]),
         latency_finding(ids, current, batch, cost, slos or {}, config.speculative_config, agreement),
