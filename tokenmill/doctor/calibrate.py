@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import Workload
-from tokenmill.doctor.step_cost import CostModel, StepCost, step_chunks
+from tokenmill.doctor.step_cost import CostModel, Heartbeat, StepCost, step_chunks
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
@@ -42,7 +42,8 @@ class LoggedStep:
 class StepLog:
     """Every step `engine` runs from now on, as a `LoggedStep`: its `schedule` and `step` wrapped."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, heartbeat: Callable[[], None] | None = None) -> None:
+        """`heartbeat`: called after each step (the calibration's progress)."""
         self.steps: list[LoggedStep] = []
         scheduler = engine.core.scheduler
         schedule, step = scheduler.schedule, engine.step
@@ -60,6 +61,8 @@ class StepLog:
             if pending and pending[-1][0]:
                 self.steps.append(LoggedStep(*pending[-1], seconds))
             pending.clear()
+            if heartbeat is not None:
+                heartbeat()
             return outputs
 
         scheduler.schedule = logged_schedule  # type: ignore[method-assign]
@@ -104,14 +107,22 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
 ) -> StepCost:
     """`cost` scaled to what the trace's first requests measured on `engine` (idle, and left so: its prefix
-    cache emptied after); `progress` told when it starts and what it found."""
+    cache emptied after); `progress` told when it starts, the steps run every HEARTBEAT_S seconds, and
+    what it found."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the calibration needs an idle engine")
     head = Workload(workload.spec, workload.requests[:CALIBRATION_REQUESTS])
+    start = time.perf_counter()
     if progress is not None:
         tokens = sum(len(r.token_ids(engine.tokenizer)) + r.max_tokens for r in head.requests)
         progress(f"calibrating: the trace's first {len(head.requests)} requests ({tokens} tokens) run for real ...")
-    log = StepLog(engine)
+    pulse = Heartbeat(progress) if progress is not None else None
+
+    def beat() -> None:
+        if pulse is not None:
+            pulse.beat(lambda: f"calibrating ({time.perf_counter() - start:.0f} s): {len(log.steps)} steps run")
+
+    log = StepLog(engine, beat)
     try:
         run_offline(engine, head, "doctor-calibration", request_rate=request_rate)
     finally:
@@ -121,6 +132,7 @@ def calibrate(
     factors = {k: ratios[k][0] if k in ratios and ratios[k][1] >= MIN_STEPS else 1.0 for k in ("decode", "other")}
     if progress is not None:
         progress(
-            f"calibrated on {len(log.steps)} steps: decode x{factors['decode']:.2f}, others x{factors['other']:.2f}"
+            f"calibrated on {len(log.steps)} steps in {time.perf_counter() - start:.0f} s: decode "
+            f"x{factors['decode']:.2f}, others x{factors['other']:.2f}"
         )
     return scaled(cost, factors["decode"], factors["other"])
