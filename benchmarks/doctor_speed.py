@@ -5,7 +5,11 @@ A window of `--requests` requests of a trace read as `tokenmill doctor --workloa
 at the current settings (`diagnose.Replays`, fast-forward on), the cost model probed on the model's
 engine first (the probe's and the calibration's progress lines printed as the doctor prints them).
 With `--diagnose`, also every replay the doctor's six questions run (`diagnose.diagnose`, without the
-measured quantization and stall checks, which run the model and do not grow with the trace).
+measured quantization and stall checks, which run the model and do not grow with the trace). With
+`--report`, the whole report as `tokenmill doctor --workload KIND:FILE` makes it: the six questions
+with those checks, and report.md / report.json / the charts written (`report_seconds`), and the
+user's wait from the trace read to the report (`whole_report_seconds`: read, probe, calibration,
+report); the replays it ran and how many a capacity search stopped early are counted.
 
 The trace: `--trace KIND:FILE` (e.g. Azure's whole `AzureLLMInferenceTrace_conv.csv`, Mooncake's
 `conversation_trace.jsonl`), else one written for the run: `--requests` rows in Azure's format whose
@@ -18,8 +22,8 @@ each target's capacity search), N times interleaved with the search as it was be
 ceiling (`capacity_p99` without `cap`, patched in for the run): seconds and replays of each, median and
 spread, and whether both gave the same answers (they must).
 
-Usage: python benchmarks/doctor_speed.py [--trace KIND:FILE] [--requests 10000] [--diagnose]
-    [--targets here,h100 --slo tpot:50 --repeats 3]
+Usage: python benchmarks/doctor_speed.py [--trace KIND:FILE] [--requests 10000] [--diagnose] [--report]
+    [--targets here,h100 --slo tpot:50 --repeats 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.doctor import target_report as report_module
 from tokenmill.doctor import targets as targets_module
 from tokenmill.doctor.calibrate import calibrate
-from tokenmill.doctor.diagnose import Diagnosis, Replays, diagnose
+from tokenmill.doctor.diagnose import Diagnosis, Replays, diagnose, write_report
 from tokenmill.doctor.hardware import measure_here
 from tokenmill.doctor.step_cost import StepCost, probe
 from tokenmill.doctor.target_report import TargetOptions, run_targets
@@ -123,6 +127,29 @@ def time_targets(
     } | {"same_answers": answers["before"] == answers["after"]}
 
 
+def time_report(engine: LLMEngine, workload: Any, cost: StepCost, slos: dict[str, float], info: Any) -> dict[str, Any]:
+    """The whole report as `tokenmill doctor --workload KIND:FILE --slo ...` makes it once the costs are
+    measured: `diagnose` with its measured checks, then `write_report`; its seconds and replays."""
+    said: list[str] = []
+
+    def counted(text: str) -> None:
+        said.append(text)
+        say(text)
+
+    start = time.perf_counter()
+    found = diagnose(engine, workload, cost, slos=slos, trace_info=info, progress=counted)
+    with tempfile.TemporaryDirectory() as out:
+        write_report(found, Path(out))
+    seconds = time.perf_counter() - start
+    replays = [line for line in said if line.startswith("replay ")]
+    say(f"the whole report: {seconds:.1f} s, {len(replays)} replays")
+    return {
+        "report_seconds": seconds,
+        "report_replays": len(replays),
+        "report_replays_stopped_early": sum("stopped after" in line for line in replays),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=None, help="KIND:FILE (default: an Azure-like trace written for the run)")
@@ -131,6 +158,7 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEMO_MODEL))
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--diagnose", action="store_true", help="also every replay the six questions run")
+    parser.add_argument("--report", action="store_true", help="also the whole report, as tokenmill doctor makes it")
     parser.add_argument("--targets", default=None, help="e.g. here,h100: also the Targets section, timed")
     parser.add_argument("--slo", default="tpot:50", help="with --targets: ttft:MS,tpot:MS")
     parser.add_argument("--repeats", type=int, default=3, help="with --targets: interleaved runs of each")
@@ -151,7 +179,10 @@ def main() -> None:
         )  # fmt: skip
         read_s = time.perf_counter() - start
     say(f"read and shaped {len(workload.requests)} requests in {read_s:.1f} s")
-    cost = calibrate(engine, workload, probe(engine, progress=say), None, progress=say)
+    start = time.perf_counter()
+    probed = probe(engine, progress=say)
+    cost = calibrate(engine, workload, probed, None, progress=say)
+    calibration_s = time.perf_counter() - start - probed.probe_seconds
     start = time.perf_counter()
     replays = Replays.of(engine, cost, workload, None, progress=say)
     summary = replays({})
@@ -169,9 +200,13 @@ def main() -> None:
         "simulated_steps": sim.steps,
         "simulated_seconds": summary["duration_s"],
         "probe_seconds": cost.probe_seconds,
+        "calibration_seconds": calibration_s,
     }
     say(f"one replay: {replay_s:.1f} s ({sim.steps} steps, {summary['duration_s']:.0f} s of trace time)")
     slos = {k: float(v) for k, v in (part.split(":") for part in args.slo.split(","))}
+    if args.report:
+        result |= time_report(engine, workload, cost, slos, info)
+        result["whole_report_seconds"] = read_s + cost.probe_seconds + calibration_s + result["report_seconds"]
     if args.diagnose or args.targets:
         start = time.perf_counter()
         found = diagnose(

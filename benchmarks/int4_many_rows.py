@@ -1,8 +1,9 @@
 """int4's many-row product with bfloat16 activations: `dequant` (the weights dequantized to bfloat16,
 then torch's bfloat16 GEMM) against `dequant32` (float32 weights and torch's float32 GEMM, the rows
-widened and the product rounded back) and, where built (AVX2), `widened` (float32 outer-product tiles
-over weight rows dequantized in cache), quant/int_methods.py, on the 1.1B model's layer shapes (TinyLlama:
-qkv 2560x2048, o 2048x2048, gate+up 11264x2048, down 2048x5632), random weights in groups of 32.
+widened and the product rounded back), `widened` where built (AVX2: float32 outer-product tiles over
+weight rows dequantized in cache) and `gemm` (int8 activations in runs of 32, integer sums: the decode
+kernel's arithmetic, its loops ordered for many rows), quant/int_methods.py, on the 1.1B model's layer
+shapes (TinyLlama: qkv 2560x2048, o 2048x2048, gate+up 11264x2048, down 2048x5632), random weights in groups of 32.
 
 Per row count (16: a batch of decodes; 64: the largest batch class; 128 and 512: prompt chunks), the
 kernels interleaved in each of `--repeats` rounds, each the milliseconds of one product per shape
@@ -29,7 +30,7 @@ from tokenmill.quant.int_methods import get_quant_method
 
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (out, in)
 ROWS = (16, 64, 128, 512)
-KERNELS = ("dequant", "dequant32", "widened")
+KERNELS = ("dequant", "dequant32", "widened", "gemm")
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ keep theirs) to that kernel and times the prompt; `llama-bench -p <lengths> -n 0
 runs right after in the same repeat, on the same thread count. Repeats interleave the two engines;
 each figure is the median tokens/s [min-max]. The machine's CPU flags are recorded with them.
 
-Writes benchmarks/results/quant_prefill_<Q>.json (or `--out`).
+Writes benchmarks/results/quant_prefill_<Q>.json (or `--out`, a name there or an absolute path).
 
 Usage: python benchmarks/quant_prefill.py --quantization int8 [--kernels tiled,broadcast]
        [--lengths 128,1017] [--model /tmp/peers/mid-llama] [--peer-file /tmp/peers/gguf/mid-llama-q8_0.gguf]
@@ -111,7 +111,7 @@ def main() -> None:
         "load_average": os.getloadavg(),
         "prefill_tok_s": table,
     }
-    path = Path(args.out) if args.out else RESULTS / f"quant_prefill_{args.quantization}.json"
+    path = RESULTS / (args.out or f"quant_prefill_{args.quantization}.json")  # (an absolute --out stays as given)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -278,9 +278,10 @@ def check_schemathesis(tools: Path, url: str, scratch: Path) -> str:
     cmd = [str(tools / "bin" / "schemathesis"), "run", f"{url}/openapi.json", "--checks", "all"]
     cmd += ["--phases", "examples,coverage,fuzzing,stateful", "--max-examples", "25", "--seed", "1"]
     done = run(cmd, 900, cwd=ROOT / "compat")  # compat/schemathesis.toml
+    (scratch / "schemathesis.log").write_text(done.stdout + done.stderr)  # (the whole report: failures lead it)
     found = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
     if done.returncode or not found:
-        raise RuntimeError(tail(done, 40))
+        raise RuntimeError(f"{tail(done, 40)}\n(the whole report: {scratch / 'schemathesis.log'})")
     return f"all checks, all phases: {found.group(1)} generated, {found.group(2)} passed"
 
 

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in FINISHED
+        return self._value_ in _FINISHED_VALUES  # (by value: a str hashes in C, an Enum member in Python)
 
 
 FINISHED = frozenset(
@@ -36,6 +36,7 @@ FINISHED = frozenset(
         RequestStatus.FINISHED_ERROR,
     )
 )
+_FINISHED_VALUES = frozenset(status.value for status in FINISHED)
 
 
 @dataclass

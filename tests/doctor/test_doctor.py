@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import BenchRequest, Workload, WorkloadSpec
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
+from tokenmill.doctor import step_cost
 from tokenmill.doctor.calibrate import StepLog, calibrate
 from tokenmill.doctor.diagnose import Replays, diagnose
 from tokenmill.doctor.draft_check import DraftAgreement, draft_agreement
@@ -31,7 +33,7 @@ from tokenmill.doctor.latency import latency_finding
 from tokenmill.doctor.model_fit import STORAGE, activation_reserve, count_parameters, weight_bytes
 from tokenmill.doctor.simulator import SimulatedEngine
 from tokenmill.doctor.stall import measure_stall
-from tokenmill.doctor.step_cost import AFTER_STEPS, StepCost, fit_context, probe
+from tokenmill.doctor.step_cost import AFTER_STEPS, Heartbeat, StepCost, fit_context, probe
 from tokenmill.doctor.verify import METRICS
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import engine_config, read_config_file
@@ -276,6 +278,40 @@ def test_the_step_log_sees_every_step_and_calibration_rescales_the_cost_model(en
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
 
 
+def test_a_heartbeat_says_where_a_long_phase_is_at_most_that_often():
+    now = [0.0]
+    said: list[str] = []
+    beat = Heartbeat(said.append, every=10.0, clock=lambda: now[0])
+    for t in (1.0, 9.9, 10.0, 15.0, 19.9, 20.5, 31.0):
+        now[0] = t
+        beat.beat(lambda: f"at {now[0]:g}")
+    assert said == ["at 10", "at 20.5", "at 31"]
+    now[0] = 35.0
+    beat.said()  # (a phase's own line: the next beat counts from it)
+    now[0] = 44.0
+    beat.beat(lambda: "too soon")
+    assert said[-1] == "at 31"
+
+
+def test_the_probe_and_the_calibration_say_where_they_are_within_a_phase(engine, monkeypatch):
+    """With the heartbeat at every step: the steps timed between the probe's phase lines, the steps run
+    between the calibration's first and last lines, counting up."""
+    monkeypatch.setattr(step_cost, "HEARTBEAT_S", 0.0)
+    said: list[str] = []
+    cost = probe(engine, repeats=1, progress=said.append)
+    beats = [i for i, line in enumerate(said) if re.fullmatch(r"probe \(\d+ s\): \d+ steps timed", line)]
+    phases = [i for i, line in enumerate(said) if line.startswith("probe ") and "/4 (" in line]
+    assert len(phases) == 4 and said[-1].startswith("probe done in ")
+    assert any(phases[1] < b < phases[2] for b in beats)  # (inside a phase)
+    counts = [int(said[i].split(": ")[1].split()[0]) for i in beats]
+    assert counts == sorted(counts) and len(set(counts)) == len(counts)
+    said.clear()
+    calibrate(engine, workload(random_prompts(4, 20, 40, seed=3), [6] * 4), cost, None, progress=said.append)
+    runs = [line for line in said if re.fullmatch(r"calibrating \(\d+ s\): \d+ steps run", line)]
+    assert said[0].startswith("calibrating: the trace's first 4 requests") and said[-1].startswith("calibrated on ")
+    assert runs and [int(r.split(": ")[1].split()[0]) for r in runs] == list(range(1, len(runs) + 1))
+
+
 def test_a_clean_trace_gets_nothing_new(engine):
     rng = random.Random(9)
     d = diagnose(
@@ -339,10 +375,12 @@ def test_the_doctor_runs_on_the_bundled_demo_model(tmp_path, capsys):
     assert "## Targets (predicted" in (out / "report.md").read_text()
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokenmill doctor: ")]
     steps = [next(i for i, line in enumerate(said) if f"probe {n}/4" in line) for n in (1, 2, 3, 4)]
+    probed = next(i for i, line in enumerate(said) if re.fullmatch(r"tokenmill doctor: probe done in \d+ s", line))
     calibrating = next(i for i, line in enumerate(said) if "calibrating: the trace's first 16 requests" in line)
     calibrated = next(i for i, line in enumerate(said) if line.startswith("tokenmill doctor: calibrated on "))
-    # the probe and the calibration say where they are
-    assert steps == sorted(steps) and steps[-1] < calibrating < calibrated
+    # the probe and the calibration say where they are, and how long they took
+    assert steps == sorted(steps) and steps[-1] < probed < calibrating < calibrated
+    assert re.match(r"tokenmill doctor: calibrated on \d+ steps in \d+ s: decode x", said[calibrated])
     assert any("replay 1 (current settings): 16 requests in" in line for line in said[calibrated:])
 
 

@@ -55,6 +55,24 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert NgramProposer(2, 3).propose([DraftRequest("h", [7, 1, 8, 1], 2)]) == [[]]  # 1-grams are not tried
 
 
+def test_a_lookup_at_a_position_of_one_buffer_proposes_what_the_tokens_before_it_alone_do():
+    """`propose_at` (the doctor's teacher-forced lookups along a prompt, one buffer for every position)
+    against `propose` on each prefix, on sequences that repeat (matches across token boundaries
+    included: ids whose bytes overlap)."""
+    from array import array
+
+    rng = random.Random(3)
+    for min_n, max_n, k in ((1, 4, 5), (2, 3, 2), (1, 1, 8)):
+        p = NgramProposer(min_n, max_n)
+        for _ in range(30):
+            vocab = rng.choice([[1, 2, 3], [256, 1, 65536, 257], list(range(40))])
+            seq = [rng.choice(vocab) for _ in range(rng.randint(1, 60))]
+            tokens = array("i", seq)
+            buf = tokens.tobytes()
+            for t in range(len(seq) + 1):
+                assert p.propose_at(tokens, buf, t, k) == p.propose([DraftRequest("x", seq[:t], k)])[0], (seq, t)
+
+
 def test_the_speculative_config_names_what_is_wrong():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').prompt_lookup_max == 4
     for bad, message in (

@@ -7,7 +7,8 @@ it, so TTFT, ITL and end-to-end latency are what an in-process caller sees. Besi
 records, a run reports what only the engine knows: the share of allocated KV slots holding live
 tokens, the time per step outside the model forward with a full batch decoding, preemptions and
 prefix-cache hits. The clock and the sleep between arrivals can be injected (a test's fake time);
-they default to `time.perf_counter` and `time.sleep`.
+they default to `time.perf_counter` and `time.sleep`. `until`, told each request's record as it
+finishes, may end a run early (the doctor's capacity search, once a replay's SLOs are settled).
 """
 
 from __future__ import annotations
@@ -55,15 +56,20 @@ def run_offline(
     ignore_eos: bool = True,
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
+    until: Callable[[RequestRecord], bool] | None = None,
 ) -> Run:
-    """One pass of `workload` through `engine` (which must be idle); every request ends finished or failed."""
+    """One pass of `workload` through `engine` (which must be idle); every request ends finished or failed.
+    `until(record)`, called as each request finishes, True: the run ends there (only a stepped engine
+    that can be dropped, as the doctor's simulator: its requests in flight are left as they are, their
+    records failed as not finished, those not yet sent without one; `extras["stopped"]` says so)."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; a benchmark run needs an idle engine")
     due = send_times(workload.requests, request_rate, workload.spec.seed)
     run = _Pass(engine, workload.requests, due, repeat, max_concurrency, ignore_eos)
+    run.until = until
     before = engine.stats()
     t0 = clock()
-    while run.pending or run.ready or run.in_flight:
+    while (run.pending or run.ready or run.in_flight) and not run.stopped:
         run.admit(clock() - t0)
         if not run.in_flight:
             if run.pending:
@@ -73,6 +79,10 @@ def run_offline(
         run.account(engine.last_step, outputs, clock() - t0)
     duration = clock() - t0
     extras = _extras(before, engine.stats(), run)
+    if run.stopped and (run.pending or run.ready or run.in_flight):  # (stopped at the last request: a whole run)
+        extras["stopped"] = True
+        for record in run.in_flight.values():
+            record.error = "not finished: the run was stopped early"
     ordered = [run.records[i] for i in sorted(run.records)]
     return Run(label, repeat, dict(settings or {}), duration, ordered, extras=extras)
 
@@ -103,6 +113,8 @@ class _Pass:
         self.live = self.allocated = 0
         self.full_steps: list[tuple[float, float]] = []  # (total, outside the forward) with a full batch decoding
         self.slot_free_at = 0.0  # with a concurrency cap: when a slot last opened
+        self.until: Callable[[RequestRecord], bool] | None = None  # run_offline's
+        self.stopped = False  # `until` ended the run
 
     def next_due(self) -> float:
         due = self.due[self.pending[0]]
@@ -167,6 +179,8 @@ class _Pass:
                 record.cached_tokens = out.num_cached_tokens
                 self.ready.extend((d, now) for d in self.dependents.get(record.index, []))
                 self.slot_free_at = now
+                if self.until is not None and self.until(record):
+                    self.stopped = True
 
 
 def _extras(before: EngineStats, after: EngineStats, run: _Pass) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.offline import run_offline
 from tokenmill.bench.workloads import Workload
-from tokenmill.doctor.step_cost import AFTER_DECAY_STEPS, CostModel, StepCost, after_prompt, step_chunks
+from tokenmill.doctor.step_cost import AFTER_DECAY_STEPS, CostModel, Heartbeat, StepCost, after_prompt, step_chunks
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
@@ -43,7 +43,8 @@ class LoggedStep:
 class StepLog:
     """Every step `engine` runs from now on, as a `LoggedStep`: its `schedule` and `step` wrapped."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, heartbeat: Callable[[], None] | None = None) -> None:
+        """`heartbeat`: called after each step (the calibration's progress)."""
         self.steps: list[LoggedStep] = []
         scheduler = engine.core.scheduler
         schedule, step = scheduler.schedule, engine.step
@@ -61,6 +62,8 @@ class StepLog:
             if pending and pending[-1][0]:
                 self.steps.append(LoggedStep(*pending[-1], seconds, self._after()))
             pending.clear()
+            if heartbeat is not None:
+                heartbeat()
             return outputs
 
         scheduler.schedule = logged_schedule  # type: ignore[method-assign]
@@ -115,7 +118,8 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
 ) -> StepCost:
     """`cost` scaled to what the trace's first requests measured on `engine` (idle, and left so: its prefix
-    cache emptied after); `progress` told when it starts and what it found."""
+    cache emptied after); `progress` told when it starts, the steps run every HEARTBEAT_S seconds, and
+    what it found."""
     return rescaled(run_head(engine, workload, request_rate, progress), cost, progress)
 
 
@@ -123,14 +127,21 @@ def run_head(
     engine: LLMEngine, workload: Workload, request_rate: float | None, progress: Callable[[str], None] | None = None
 ) -> StepLog:
     """The trace's first CALIBRATION_REQUESTS run for real on `engine` (idle, and left so: its prefix cache
-    emptied after), every step logged."""
+    emptied after), every step logged; `progress` told when it starts and the steps run every HEARTBEAT_S."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the calibration needs an idle engine")
     head = Workload(workload.spec, workload.requests[:CALIBRATION_REQUESTS])
+    start = time.perf_counter()
     if progress is not None:
         tokens = sum(len(r.token_ids(engine.tokenizer)) + r.max_tokens for r in head.requests)
         progress(f"calibrating: the trace's first {len(head.requests)} requests ({tokens} tokens) run for real ...")
-    log = StepLog(engine)
+    pulse = Heartbeat(progress) if progress is not None else None
+
+    def beat() -> None:
+        if pulse is not None:
+            pulse.beat(lambda: f"calibrating ({time.perf_counter() - start:.0f} s): {len(log.steps)} steps run")
+
+    log = StepLog(engine, beat)
     try:
         run_offline(engine, head, "doctor-calibration", request_rate=request_rate)
     finally:

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,23 +22,23 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tokenmill.bench.metrics import summarize
-from tokenmill.bench.offline import run_offline
 from tokenmill.bench.records import RequestRecord
-from tokenmill.bench.workloads import Workload, send_times
+from tokenmill.bench.workloads import Workload
 from tokenmill.config import EngineConfig
 from tokenmill.doctor.draft_check import draft_agreement
 from tokenmill.doctor.findings import Finding, p50, recommended_settings, render_markdown, serve_flags
 from tokenmill.doctor.latency import latency_finding
-from tokenmill.doctor.model_fit import STORAGE, fit_finding, kv_bytes_per_token
+from tokenmill.doctor.model_fit import STORAGE, fit_finding
 from tokenmill.doctor.plots import hit_rate_chart, latency_cdfs, lengths_chart, render_html, step_cost_chart
-from tokenmill.doctor.prefix_report import TraceRequest, replay_kv_cache
+from tokenmill.doctor.prefix_report import TraceRequest, block_chains, replay_kv_cache
 from tokenmill.doctor.quant_check import quality_line, speed_lines
 from tokenmill.doctor.redundancy import redundancy_finding
-from tokenmill.doctor.scale import DecodeOnlyCost, capacity, scale_finding
-from tokenmill.doctor.simulator import SimulatedEngine
+from tokenmill.doctor.replays import Replays, kv_value_bytes
+from tokenmill.doctor.scale import capacity, scale_finding
+from tokenmill.doctor.simulator import WatchedKV
+from tokenmill.doctor.slo_watch import SloWatch
 from tokenmill.doctor.stall import StallMeasurement, measure_stall
-from tokenmill.doctor.step_cost import CostModel, StepCost
+from tokenmill.doctor.step_cost import StepCost
 from tokenmill.doctor.traces.shape import TraceInfo
 from tokenmill.doctor.verify import (
     ALL,
@@ -76,118 +75,6 @@ class Diagnosis:
     verified: list[Verified] = field(default_factory=list)  # --verify's runs
     verified_requests: int = 0  # --verify ran the trace's first this many requests
     trace: TraceInfo | None = None  # a trace read by doctor/traces/: what the report says of it
-
-
-class Replays:
-    """The trace through the simulator at the current settings with some changed; each replay once."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        kv_memory: int,
-        kv_token_bytes: float,
-        max_model_len: int,
-        cost: StepCost,
-        workload: Workload,
-        request_rate: float | None,
-    ) -> None:
-        self.config = config
-        self.kv_memory = kv_memory
-        self.kv_token_bytes = kv_token_bytes
-        self.max_model_len = max_model_len
-        self.cost = cost
-        self.workload = workload
-        self.request_rate = request_rate
-        self._done: dict[str, tuple[dict[str, Any], SimulatedEngine]] = {}
-        self.records: dict[str, list[RequestRecord]] = {}  # by the same key
-        self.decode_only = DecodeOnlyCost(cost)
-        self.progress: Callable[[str], None] | None = None  # told of each replay as it ends
-
-    @classmethod
-    def of(
-        cls,
-        engine: LLMEngine,
-        cost: StepCost,
-        workload: Workload,
-        request_rate: float | None,
-        progress: Callable[[str], None] | None = None,
-    ) -> Replays:
-        """The replays of `workload` on the KV cache and settings of `engine` (`progress` told of each)."""
-        config = engine.config
-        token_bytes = kv_bytes_per_token(engine.model_config, kv_value_bytes(engine))
-        kv_memory = int(engine.core.num_blocks * config.block_size * token_bytes)
-        replays = cls(config, kv_memory, token_bytes, engine.max_model_len, cost, workload, request_rate)
-        replays.progress = progress
-        return replays
-
-    def engine(self, settings: dict[str, Any], num_blocks: int | None = None) -> SimulatedEngine:
-        return self.run(settings, num_blocks)[1]
-
-    def __call__(self, settings: dict[str, Any]) -> dict[str, Any]:
-        return self.run(settings)[0]
-
-    def run(
-        self,
-        settings: dict[str, Any],
-        num_blocks: int | None = None,
-        cost: CostModel | None = None,
-        request_rate: float | None = None,
-    ) -> tuple[dict[str, Any], SimulatedEngine]:
-        """The replay with `settings` changed (and a cache of `num_blocks`, another cost model, Poisson
-        arrivals at `request_rate` in place of the trace's)."""
-        settings = self._changed(settings)
-        key = self._key(settings, num_blocks, cost, request_rate)
-        if key not in self._done:
-            config = dataclasses.replace(self.config, **settings)
-            memory = settings.get("kv_cache_memory", self.kv_memory)
-            blocks = num_blocks or max(1, int(memory // (config.block_size * self.kv_token_bytes)))
-            sim = SimulatedEngine(config, blocks, self.max_model_len, cost or self.cost)
-            start = time.perf_counter()
-            workload = self.workload
-            if request_rate is not None:  # the trace's requests, at this rate
-                requests = [dataclasses.replace(r, arrival_s=None) for r in workload.requests]
-                workload = Workload(workload.spec, requests)
-            rate = request_rate if request_rate is not None else self.request_rate
-            due = send_times(workload.requests, rate, workload.spec.seed)  # (as run_offline will)
-            sim.arrivals = sorted(t for t in due if t is not None)  # the simulator may fast-forward
-            run = run_offline(sim, workload, "doctor", request_rate=rate, clock=sim.clock, sleep=sim.sleep)
-            summary = summarize(run.records, max(run.duration_s, 1e-9))
-            if self.progress is not None:
-                self.progress(
-                    f"replay {len(self._done) + 1} ({_label(settings, num_blocks, cost, request_rate)}): "
-                    f"{len(workload.requests)} requests in {time.perf_counter() - start:.1f} s"
-                )
-            summary["kv_live_share"] = run.extras.get("kv_live_share")
-            summary["preemptions"] = run.extras.get("preemptions")
-            self._done[key] = (summary, sim)
-            self.records[key] = run.records
-        return self._done[key]
-
-    def records_of(self, settings: dict[str, Any]) -> list[RequestRecord]:
-        self.run(settings)
-        return self.records[self._key(self._changed(settings), None, None, None)]
-
-    def _changed(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """`settings` less those the current settings have already (the same replay, run once)."""
-        return {k: v for k, v in settings.items() if not hasattr(self.config, k) or getattr(self.config, k) != v}
-
-    @staticmethod
-    def _key(settings: dict[str, Any], num_blocks: int | None, cost: CostModel | None, rate: float | None) -> str:
-        return json.dumps([sorted(settings.items()), num_blocks, id(cost), rate], default=str)
-
-
-def _label(settings: dict[str, Any], num_blocks: int | None, cost: CostModel | None, rate: float | None) -> str:
-    """A replay in words, for a progress line."""
-    parts = [f"{k}={v}" for k, v in settings.items()]
-    parts += [f"{num_blocks} blocks"] if num_blocks else []
-    parts += ["decode-only steps"] if cost is not None else []
-    parts += [f"{rate:g} requests/s"] if rate is not None else []
-    return ", ".join(parts) or "current settings"
-
-
-def kv_value_bytes(engine: LLMEngine) -> float:
-    """Bytes a K or V value takes in `engine`'s cache (int8: its per-token scales left out)."""
-    return 1.0 if engine.config.kv_cache_dtype == "int8" else float(engine.core.worker.kv_dtype.itemsize)
 
 
 def trace_rate(workload: Workload, request_rate: float | None) -> float | None:
@@ -236,6 +123,7 @@ def diagnose(
     prompts = [len(t.token_ids) for t in trace]
     outputs = [r.max_tokens for r in requests]
     ids = [t.token_ids for t in trace]
+    chains = block_chains(trace, config.block_size)  # (hashed once: question 2's replay and the hit-rate curve's)
     agreement = draft_agreement(engine, draft, ids, cost.decode_batch) if draft is not None else None
     replayed = replays.engine({}).record
     busy = [b for b in replayed.batch_sizes if b > 0]
@@ -246,19 +134,15 @@ def diagnose(
     share = 1 - replayed.decode_only_steps / max(1, replayed.steps)
     stall = measure_stall(engine, prompts, batch, share, int(statistics.median(prompts))) if measure_stalls else None
     storage = _storage(config, str(worker.dtype))
+    prefix = redundancy_finding(
+        trace, config.block_size, num_blocks, config.enable_prefix_caching, config.max_num_batched_tokens, replays,
+        engine.tokenizer, chains,
+    )  # fmt: skip
     findings = [
         fit_finding(
             cfg, storage, budget, value_bytes, config.max_num_batched_tokens, max(totals), peak, config.max_num_seqs
         ),
-        redundancy_finding(
-            trace,
-            config.block_size,
-            num_blocks,
-            config.enable_prefix_caching,
-            config.max_num_batched_tokens,
-            replays,
-            engine.tokenizer,
-        ),
+        prefix,
         length_finding(prompts, outputs, config.scheduling, replays),
         fragmentation_finding(prompts, outputs, engine.max_model_len, config.block_size, current["kv_live_share"]),
         latency_finding(ids, current, batch, cost, slos or {}, config.speculative_config, agreement),
@@ -272,7 +156,7 @@ def diagnose(
         errors = ", ".join(f"{n} x {e}" for e, n in current["errors"].items())
         findings[0].pitfalls.append(f"{current['failed']} of {len(requests)} requests cannot run here: {errors}")
     _predict_gains(findings, replays, current)
-    curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts))
+    curve = _hit_curve(trace, config.block_size, num_blocks, sum(prompts), chains)
     runs = _runs(replays, recommended_settings(findings))
     if trace_info is not None:
         _trace_evidence(findings[1], trace_info, current, config.block_size)
@@ -304,8 +188,12 @@ def _runs(replays: Replays, settings: dict[str, Any]) -> dict[str, list[RequestR
 
 
 def _peak_tokens(replays: Replays, totals: list[int], block_size: int) -> int:
-    """The most KV tokens the trace holds at once, replayed with blocks for every request (none evicted)."""
+    """The most KV tokens the trace holds at once, replayed with blocks for every request (none evicted):
+    the current replay's peak where its KV manager saw nothing such a cache would do otherwise."""
     ample = sum(-(-t // block_size) for t in totals) + 1
+    current = replays.engine({})
+    if isinstance(current.scheduler.kv, WatchedKV) and current.scheduler.kv.same_with(ample):
+        return current.record.peak_blocks * block_size
     return replays.engine({}, num_blocks=ample).record.peak_blocks * block_size
 
 
@@ -327,11 +215,11 @@ def _predict_gains(findings: list[Finding], replays: Replays, current: dict[str,
 
 
 def _hit_curve(
-    trace: list[TraceRequest], block_size: int, num_blocks: int, prompt_tokens: int
+    trace: list[TraceRequest], block_size: int, num_blocks: int, prompt_tokens: int, chains: list[list[bytes]]
 ) -> list[tuple[int, float]]:
     """The prefix-cache hit share of the trace's prompt tokens at fractions of the current cache."""
     sizes = sorted({max(1, int(num_blocks * f)) for f in (1 / 256, 1 / 64, 1 / 16, 1 / 4, 1 / 2, 1)})
-    return [(n, replay_kv_cache(trace, block_size, n)[0] / max(1, prompt_tokens)) for n in sizes]
+    return [(n, replay_kv_cache(trace, block_size, n, chains=chains)[0] / max(1, prompt_tokens)) for n in sizes]
 
 
 def _check_quantization(fit: Finding, config: EngineConfig, storage: str, batch: int) -> None:
@@ -380,7 +268,8 @@ def _scale(
     rate = trace_rate(workload, request_rate)
     if slos:
         start = rate or max(current["request_throughput"], 1e-3)
-        replica = capacity(lambda r: replays.run({}, request_rate=r)[0], slos, start)
+        watch = SloWatch.of(slos, 90)  # (the search's question: a replay past it stops there)
+        replica = capacity(lambda r: replays.run({}, request_rate=r, watch=watch)[0], slos, start)
     else:  # the ceiling: the whole trace at once
         replica = 0.8 * replays.run({}, request_rate=math.inf)[0]["request_throughput"]
     return scale_finding(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.doctor.draft_check import DraftAgreement
 from tokenmill.doctor.findings import Finding, p50, p90
 from tokenmill.doctor.step_cost import StepCost
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode import DraftRequest, NgramProposer
+from tokenmill.spec_decode import NgramProposer
 
 QUESTION = "5. Per-token latency"
 K = 5
@@ -46,17 +46,20 @@ class LookupAgreement:
 
 
 def lookup_agreement(prompts: Sequence[Sequence[int]], k: int = K, per_prompt: int = 64) -> LookupAgreement:
+    """Prompt lookup's drafts at positions of each prompt's second half against the tokens that follow
+    (the proposer's own search, on each prompt's tokens made into bytes once: `propose_at`)."""
     proposer = NgramProposer(1, 4)
-    params = SamplingParams()  # (frozen: one for every position, not one validated per position)
     kept: list[int] = []
     drafted: list[int] = []
     for prompt in prompts:
         start = len(prompt) // 2
         if len(prompt) - start < 2:
             continue
+        tokens = array("i", prompt)
+        buf = tokens.tobytes()
         stride = max(1, (len(prompt) - 1 - start) // per_prompt)
         for t in range(start, len(prompt) - 1, stride):
-            drafts = proposer.propose([DraftRequest("doctor", prompt[:t], k, params=params)])[0]
+            drafts = proposer.propose_at(tokens, buf, t, k)  # (what `propose` gives for prompt[:t])
             truth = prompt[t : t + len(drafts)]
             n = 0
             while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:

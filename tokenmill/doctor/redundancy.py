@@ -29,8 +29,12 @@ def redundancy_finding(
     max_num_batched_tokens: int,
     simulate: Callable[[dict[str, Any]], dict[str, Any]],
     tokenizer: TextTokenizer | None = None,
+    chains: list[list[bytes]] | None = None,
 ) -> Finding:
-    report = analyse(requests, block_size, cache_blocks, tokenizer, max_num_batched_tokens=max_num_batched_tokens)
+    """`chains`: the requests' `prefix_report.block_chains`, if hashed already."""
+    report = analyse(
+        requests, block_size, cache_blocks, tokenizer, max_num_batched_tokens=max_num_batched_tokens, chains=chains
+    )
     evidence = [
         f"{report.prompts} prompts, {report.prompt_tokens:,} tokens, blocks of {block_size} (the prompts through the "
         "block hasher and the engine's KV manager)",
@@ -143,10 +147,12 @@ def _sharing(requests: Sequence[TraceRequest], block_size: int) -> tuple[int, in
     best = realigned = 0
     for i, r in enumerate(requests):
         closest, at = None, -1
+        first = r.token_ids[0] if r.token_ids else None
         for other in requests[max(0, i - 64) : i]:
             if other.cache_salt != r.cache_salt:
                 continue
-            n = common_prefix(r.token_ids, other.token_ids)
+            ids = other.token_ids
+            n = common_prefix(r.token_ids, ids) if ids and ids[0] == first else 0  # (no call for a first token apart)
             if n > at:
                 closest, at = other, n
         if closest is None:

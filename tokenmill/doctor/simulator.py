@@ -12,6 +12,8 @@ outputs' blocks take room and hash as real ones do, and never match a prompt). R
 max_tokens tokens (as with ignore_eos), so a trace states each request's output length as max_tokens.
 The result is the run's records, as a measured run's: TTFT, TPOT, throughput and KV use, for any
 setting, in a fraction of the time the run would take (a discrete-event simulation, as Vidur's).
+A step's outputs are only those of requests it gave a token or finished, each request's one object
+updated in place step after step (the caller reads them before the next step, as `run_offline` does).
 
 Fast-forward: given the run's arrival times (`arrivals`, which the replay knows before it starts), a
 stretch of steps in which nothing can change but the decoding requests' lengths runs as one call: after
@@ -27,6 +29,7 @@ request's k tokens come as one output (its inter-token gaps merge; TTFT, TPOT an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
@@ -60,15 +63,71 @@ class SimulatedSteps:
     batch_sizes: list[int] = field(default_factory=list)  # requests in each step
 
 
+class WatchedKV(KVManager):
+    """A replay's KV manager that also notes what a larger cache could have done otherwise: an allocation
+    it refused (a preemption, an admission that waited on blocks), a prefix lookup cut short by an
+    eviction (its first missing block was cached once), a block cached again after its eviction (a
+    larger cache would still hold the first copy, which later hits would share instead), and the most
+    blocks held after an admission (against a larger cache's watermark). A cache that never evicts (at
+    least every block the trace's requests can ask for) replays the trace exactly as this one did, every
+    request holding as many blocks at every step, where none of the three happened and its watermark
+    still admits at that peak (`same_with`): each block's hash then lives on the block its first writer
+    filled in both, so every lookup finds as much, and shares as much, in both."""
+
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int, enable_prefix_caching: bool) -> None:
+        super().__init__(num_blocks, block_size, watermark_blocks, enable_prefix_caching)
+        self.refused = False  # an allocation refused
+        self.lost_hit = False  # a lookup cut short by an eviction
+        self.recached = False  # a block cached again after its eviction
+        self.admitted_peak = 0  # the most blocks held right after an admission's allocation
+        self._ever_cached: set[bytes] = set()
+
+    def allocate(self, request_id: str, num_tokens: int, keep_watermark: bool = False) -> bool:
+        if not super().allocate(request_id, num_tokens, keep_watermark):
+            self.refused = True
+            return False
+        if keep_watermark:
+            self.admitted_peak = max(self.admitted_peak, self.num_blocks - self.num_free_blocks)
+        return True
+
+    def lookup_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        blocks = super().lookup_prefix(hashes)
+        if len(blocks) < len(hashes) and hashes[len(blocks)] in self._ever_cached:
+            self.lost_hit = True
+        return blocks
+
+    def cache_blocks(self, request_id: str, hashes: Sequence[bytes]) -> None:
+        for h in hashes[self.num_hashed_blocks(request_id) :]:
+            if h in self._ever_cached:
+                self.recached = self.recached or self.pool.lookup(h) is None  # (evicted, now cached again)
+            else:
+                self._ever_cached.add(h)
+        super().cache_blocks(request_id, hashes)
+
+    def same_with(self, blocks: int) -> bool:
+        """A cache of `blocks` blocks (never evicting: at least every block the requests can ask for)
+        replays the trace as this one did."""
+        clean = not (self.refused or self.lost_hit or self.recached)
+        return clean and self.admitted_peak + max(1, blocks // 100) <= blocks
+
+
 class SimulatedEngine:
     def __init__(
-        self, config: EngineConfig, num_blocks: int, max_model_len: int, cost: CostModel, weight_bytes: int = 0
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        cost: CostModel,
+        weight_bytes: int = 0,
+        watch_kv: bool = False,
     ) -> None:
+        """`watch_kv`: the KV manager a `WatchedKV` (for a plain `Scheduler` without drafts only)."""
         self.config = config
         self.cost = cost
         self.max_model_len = max_model_len
         self.weight_bytes = weight_bytes
-        kv = KVManager(
+        watched = watch_kv and config.scheduling != "static" and config.speculative_config is None
+        kv = (WatchedKV if watched else KVManager)(
             num_blocks,
             config.block_size,
             watermark_blocks=max(1, num_blocks // 100),
@@ -84,6 +143,7 @@ class SimulatedEngine:
         self.tokenizer = None  # prompts come as token ids
         self._reported: dict[str, int] = {}  # request -> output tokens already returned
         self._token: dict[str, int] = {}  # request -> the token id its simulated outputs carry
+        self._outputs: dict[str, RequestOutput] = {}  # request -> its output object, until it finishes
         self.arrivals: list[float] | None = None  # the run's arrival times, ascending: fast-forward on
         self._next_arrival = 0  # index of the first arrival not yet passed
         self._stable = False  # the last step can repeat as it is (see the module docstring)
@@ -177,7 +237,7 @@ class SimulatedEngine:
             and self._nothing_admissible(len(chunks))
             and after_prompt(self.cost, *self._after) == 0.0  # (the steps to come steady: priced as one)
         )
-        return [self._output(r) for r in changed]
+        return [out for r in changed if (out := self._output(r)) is not None]
 
     def _nothing_admissible(self, batch: int) -> bool:
         """No step of the same batch can admit a waiting request (nor touch its cached prefix): nothing
@@ -206,7 +266,8 @@ class SimulatedEngine:
         while self._next_arrival < len(arrivals) and arrivals[self._next_arrival] <= self.now:
             self._next_arrival += 1
         due = arrivals[self._next_arrival] if self._next_arrival < len(arrivals) else float("inf")
-        seconds, end = [], self.now
+        seconds: list[float] = []
+        end = self.now
         while len(seconds) < k and end < due:  # (the step that reaches the arrival runs, then it is admitted)
             seconds.append(base + slope * len(seconds))
             end += seconds[-1]
@@ -230,29 +291,38 @@ class SimulatedEngine:
         rec.allocated_slots += allocated
         rec.decode_only_steps += k
         rec.batch_sizes.extend([len(running)] * k)
-        return [self._output(r) for r in running]
+        return [out for r in running if (out := self._output(r)) is not None]
 
-    def _output(self, request: Request) -> RequestOutput:
-        had = self._reported[request.request_id]
-        new = request.output_token_ids[had:]
-        self._reported[request.request_id] = len(request.output_token_ids)
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The request's output for this step: its own object, updated in place (read before the next
+        step, as `run_offline` does); None when the step gave it no token and did not finish it."""
+        rid = request.request_id
+        had = self._reported[rid]
+        tokens = request.output_token_ids
         finished = request.status.finished
-        reason = None
+        if len(tokens) == had and not finished:
+            return None  # (a prompt chunk that samples nothing: nothing for the caller)
+        self._reported[rid] = len(tokens)
+        out = self._outputs.get(rid)
+        if out is None:
+            out = RequestOutput(
+                rid, None, request.prompt_token_ids, None, [CompletionOutput(0, "", [], None, None)], False,
+                RequestMetrics(request.times.arrival, None, None, None),
+            )  # fmt: skip
+            self._outputs[rid] = out
+        completion = out.outputs[0]
+        completion.token_ids = tokens[had:]
+        times, metrics = request.times, out.metrics
+        metrics.first_scheduled_time, metrics.first_token_time = times.first_scheduled, times.first_token
+        out.num_cached_tokens = request.num_cached_tokens
         if finished:
-            reason = {RequestStatus.FINISHED_LENGTH: "length", RequestStatus.FINISHED_ABORTED: "abort"}.get(
-                request.status, "stop"
-            )
-        times = request.times
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=None,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[CompletionOutput(0, "", list(new), None, reason)],
-            finished=finished,
-            metrics=RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished),
-            num_cached_tokens=request.num_cached_tokens,
-        )
+            completion.finish_reason = {
+                RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort",
+            }.get(request.status, "stop")
+            out.finished, metrics.finished_time = True, times.finished
+            del self._outputs[rid]
+        return out
 
 
 def _most_steps(contexts: list[int], held: list[int], block_size: int, limit: int, free: int) -> int:

@@ -182,13 +182,41 @@ def fit_context(max_model_len: int, want: int, batch: int, budget: int, extra: i
     return low
 
 
-class Prober:
-    """Random distinct prompts into an idle engine, and its steps timed one by one."""
+HEARTBEAT_S = 10.0  # a long phase of the probe or the calibration says where it is at least this often
 
-    def __init__(self, engine: LLMEngine, seed: int) -> None:
+
+class Heartbeat:
+    """A long phase's progress: `beat(text)` says `text()` when `every` seconds (HEARTBEAT_S) have passed
+    since the last line (`said` marks one said elsewhere, a phase's own)."""
+
+    def __init__(
+        self,
+        progress: Callable[[str], None],
+        every: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.progress, self.every, self.clock = progress, HEARTBEAT_S if every is None else every, clock
+        self.last = clock()
+
+    def said(self) -> None:
+        self.last = self.clock()
+
+    def beat(self, text: Callable[[], str]) -> None:
+        if self.clock() - self.last >= self.every:
+            self.progress(text())
+            self.said()
+
+
+class Prober:
+    """Random distinct prompts into an idle engine, and its steps timed one by one (`heartbeat`, if
+    given, beaten after each: the probe's progress inside a phase)."""
+
+    def __init__(self, engine: LLMEngine, seed: int, heartbeat: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
         self.count = 0
+        self.steps = 0  # steps timed
+        self.heartbeat = heartbeat
         vocab = engine.model_config.vocab_size
         self.low, self.high = min(100, vocab - 1), vocab - 1
 
@@ -203,6 +231,9 @@ class Prober:
         start = time.perf_counter()
         self.engine.step()
         seconds = time.perf_counter() - start
+        self.steps += 1
+        if self.heartbeat is not None:
+            self.heartbeat()
         last = self.engine.last_step
         return seconds, last.num_running, last.num_batched_tokens
 
@@ -231,18 +262,23 @@ def probe(
     progress: Callable[[str], None] | None = None,
 ) -> StepCost:
     """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random);
-    `progress` is told each phase as it starts."""
+    `progress` is told each phase as it starts, the steps timed every HEARTBEAT_S seconds within one,
+    and the end."""
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the step-cost probe needs an idle engine")
     t0 = time.perf_counter()
+    beat = Heartbeat(progress) if progress is not None else None
 
     def phase(n: int, text: str) -> None:
-        if progress is not None:
+        if progress is not None and beat is not None:
             progress(f"probe {n}/4 ({time.perf_counter() - t0:.0f} s): {text}")
+            beat.said()
 
     config = engine.config
     budget = min(config.max_num_batched_tokens, engine.max_model_len - 1)
     p = Prober(engine, seed)
+    if beat is not None:
+        p.heartbeat = lambda: beat.beat(lambda: f"probe ({time.perf_counter() - t0:.0f} s): {p.steps} steps timed")
     p.add(min(32, budget), 4)  # warm-up
     p.drain()
     phase(1, f"prompt steps of 1 .. {budget} tokens")
@@ -274,6 +310,8 @@ def probe(
     per_request, per_mixed_key = mixed.costs(short, mixed_context, per_key)
     top = min(budget, engine.max_model_len - AFTER_STEPS - 1)
     after_tokens, after_seconds, decay = _after_prompt(p, top, max(5, repeats))
+    if progress is not None:
+        progress(f"probe done in {time.perf_counter() - t0:.0f} s")
     return StepCost(
         prompt_points,
         monotone(prompt_seconds),

@@ -51,7 +51,8 @@ def run_targets(
     engine: LLMEngine, workload: Workload, cost: StepCost, diagnosis: Diagnosis, opts: TargetOptions, out: Path
 ) -> list[TargetAnswer]:
     """Every target's answers for `workload`; calibration.json written into `out`."""
-    from tokenmill.doctor.diagnose import kv_value_bytes, trace_rate
+    from tokenmill.doctor.diagnose import trace_rate
+    from tokenmill.doctor.replays import kv_value_bytes
 
     print("tokenmill doctor: measuring this machine's roofline and fitting it to the probed steps ...", flush=True)
     worker = engine.core.worker

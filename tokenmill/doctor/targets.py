@@ -2,7 +2,7 @@
 
 For each target (hardware.py's sheets, or `here`), the model (this one's config, or `--model-config`'s
 for one whose weights are not here) is priced step by step by `roofline.RooflineCost` and the trace
-replayed on those prices through the same simulator (`diagnose.Replays`: the real scheduler and KV
+replayed on those prices through the same simulator (`replays.Replays`: the real scheduler and KV
 manager at the current settings, a KV cache of what the target's memory leaves). The factors:
 - `here`: fitted to this machine's probed steps against its own measured roofline: "roofline,
   calibrated", the band being the fit's largest error on those steps;
@@ -30,6 +30,7 @@ from tokenmill.doctor.findings import p50, p99
 from tokenmill.doctor.hardware import Target, TargetError, load_target
 from tokenmill.doctor.model_fit import activation_reserve, count_parameters
 from tokenmill.doctor.roofline import WEIGHT_DTYPES, Calibration, Fit, ModelShape, RooflineCost, fit, probe_points
+from tokenmill.doctor.slo_watch import SloWatch
 from tokenmill.doctor.step_cost import StepCost
 from tokenmill.models.config import ModelConfig, load_config, parse_config
 
@@ -186,7 +187,7 @@ def answer(
     trace: Trace, cfg: ModelConfig, weight_dtype: str, target: Target, calibration: Calibration, label: str
 ) -> TargetAnswer:
     """The target's answers for the trace, its steps priced by the roofline with `calibration`."""
-    from tokenmill.doctor.diagnose import Replays
+    from tokenmill.doctor.replays import Replays
 
     weight_bytes, compute = WEIGHT_DTYPES[weight_dtype]
     shape = ModelShape.of(cfg, weight_bytes)
@@ -235,8 +236,9 @@ def _size(result: TargetAnswer, replays: Any, trace: Trace, blocks: int) -> None
     ceiling = replays.run({}, num_blocks=blocks, request_rate=math.inf)[0]["request_throughput"]
     if trace.slos:
         start = trace.trace_rate or max(s["request_throughput"], 1e-3)
+        watch = SloWatch.of(trace.slos, 99)  # (the search's question: a replay past it stops there)
         rate = capacity_p99(
-            lambda r: replays.run({}, num_blocks=blocks, request_rate=r)[0], trace.slos, start, cap=ceiling
+            lambda r: replays.run({}, num_blocks=blocks, request_rate=r, watch=watch)[0], trace.slos, start, cap=ceiling
         )
         result.replica_rate = min(rate, ceiling)
         if rate >= ceiling:

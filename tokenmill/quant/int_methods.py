@@ -20,9 +20,10 @@ a shape missing from the plan takes `default_kernel`):
   the activations rounded to int8 in runs of 32, as llama.cpp's Q8_0 activations), `amx` (as int8's,
   each group dequantized to bfloat16 as it is read), `dequant` or, for bfloat16 activations,
   `dequant32` (float32 weights and a float32 GEMM: the many-row kernel where the CPU has no bfloat16
-  arithmetic and torch emulates its bfloat16 GEMM), `widened` (AVX2: float32 outer-product tiles, each
-  tile of weight rows dequantized in cache, kernels/csrc/linear_int4_wide.cpp); where the native kernels do not build,
-  torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
+  arithmetic and torch emulates its bfloat16 GEMM), `gemm` (`native`'s arithmetic, its loops ordered for
+  many rows: each tile's weights kept in L1 over every block of rows), `widened` (AVX2: float32
+  outer-product tiles, each tile of weight rows dequantized in cache, kernels/csrc/linear_int4_wide.cpp);
+  where the native kernels do not build, torch's layout and `int4pack` (torch's CPU int4 kernel, bfloat16
   activations: float32 ones are rounded to bfloat16 for it, as its float32 path is many times slower)
   or `dequant`.
 torchao 0.18 (the release for torch 2.13) was measured first (benchmarks/torchao_probe.py): its int8
@@ -303,9 +304,8 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     name = "int4"
     format = Int4Weight
-    # the native kernel rounds activations to int8 in runs of 32: fine for a decode step, not for a
-    # prompt's rows (SmolLM2's GGUF in float32 answered "La femme de France, ..." to "What is the
-    # capital of France?" with its prompt through it; through the dequantizing kernel, "... Paris.")
+    # `native` orders its loops for decode rows (each block of 8 rows over the thread's tiles); many
+    # rows take `gemm` (the same arithmetic, each tile kept in L1 over every row block) or `widened`
     row_limits: ClassVar[Mapping[str, int]] = {"native": 8}
 
     def __init__(self, spec: QuantSpec, kernels: CpuKernels | None, prequantized: bool = False) -> None:
@@ -326,15 +326,21 @@ class Int4LinearMethod(QuantizedLinearMethod):
             out["dequant32"] = self._dequant32
         if self.ops.broadcast_tiles_built():
             out["widened"] = self._widened
+        # the integer kernel's loops ordered for many rows (int8 activations in runs of 32, as llama.cpp's
+        # Q8_0 activations for its 4-bit products)
+        out["gemm"] = partial(self._native, amx=False, many_rows=True)
         if self.amx_bf16(dtype):
             out["amx"] = partial(self._native, amx=True)
         return out
 
-    def _native(self, w: object, x: torch.Tensor, bias: torch.Tensor | None, amx: bool) -> torch.Tensor:
+    def _native(
+        self, w: object, x: torch.Tensor, bias: torch.Tensor | None, amx: bool, many_rows: bool = False
+    ) -> torch.Tensor:
         q = cast(Int4Weight, w)
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.rows, dtype=x.dtype)
-        self.ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias, amx)  # type: ignore[union-attr]
+        ops = self.ops
+        ops.linear_int4(out, x, q.packed, q.scales, q.mins, q.group, bias, amx, many_rows)  # type: ignore[union-attr]
         return out
 
     def _widened(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -48,11 +48,14 @@ class KVManager:
     def allocate(self, request_id: str, num_tokens: int, keep_watermark: bool = False) -> bool:
         """Grow the request's table to hold `num_tokens` tokens; False (nothing changed) if the pool
         cannot, or would drop below the watermark when `keep_watermark` (used on admission)."""
-        need = self.num_new_blocks(request_id, num_tokens)
-        reserve = self.watermark_blocks if keep_watermark else 0
-        if need + reserve > self.pool.num_free:
+        table = self.tables.get(request_id)
+        need = max(0, -(-num_tokens // self.block_size) - (len(table) if table is not None else 0))
+        if need + (self.watermark_blocks if keep_watermark else 0) > self.pool.num_free:
             return False
-        self.tables.setdefault(request_id, []).extend(self.pool.allocate(need))
+        if table is None:
+            table = self.tables[request_id] = []
+        if need:  # (a decode step mostly needs none: its block has room)
+            table.extend(self.pool.allocate(need))
         return True
 
     def trim(self, request_id: str, num_tokens: int) -> bool:

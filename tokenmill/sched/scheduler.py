@@ -155,13 +155,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self._schedule_drafts(request, budget, chunks):
-                budget -= len(chunks[-1].token_ids)
-                i += 1
-                continue
-            if request.status.finished:  # failed allocating its drafts' blocks (the next one is at i)
-                continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.draft_token_ids:
+                if self._schedule_drafts(request, budget, chunks):
+                    budget -= len(chunks[-1].token_ids)
+                    i += 1
+                    continue
+                if request.status.finished:  # failed allocating its drafts' blocks (the next one is at i)
+                    continue
+            num_new = min(
+                len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens, budget
+            )
             while not self._allocate(request, request.num_computed_tokens + num_new):
                 if request.status.finished:  # failed there: out of the running batch (the next one is at i)
                     break
@@ -303,14 +306,15 @@ class Scheduler:
         start = request.num_computed_tokens
         table = self.kv.block_table(request.request_id)
         sent, request.num_sent_blocks = request.num_sent_blocks, len(table)
+        token_ids = request.token_ids(start, start + num_new)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_ids(start, start + num_new) + (drafts or []),
+            token_ids=token_ids + drafts if drafts else token_ids,
             start_position=start,
             new_block_ids=table[sent:],  # only what is new: the runner keeps the rest
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == len(request.prompt_token_ids) + len(request.output_token_ids),
             replace_block_table=sent == 0,
-            num_draft_tokens=len(drafts or ()),
+            num_draft_tokens=len(drafts) if drafts else 0,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -345,10 +349,12 @@ class Scheduler:
 
     def _update_one(self, request: Request, chunk: ScheduledChunk, result: StepOutput, now: float) -> None:
         """One request's part of a step: its computed tokens, its new tokens, its stop."""
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            self.num_prompt_tokens += min(len(chunk.token_ids), request.num_prompt_tokens - chunk.start_position)
+        prompt = len(request.prompt_token_ids)
+        if request.num_computed_tokens < prompt:
+            self.num_prompt_tokens += min(len(chunk.token_ids), prompt - chunk.start_position)
+        sampled = result.sampled.get(chunk.request_id, ())
         if chunk.num_draft_tokens:
-            self._verified(request, chunk, len(result.sampled.get(chunk.request_id, ())))
+            self._verified(request, chunk, len(sampled))
         else:
             request.num_computed_tokens += len(chunk.token_ids)
             self._cache(request)
@@ -358,9 +364,9 @@ class Scheduler:
             request.times.finished = now
             self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             return
-        if request.output_token_ids == [] and result.sampled.get(chunk.request_id):
+        if not request.output_token_ids and sampled:
             self._release(request.request_id)  # its prompt is computed, and cached
-        for token in result.sampled.get(chunk.request_id, []):
+        for token in sampled:
             request.output_token_ids.append(token)
             self.num_generated_tokens += 1
             if request.times.first_token is None:
@@ -375,10 +381,11 @@ class Scheduler:
 
     def _cache(self, request: Request) -> None:
         """Hash and cache the blocks its computed tokens fill, those not cached yet."""
-        if self.kv.enable_prefix_caching:
-            full = request.num_computed_tokens // self.kv.block_size
-            if full > self.kv.num_hashed_blocks(request.request_id):
-                self.kv.cache_blocks(request.request_id, self._block_hashes(request, full))
+        kv = self.kv
+        if kv.enable_prefix_caching:
+            full = request.num_computed_tokens // kv.block_size
+            if full > kv.num_hashed_blocks(request.request_id):
+                kv.cache_blocks(request.request_id, self._block_hashes(request, full))
 
     def _verified(self, request: Request, chunk: ScheduledChunk, num_sampled: int) -> None:
         """A chunk of drafts came back with `num_sampled` tokens: the accepted drafts and one of the
@@ -416,7 +423,8 @@ class Scheduler:
         if token in request.eos_token_ids and (not params.ignore_eos or params.structured_outputs is not None):
             # (a grammar allows EOS only where its structure is complete: it ends the request)
             return RequestStatus.FINISHED_STOPPED, None
-        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        output = len(request.output_token_ids)
+        if output >= request.max_tokens or len(request.prompt_token_ids) + output >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 

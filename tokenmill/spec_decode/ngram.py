@@ -55,14 +55,20 @@ class NgramProposer:
     def _one(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         tokens = array("i", prompt)
         tokens.extend(output)
-        if k <= 0 or len(tokens) < self.min_n + 1:
+        return self.propose_at(tokens, tokens.tobytes(), len(tokens), k)
+
+    def propose_at(self, tokens: array[int], buf: bytes, length: int, k: int) -> list[int]:
+        """The drafts for the first `length` of `tokens` (`buf`: all of them as bytes, `tokens.tobytes()`),
+        as `propose` gives them for those tokens alone: one buffer serves every position of a sequence
+        (the doctor's teacher-forced lookups along a prompt)."""
+        if k <= 0 or length < self.min_n + 1:
             return []
-        buf = tokens.tobytes()  # [len(tokens) * WIDTH]
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = _latest(buf, buf[-n * WIDTH :], len(buf) - WIDTH)  # an occurrence ending before the last token
+        end = length * WIDTH  # (the search never reads past the first `length` tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = _latest(buf, buf[end - n * WIDTH : end], end - WIDTH)  # an occurrence ending before the last token
             if start is not None:
                 follow = start + n  # the token after the occurrence
-                return tokens[follow : follow + k].tolist()
+                return tokens[follow : min(follow + k, length)].tolist()
         return []
 
 

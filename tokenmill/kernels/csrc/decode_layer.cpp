@@ -70,7 +70,7 @@ at::Tensor project(const at::Tensor& x, const Projection& p) {
     if (p.wsums.has_value()) tokenmill::gguf_linear(out.narrow(1, t[2], p.out_features - t[2]), x, *p.wsums, t[1]);
     if (p.bias.has_value()) out.add_(*p.bias);
   } else if (p.kind == INT4 || p.kind == INT4_AMX)
-    tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias, p.kind == INT4_AMX);
+    tokenmill::linear_int4(out, x, p.weight, *p.scales, *p.wsums, p.group, p.bias, p.kind == INT4_AMX, false);
   else
     TORCH_CHECK(false, "decode_layer: unknown projection kind ", p.kind);
   return out;

@@ -230,14 +230,20 @@ inline void int4_tile(const TileArgs& a, float (&out)[MM][TILE]) {
 }
 #endif
 
-// Tiles [tile0, T) of y [M, N] = x @ W^T (+ bias): output columns from 16 * tile0.
+// Tiles [tile0, T) of y [M, N] = x @ W^T (+ bias): output columns from 16 * tile0. Few rows (decode):
+// each block of 8 x rows against the thread's tiles in turn. Many rows (`tile_outer`): each tile against
+// every block of x rows in turn, so its weights stay in L1 while the rows stream past.
 template <typename T>
 void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::Tensor& packed,
-               const at::Tensor& scales, const at::Tensor& mins, int64_t group, const T* bias, int64_t tile0) {
+               const at::Tensor& scales, const at::Tensor& mins, int64_t group, const T* bias, int64_t tile0,
+               bool tile_outer) {
   const int64_t N = out.size(1), tiles = packed.size(0), K = packed.size(1) * 8, G = K / group, R = K / RUN;
   std::vector<int8_t> xq(M * K);
   std::vector<float> xs(M * R), xsum(M * R);
-  quantize_runs(x, x_row, M, K, UNIT, xq.data(), xs.data(), xsum.data());
+  at::parallel_for(0, M, tile_outer ? 16 : M, [&](int64_t begin, int64_t end) {
+    quantize_runs(x + begin * x_row, x_row, end - begin, K, UNIT, xq.data() + begin * K, xs.data() + begin * R,
+                  xsum.data() + begin * R);
+  });
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const bool scales32 = scales.scalar_type() == at::kFloat, mins32 = mins.scalar_type() == at::kFloat;
   const uint16_t* sp = scales32 ? nullptr : reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -250,10 +256,13 @@ void int4_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, const at::
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * TILE));
   at::parallel_for(tile0, tiles, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[TILE];
+    // (tile_outer: one tile a pass over the row blocks; else the thread's whole range)
+    for (int64_t t0 = begin; t0 < end; t0 += tile_outer ? 1 : end - begin)
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mm = std::min(MAX_ROWS, M - m0);
+      const int64_t t1 = tile_outer ? t0 + 1 : end;
       with_rows<MAX_ROWS>(mm, [&]<int MM>() {
-        for (int64_t t = begin; t < end; ++t) {
+        for (int64_t t = t0; t < t1; ++t) {
           const TileArgs a{pp + t * K * 8,
                            sp ? sp + t * G * TILE : nullptr,
                            sp32 ? sp32 + t * G * TILE : nullptr,
@@ -300,9 +309,11 @@ namespace tokenmill {
 
 // out [M, N] = x [M, K] @ W^T (+ bias), W as packed [ceil(N / 16), K / 8, 64] (uint8, the tiles above),
 // scales and mins [ceil(N / 16), K / group, 16] (each float16 or float32). amx: the weights dequantized
-// into AMX's bfloat16 tiles (prompt chunks), else the integer dot products above.
+// into AMX's bfloat16 tiles (prompt chunks), else the integer dot products above; many_rows: their
+// loops ordered for many x rows (each tile's weights kept in L1 for every row block).
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx) {
+                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx,
+                 bool many_rows) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_int4: x must be [M, K] with contiguous rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
               "linear_int4: out must be [M, N] with contiguous rows");
@@ -373,10 +384,10 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   // the tiles past the AMX blocks (or all): integer dot products
   if (x.scalar_type() == at::kFloat)
     int4_impl<float>(out, x.data_ptr<float>(), x.stride(0), M, packed, scales, mins, group,
-                     bias ? bias->data_ptr<float>() : nullptr, done / TILE);
+                     bias ? bias->data_ptr<float>() : nullptr, done / TILE, many_rows);
   else
     int4_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, packed, scales, mins, group,
-                    bias ? bias->data_ptr<bf16>() : nullptr, done / TILE);
+                    bias ? bias->data_ptr<bf16>() : nullptr, done / TILE, many_rows);
 }
 
 }  // namespace tokenmill
@@ -384,6 +395,6 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.def(
       "linear_int4(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor mins, int group, Tensor? bias, "
-      "bool amx) -> ()");
+      "bool amx, bool many_rows=False) -> ()");
   m.impl("linear_int4", c10::DispatchKey::CPU, &tokenmill::linear_int4);
 }

@@ -26,7 +26,8 @@ void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const
 void linear_int8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
                  const c10::optional<at::Tensor>& bias, int64_t mode);
 void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx);
+                 const at::Tensor& mins, int64_t group, const c10::optional<at::Tensor>& bias, bool amx,
+                 bool many_rows);
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                  const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, int64_t mode);
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type);
