@@ -120,7 +120,9 @@ def calibrate(
     """`cost` scaled to what the trace's first requests measured on `engine` (idle, and left so: its prefix
     cache emptied after); `progress` told when it starts, the steps run every HEARTBEAT_S seconds, and
     what it found."""
-    return rescaled(run_head(engine, workload, request_rate, progress), cost, progress)
+    start = time.perf_counter()
+    log = run_head(engine, workload, request_rate, progress)
+    return rescaled(log, cost, progress, time.perf_counter() - start)
 
 
 def run_head(
@@ -150,13 +152,17 @@ def run_head(
     return log
 
 
-def rescaled(log: StepLog, cost: StepCost, progress: Callable[[str], None] | None = None) -> StepCost:
+def rescaled(
+    log: StepLog, cost: StepCost, progress: Callable[[str], None] | None = None, seconds: float | None = None
+) -> StepCost:
     """`cost` scaled by what the logged steps measured over what it gives them (decode-only steps and the
-    others apart; a factor 1 where fewer than MIN_STEPS such steps were logged)."""
+    others apart; a factor 1 where fewer than MIN_STEPS such steps were logged); `progress` told the factors
+    (and the `seconds` the run took)."""
     ratios = log.measured_over_predicted(cost)
     factors = {k: ratios[k][0] if k in ratios and ratios[k][1] >= MIN_STEPS else 1.0 for k in ("decode", "other")}
     if progress is not None:
         progress(
-            f"calibrated on {len(log.steps)} steps: decode x{factors['decode']:.2f}, others x{factors['other']:.2f}"
+            f"calibrated on {len(log.steps)} steps{'' if seconds is None else f' in {seconds:.0f} s'}: decode "
+            f"x{factors['decode']:.2f}, others x{factors['other']:.2f}"
         )
     return scaled(cost, factors["decode"], factors["other"])
