@@ -121,17 +121,8 @@ template <typename F, typename T>
 int64_t widened_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
 #if defined(TM_BROADCAST_TILES)
   if (M < tm_broadcast::MP) return 0;
-  std::vector<float> xf(std::is_same_v<T, float> ? 0 : M * K);  // [M, K]
-  const float* xp = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
-    xp = x;
-  } else {
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) to_float(x + m * x_row, xf.data() + m * K, K);
-    });
-    xp = xf.data();
-    x_row = K;
-  }
+  std::vector<float> widened;
+  const float* xp = tm_panels::float_rows(x, x_row, M, K, widened);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   const auto rows_of = [&](int64_t n0, float* scratch) -> const float* {

@@ -50,6 +50,23 @@ inline void pack_x(const float* x, int64_t x_row, int64_t M, int64_t K, float* p
   });
 }
 
+// x [M, K] (row stride x_row) as float32 rows: float32 x itself, bfloat16 x widened into `buffer`
+// (resized to [M, K]; x_row becomes K).
+template <typename T>
+inline const float* float_rows(const T* x, int64_t& x_row, int64_t M, int64_t K, std::vector<float>& buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    buffer.resize(M * K);
+    const int64_t stride = x_row;
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) to_float(x + m * stride, buffer.data() + m * K, K);
+    });
+    x_row = K;
+    return buffer.data();
+  }
+}
+
 }  // namespace tm_panels
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(TM_NO_BROADCAST)

@@ -107,19 +107,9 @@ void rows_plain(const Int4View& w, const float* x, int64_t x_row, int64_t M, int
 template <typename T>
 void wide_impl(at::Tensor& out, const at::Tensor& x, const Int4View& w, const T* bias) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  std::vector<float> widened(std::is_same_v<T, float> ? 0 : M * K);  // [M, K]
-  const float* xf = nullptr;
-  int64_t x_row = K;
-  if constexpr (std::is_same_v<T, float>) {
-    xf = x.data_ptr<float>();
-    x_row = x.stride(0);
-  } else {
-    const T* xp = x.data_ptr<T>();
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) to_float(xp + m * x.stride(0), widened.data() + m * K, K);
-    });
-    xf = widened.data();
-  }
+  std::vector<float> widened;
+  int64_t x_row = x.stride(0);
+  const float* xf = tm_panels::float_rows(x.data_ptr<T>(), x_row, M, K, widened);
   T* y = out.data_ptr<T>();
   int64_t done = 0;
 #if defined(TM_BROADCAST_TILES)

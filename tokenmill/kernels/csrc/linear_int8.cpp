@@ -373,19 +373,9 @@ int64_t int8_broadcast(at::Tensor& out, const at::Tensor& x, const at::Tensor& q
 #if defined(TM_BROADCAST_TILES)
   const int64_t M = x.size(0), K = x.size(1);
   if (M < tm_broadcast::MP) return 0;
-  std::vector<float> widened(std::is_same_v<T, float> ? 0 : M * K);  // [M, K]
-  const float* xf = nullptr;
-  int64_t x_row = K;
-  if constexpr (std::is_same_v<T, float>) {
-    xf = x.data_ptr<float>();
-    x_row = x.stride(0);
-  } else {
-    const T* xp = x.data_ptr<T>();
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) to_float(xp + m * x.stride(0), widened.data() + m * K, K);
-    });
-    xf = widened.data();
-  }
+  std::vector<float> widened;
+  int64_t x_row = x.stride(0);
+  const float* xf = tm_panels::float_rows(x.data_ptr<T>(), x_row, M, K, widened);
   return tm_broadcast::linear_int8(xf, x_row, M, q.data_ptr<int8_t>(), scales.data_ptr<float>(), group, q.size(0), K,
                                    bias, out.data_ptr<T>(), out.stride(0));
 #else
