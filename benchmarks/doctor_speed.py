@@ -15,7 +15,8 @@ The trace: `--trace KIND:FILE` (e.g. Azure's whole `AzureLLMInferenceTrace_conv.
 `conversation_trace.jsonl`), else one written for the run: `--requests` rows in Azure's format whose
 lengths are drawn from benchmarks/data/azure_conv_window.csv's rows and whose arrivals are Poisson at
 that window's rate. Figures: seconds for each phase (one run each: a shared machine's noise is small
-against the minute the issue asks for). Writes benchmarks/results/doctor_speed.json.
+against the minute the issue asks for). Writes benchmarks/results/doctor_speed.json (`--out`: a name
+there, or an absolute path).
 
 With `--targets here,h100 --slo tpot:MS [--repeats N]`, also the report's Targets section (`run_targets`,
 each target's capacity search), N times interleaved with the search as it was before the cap at the
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--targets", default=None, help="e.g. here,h100: also the Targets section, timed")
     parser.add_argument("--slo", default="tpot:50", help="with --targets: ttft:MS,tpot:MS")
     parser.add_argument("--repeats", type=int, default=3, help="with --targets: interleaved runs of each")
-    parser.add_argument("--out", default=str(RESULTS / "doctor_speed.json"))
+    parser.add_argument("--out", default="doctor_speed.json")  # a name under benchmarks/results, or an absolute path
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, max_num_seqs=args.max_num_seqs, dtype="bfloat16"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,7 +218,7 @@ def main() -> None:
         if args.targets:
             opts = TargetOptions(args.targets.split(","), price_per_hour=2.0, slos=slos)
             result["targets"] = {"slos": slos, **time_targets(engine, workload, cost, found, opts, args.repeats)}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
