@@ -44,6 +44,7 @@ def test_the_dry_run_runs_end_to_end_without_the_server_packages(tmp_path):
     assert "sparse_2_4_linear" in result
 
 
+@pytest.mark.slow  # (the same dry run again, through bash: ~11 s; the test above runs check.py itself)
 def test_the_shell_script_runs_the_dry_run(tmp_path):
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(

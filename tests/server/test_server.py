@@ -255,7 +255,7 @@ def test_openapi_fuzzing_finds_no_server_error(srv):
 
         @given(case=operation.as_strategy())
         @settings(
-            max_examples=25, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+            max_examples=10, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
         )
         def check(case) -> None:
             if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens"), int):

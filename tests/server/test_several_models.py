@@ -146,6 +146,7 @@ def test_a_model_too_big_for_the_memory_is_refused_at_start(folders: dict[str, P
         start_several(write_models_file(tmp_path, {"alpha": str(folders["alpha"])}), memory=1024)
 
 
+@pytest.mark.slow  # (unload by idle time: ~10 s; `make test-all` runs it; explicit unload is in the default run)
 def test_an_idle_model_is_unloaded(folders: dict[str, Path], tmp_path: Path) -> None:
     running = start_several(write_models_file(tmp_path, {"alpha": str(folders["alpha"])}), idle_unload=0.5)
     try:
@@ -186,6 +187,7 @@ def test_explicit_load_and_unload_are_behind_the_api_key(folders: dict[str, Path
         running.stop()
 
 
+@pytest.mark.slow  # (a reload after a death; the default run keeps test_several_child_death's mid-stream kill)
 def test_a_model_whose_process_died_loads_again(two: RunningPool) -> None:
     assert complete(two.base_url, "beta").status_code == 200
     pid = two.pid("beta")
