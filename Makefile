@@ -24,11 +24,12 @@ format: $(STAMP)
 	$(BIN)/ruff format tokenmill tests benchmarks scripts compat
 	$(BIN)/ruff check --fix tokenmill tests benchmarks scripts compat
 
+# two workers, a file each at a time (module fixtures stay in one process); `pytest FILE` alone runs serially
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 test-all: lint
-	$(BIN)/pytest -m "slow or not slow"
+	$(BIN)/pytest -n 2 --dist loadfile -m "slow or not slow"
 
 # The load and evaluation tools people point at a server (guidellm, aiperf, lm-eval, schemathesis,
 # the openai and anthropic clients), pinned in their own venv (torch==2.13.0 first, as above), run against
