@@ -134,7 +134,7 @@ def measure_here(dtype: Any, memory_bytes: int | None = None, mib: int = 256, n:
         a, b = torch.randn(n, n).to(kind), torch.randn(n, n).to(kind)
         start = time.perf_counter()
         a @ b  # (a first run, timed roughly: one that takes 32x float32's best, kernel set-up included,
-        # is a dtype the CPU emulates, e.g. bfloat16 without AVX-512 BF16 at ~150x, and cannot be the peak)
+        # is a dtype the CPU emulates (e.g. bfloat16 without AVX-512 BF16 or AMX) and cannot be the peak)
         if peak and 2 * n**3 / (time.perf_counter() - start) < peak / 32:
             continue
         peak = max(peak, 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, 7))
