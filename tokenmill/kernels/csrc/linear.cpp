@@ -262,6 +262,8 @@ inline void add_tile(int rr, int mm, const T* w, int64_t w_row, int64_t K, const
   }
 }
 
+#include "linear_kblock.h"  // (uses Lanes, store_sums and add_tile)
+
 // y[:, n_begin:n_end] for x [M, K] (M > seq_rows), blocked as above.
 template <typename T, typename X>
 void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, int64_t K, const X* x,
@@ -371,6 +373,25 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
     if (M <= seq_rows) {
       const int64_t n0 = begin * R, rows = std::min<int64_t>(end * R, N) - n0;
       const T* w = wp + n0 * K;
+      if (M >= KBLOCK_MIN) {  // x kept in L1 (linear_kblock.h)
+#if defined(TM_KBLOCK_WIDEN)
+        if constexpr (std::is_same_v<T, bf16> && std::is_same_v<X, float>) {
+          rows_kblocked_tiles(w, bias, n0, rows, K, xp, x_row, M, yp, y_row);
+          return;
+        }
+#endif
+        switch (M) {
+          case 1: rows_kblocked<1>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 2: rows_kblocked<2>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 3: rows_kblocked<3>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 4: rows_kblocked<4>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 5: rows_kblocked<5>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 6: rows_kblocked<6>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 7: rows_kblocked<7>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          default: rows_kblocked<8>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+        }
+        return;
+      }
       switch (M) {
         case 1: rows_one_by_one<1>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
         case 2: rows_one_by_one<2>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
