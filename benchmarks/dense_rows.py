@@ -14,7 +14,8 @@ distinct weights so they come from memory as in a step):
   peak the CPU's clock says (2 cores x 2 FMA pipes x 8 float32 lanes x 2 flops a cycle at the
   /proc/cpuinfo MHz), and the kernel's own rate on a weight that stays in L2 (no memory in it);
 - `model` (with --model DIR): one whole decode step of that model folder on the native paths
-  (`cpu` attention and layer ops, modules not fused), at each of --batches, with its time split into
+  (`cpu` attention and layer ops, modules not fused; weights on 2 MB pages as a server places them,
+  or `--pages small`), at each of --batches, with its time split into
   the products, attention and the rest (benchmarks/decode_step.py), each variant's op swapped in.
 
 Medians of --repeats interleaved repeats with [min-max], and each variant's time over the first
@@ -40,6 +41,7 @@ from linear_variants import build
 
 from tokenmill.bench.metrics import spread
 from tokenmill.kernels.cpu_build import cpu_flags
+from tokenmill.runner.huge_pages import huge_zeros
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Fn = Callable[[], None]
@@ -107,12 +109,19 @@ def summary(times: dict[str, list[float]]) -> dict[str, Any]:
     return out
 
 
+def weight(shape: tuple[int, int], dtype: torch.dtype, huge: bool) -> torch.Tensor:
+    """Random weights, on 2 MB pages where `huge` (as a server places them: runner/huge_pages.py)."""
+    w = torch.randn(*shape).to(dtype)
+    return huge_zeros(w.shape, dtype).copy_(w) if huge else w
+
+
 def products(args: argparse.Namespace, ops: dict[str, Any]) -> dict[str, Any]:
     """The `shapes`, `step` and `floors` sections at each row count."""
     dtype = getattr(torch, args.dtype)
     shapes = model_shapes(args.hidden, args.inter, args.heads, args.kv_heads, args.vocab)
-    layers = {n: [torch.randn(*s).to(dtype) for _ in range(args.layers)] for n, s in shapes.items() if n != "head"}
-    head = torch.randn(*shapes["head"]).to(dtype)
+    huge = args.pages == "huge"
+    layers = {n: [weight(s, dtype, huge) for _ in range(args.layers)] for n, s in shapes.items() if n != "head"}
+    head = weight(shapes["head"], dtype, huge)
     step = [layers[name][i] for i in range(args.layers) for name in layers] + [head]
     step_bytes = sum(w.numel() * w.element_size() for w in step)
     hot = torch.randn(128, args.hidden).to(dtype)  # 512 KB in bfloat16: half in each core's L2
@@ -173,6 +182,7 @@ def whole_step(args: argparse.Namespace, ops: dict[str, Any]) -> dict[str, Any]:
     from tokenmill.layers.ops import get_layer_ops
     from tokenmill.models.loader import load_model
     from tokenmill.quant.cpu_dense import CpuLinearMethod
+    from tokenmill.runner.huge_pages import place_on_huge_pages
 
     method = CpuLinearMethod(CpuKernels(ops=next(iter(ops.values())), build_dir=Path()))
     decoder = Decoder.__new__(Decoder)  # (its own constructor loads the model without this method)
@@ -185,6 +195,7 @@ def whole_step(args: argparse.Namespace, ops: dict[str, Any]) -> dict[str, Any]:
         linear_method=method,
         head_method=method,
         ops=get_layer_ops("cpu"),
+        place=place_on_huge_pages if args.pages == "huge" else None,
     )
     result: dict[str, Any] = {}
     for batch in (int(b) for b in args.batches.split(",")):
@@ -226,6 +237,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--skip-products", action="store_true")
+    parser.add_argument(
+        "--pages", choices=("huge", "small"), default="huge", help="weights on 2 MB pages (a server's default) or 4 KB"
+    )
     parser.add_argument("--out", default=str(RESULTS / "dense_rows.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -242,6 +256,7 @@ def main() -> None:
         "repeats": args.repeats,
         "dtype": args.dtype,
         "layers": args.layers,
+        "pages": args.pages,
         "variants": variants,
         "shapes": model_shapes(args.hidden, args.inter, args.heads, args.kv_heads, args.vocab),
     }

@@ -77,15 +77,19 @@ def test_bfloat16_matches_torch(rows, out_f, in_f):
     assert ((F.linear(x, w, b).double() - exact).abs() <= tol).all()
 
 
-# 5-8 rows on AVX2 take the K-sliced walk (linear_kblock.h: slices of 512 columns, blocks of 64 weight
-# rows a thread, prefetch 4 slices ahead): several slices with a tail past the last whole vector, a
-# thread's rows in whole and partial blocks, fewer rows than the prefetch distance, one short slice.
+# 5-8 rows on AVX2 (bfloat16: 5-10) take the K-sliced walk (linear_kblock.h: slices of 256 columns,
+# blocks of 64 weight rows a thread, prefetch 4 slices ahead): several slices with a tail past the last
+# whole vector, a thread's rows in whole and partial blocks, fewer rows than the prefetch distance, one
+# short slice; 13 bfloat16 rows: AVX2's outer-product tiles on a panel with 13 real rows.
 KBLOCK_SHAPES = [
     (5, 150, 1100),
     (6, 3, 1030),
     (7, 129, 517),
     (8, 300, 2048),
     (8, 2, 20),
+    (9, 150, 1100),
+    (10, 67, 260),
+    (13, 50, 300),
 ]
 
 
