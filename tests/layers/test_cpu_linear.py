@@ -77,6 +77,38 @@ def test_bfloat16_matches_torch(rows, out_f, in_f):
     assert ((F.linear(x, w, b).double() - exact).abs() <= tol).all()
 
 
+# 5-8 rows on AVX2 (bfloat16: 5-10) take the K-sliced walk (linear_kblock.h: slices of 256 columns,
+# blocks of 64 weight rows a thread, prefetch 4 slices ahead): several slices with a tail past the last
+# whole vector, a thread's rows in whole and partial blocks, fewer rows than the prefetch distance, one
+# short slice; 13 bfloat16 rows: AVX2's outer-product tiles on a panel with 13 real rows.
+KBLOCK_SHAPES = [
+    (5, 150, 1100),
+    (6, 3, 1030),
+    (7, 129, 517),
+    (8, 300, 2048),
+    (8, 2, 20),
+    (9, 150, 1100),
+    (10, 67, 260),
+    (13, 50, 300),
+]
+
+
+@pytest.mark.parametrize(("rows", "out_f", "in_f"), KBLOCK_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_in_k_slices_match_float64(rows, out_f, in_f, dtype):
+    g = torch.Generator().manual_seed(rows * 7 + in_f)
+    x = torch.randn(rows, in_f + 3, generator=g)[:, 3:].to(dtype)  # rows with a stride
+    w = torch.randn(out_f, in_f, generator=g).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype)
+    out = torch.empty(rows, out_f, dtype=dtype)
+    KERNELS.ops.linear(out, x, w, b)
+    exact = x.double() @ w.double().T + b.double()  # the inputs are exact in float64
+    # float32 sums (a few ulp of the products' magnitude), then one rounding to the dtype
+    rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
+    tol = rounding * exact.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((out.double() - exact).abs() <= tol).all()
+
+
 def test_bad_inputs_name_what_is_wrong():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight must be contiguous"):

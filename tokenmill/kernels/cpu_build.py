@@ -40,7 +40,16 @@ SOURCES = (
     "gguf_blocks.cpp",
     "gguf_gemm.cpp",
 )
-HEADERS = ("convert.h", "gguf_formats.h", "gguf_kdot.h", "int_dot.h", "linear_amx.h", "linear_broadcast.h", "ops.h")
+HEADERS = (
+    "convert.h",
+    "gguf_formats.h",
+    "gguf_kdot.h",
+    "int_dot.h",
+    "linear_amx.h",
+    "linear_broadcast.h",
+    "linear_kblock.h",
+    "ops.h",
+)
 # no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
 CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
 LIBRARY = "tokenmill_cpu"

@@ -2,9 +2,10 @@
 // the weight read in its checkpoint layout [N, K] (no repacking: the same tensor serves torch's GEMM
 // where the tuned plan prefers it). Each thread takes a contiguous range of output rows. Up to 8 x
 // rows walk them one weight row at a time, two up to 4 x rows (`rows_one_by_one`: one sequential
-// weight stream a thread); more rows run R x MB dot-product tiles, cache-blocked (`rows_blocked`), except from 16
-// rows on, on AVX2 and for float32 weights on AVX-512, where the outer-product tiles of
-// linear_broadcast.h run instead.
+// weight stream a thread); on AVX2, 5-8 x rows (bfloat16 weights: 5-10) walk them in K slices that
+// keep x in L1 (linear_kblock.h). More rows run R x MB dot-product tiles, cache-blocked
+// (`rows_blocked`), except from 16 rows on (AVX2 bfloat16: 13) on AVX2 and for float32 weights on
+// AVX-512, where the outer-product tiles of linear_broadcast.h run instead.
 // float32 weights: FMA over 16 (AVX-512) or 8 (AVX2) lanes. bfloat16 weights: vdpbf16ps (AVX-512
 // BF16: pairs of bfloat16 products summed into float32 lanes) where the CPU has it, else widened to
 // float32 by a shift against x widened once per call. Sums in float32; the output rounded once to its
@@ -212,8 +213,8 @@ inline void dot_tile(const T* w, int64_t w_row, int64_t K, const X* x, int64_t x
         out[r * OS + m] += static_cast<float>(w[r * w_row + k]) * static_cast<float>(x[m * x_row + k]);
 }
 
-// More than seq_rows x rows (AVX2: up to 15; the outer-product tiles of linear_broadcast.h take 16 and
-// more): arithmetic more than weight reads, so the loops keep each operand in the cache level it is
+// More than seq_rows x rows (AVX2: up to 15, bfloat16 11-12; the outer-product tiles of linear_broadcast.h
+// take the rest): arithmetic more than weight reads, so the loops keep each operand in the cache level it is
 // reused from. A thread's weight rows go NB at a time (the block stays in L2: NB x KC weights); for
 // each K slice of KC, x goes MC rows at a time (a slice of them stays in L1), and each group of R
 // weight rows of the block meets those x rows MB at a time in registers. The float32 partial sums of
@@ -262,6 +263,8 @@ inline void add_tile(int rr, int mm, const T* w, int64_t w_row, int64_t K, const
   }
 }
 
+#include "linear_kblock.h"  // (uses Lanes and store_sums)
+
 // y[:, n_begin:n_end] for x [M, K] (M > seq_rows), blocked as above.
 template <typename T, typename X>
 void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, int64_t K, const X* x,
@@ -303,9 +306,19 @@ void rows_blocked(const T* wp, const T* bias, int64_t n_begin, int64_t n_end, in
 // vector): float32 decode steps at 1 and 4 sequences measured faster than one row at a time (two
 // processes each way, alternated); bfloat16 alike; at 8 rows two streams lose.
 #ifndef TM_SEQ_ROWS
-#define TM_SEQ_ROWS 8  // another value only for side-by-side builds (benchmarks/linear_variants.py)
+#if defined(__AVX512F__)
+#define TM_SEQ_ROWS 8
+#else
+// AVX2, bfloat16 weights up to 10 rows: 9-10 rows in the K-sliced walk (linear_kblock.h) took 0.85-0.92x
+// the time of the blocked tiles on Zen 3; 11-12 rows alike or slower (results/dense_rows_zen3_batch_rows*.json).
+// float32 weights (not timed at 9-10 rows) keep 8.
+#define TM_SEQ_ROWS 10
 #endif
-constexpr int64_t seq_rows = TM_SEQ_ROWS;
+#endif
+// the few-row path's last row count for weights of type T
+template <typename T>
+constexpr int64_t seq_rows = std::is_same_v<T, bf16> ? TM_SEQ_ROWS : std::min(TM_SEQ_ROWS, 8);
+static_assert(seq_rows<bf16> <= 15 && (seq_rows<bf16> <= 8 || KBLOCK_MIN <= 9), "9-15 rows: only the K-sliced walk");
 
 template <int MM, typename T, typename X>
 inline void rows_one_by_one(const T* w, const T* bias, int64_t n0, int64_t rows, int64_t K, const X* x,
@@ -337,7 +350,13 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
   const int64_t y_row = out.stride(0);
 #if defined(TM_BROADCAST_TILES)
   if constexpr (std::is_same_v<X, float>) {  // on AVX2, bfloat16 x comes widened: always
-    if (M >= tm_broadcast::MP) {  // AVX2, 16 rows and more: outer-product tiles (linear_broadcast.h)
+#ifndef TM_BROADCAST_MIN
+// bfloat16 from 13 rows: a panel of 16 with 13-15 real rows took 0.87-0.92x the time of the dot-product tiles
+// (bfloat16, the 1.1B model's products, Zen 3: results/dense_rows_zen3_batch_rows2.json)
+#define TM_BROADCAST_MIN 13
+#endif
+    // AVX2, 13 rows and more (float32 weights, not timed at 13-15: 16): outer-product tiles (linear_broadcast.h)
+    if (M >= (std::is_same_v<T, bf16> ? TM_BROADCAST_MIN : tm_broadcast::MP)) {
       const int64_t done = tm_broadcast::linear(xp, x_row, M, wp, N, K, bias, yp, y_row);
       if (done < N) rows_blocked(wp, bias, done, N, K, xp, x_row, M, yp, y_row);  // the rows short of a tile
       return;
@@ -368,9 +387,29 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
   // a thread's share is at least ~64K weights (128-256 KB): below that, forking costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (R * K));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    if (M <= seq_rows) {
+    if (M <= seq_rows<T>) {
       const int64_t n0 = begin * R, rows = std::min<int64_t>(end * R, N) - n0;
       const T* w = wp + n0 * K;
+      if (M >= KBLOCK_MIN) {  // x kept in L1 (linear_kblock.h)
+        switch (M) {
+          case 1: rows_kblocked<1>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 2: rows_kblocked<2>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 3: rows_kblocked<3>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 4: rows_kblocked<4>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 5: rows_kblocked<5>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 6: rows_kblocked<6>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 7: rows_kblocked<7>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 8: rows_kblocked<8>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 9: rows_kblocked<9>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 10: rows_kblocked<10>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 11: rows_kblocked<11>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 12: rows_kblocked<12>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 13: rows_kblocked<13>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          case 14: rows_kblocked<14>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+          default: rows_kblocked<15>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
+        }
+        return;
+      }
       switch (M) {
         case 1: rows_one_by_one<1>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
         case 2: rows_one_by_one<2>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
@@ -413,10 +452,18 @@ void linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const
     linear_impl<bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, weight, bias);
 #else
     // no bfloat16 dot instruction: x widened to float32 once here rather than once per weight group
-    std::vector<float> xf(M * K);
+    // Up to seq_rows rows, each row padded by TM_X_PAD floats: rows of K = 2048 floats lie 8 KB apart, so
+    // the same columns of 8 rows fell in one set of the 8-way L1 and evicted each other (padded by 16,
+    // Zen 3, the 1.1B model's products: 0.94x the time at 8 rows, 0.9x at 4; alike at 1-2; at 12 rows
+    // 1.02x, so not there: results/dense_rows_zen3_pad*.json).
+#ifndef TM_X_PAD
+#define TM_X_PAD 16
+#endif
+    const int64_t xs = K + (M <= seq_rows<bf16> ? TM_X_PAD : 0);
+    std::vector<float> xf(M * xs);
     const bf16* xp = x.data_ptr<bf16>();
-    for (int64_t m = 0; m < M; ++m) to_float(xp + m * x.stride(0), xf.data() + m * K, K);
-    linear_impl<bf16>(out, xf.data(), K, M, weight, bias);
+    for (int64_t m = 0; m < M; ++m) to_float(xp + m * x.stride(0), xf.data() + m * xs, K);
+    linear_impl<bf16>(out, xf.data(), xs, M, weight, bias);
 #endif
   } else {
     TORCH_CHECK(false, "linear: float32 and bfloat16 only");
