@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "int_dot.h"  // (tm_int::with_rows: a run-time row count to a compiled one)
 #include "linear_amx.h"
 #include "linear_broadcast.h"
 #include "ops.h"
@@ -390,36 +391,10 @@ void linear_impl(at::Tensor& out, const X* xp, int64_t x_row, int64_t M, const a
     if (M <= seq_rows<T>) {
       const int64_t n0 = begin * R, rows = std::min<int64_t>(end * R, N) - n0;
       const T* w = wp + n0 * K;
-      if (M >= KBLOCK_MIN) {  // x kept in L1 (linear_kblock.h)
-        switch (M) {
-          case 1: rows_kblocked<1>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 2: rows_kblocked<2>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 3: rows_kblocked<3>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 4: rows_kblocked<4>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 5: rows_kblocked<5>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 6: rows_kblocked<6>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 7: rows_kblocked<7>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 8: rows_kblocked<8>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 9: rows_kblocked<9>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 10: rows_kblocked<10>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 11: rows_kblocked<11>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 12: rows_kblocked<12>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 13: rows_kblocked<13>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          case 14: rows_kblocked<14>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-          default: rows_kblocked<15>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        }
-        return;
-      }
-      switch (M) {
-        case 1: rows_one_by_one<1>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        case 2: rows_one_by_one<2>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        case 3: rows_one_by_one<3>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        case 4: rows_one_by_one<4>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        case 5: rows_one_by_one<5>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        case 6: rows_one_by_one<6>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        case 7: rows_one_by_one<7>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-        default: rows_one_by_one<8>(w, bias, n0, rows, K, xp, x_row, yp, y_row); break;
-      }
+      if (M >= KBLOCK_MIN)  // x kept in L1 (linear_kblock.h)
+        tm_int::with_rows<15>(M, [&]<int MM>() { rows_kblocked<MM>(w, bias, n0, rows, K, xp, x_row, yp, y_row); });
+      else  // (M <= 8 here: seq_rows' static_assert)
+        tm_int::with_rows<8>(M, [&]<int MM>() { rows_one_by_one<MM>(w, bias, n0, rows, K, xp, x_row, yp, y_row); });
       return;
     }
     rows_blocked(wp, bias, begin * R, std::min<int64_t>(end * R, N), K, xp, x_row, M, yp, y_row);
