@@ -89,10 +89,13 @@ def test_cpu_kinds_from_their_flags():
         (AVX2, "int4", BATCH, "bfloat16", ("native", "dequant", "dequant32", "widened", "gemm"), "gemm"),
         (AVX2, "int4", PROMPT, "float32", ("native", "dequant", "widened", "gemm"), "gemm"),
         (AVX2, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32", "widened"), "widened"),
-        (ZEN4, "int4", PROMPT, "bfloat16", ("dequant", "widened", "gemm"), "dequant"),
+        # AVX-512 BF16 without AMX: the integer kernel on VNNI, else the bfloat16 GEMM (not dequant32)
+        (ZEN4, "int4", PROMPT, "bfloat16", ("dequant", "widened", "gemm"), "gemm"),
+        (ZEN4, "int4", BATCH, "bfloat16", ("native", "dequant", "dequant32", "gemm"), "gemm"),
         (ICELAKE, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant32"),
         (ZEN4, "int4", BATCH, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
         (ZEN4, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
+        (AMX, "int4", PROMPT, "bfloat16", ("dequant", "gemm", "amx"), "dequant"),  # AMX: unmeasured, kept
         (AVX2, "greedy_head", DECODE, "float32", ("head", "logits"), "logits"),
         (AVX2, "an op with no rule", DECODE, "float32", ("b", "a"), "b"),  # the first candidate
     ],

@@ -14,18 +14,17 @@ is what the kernels' designs say each CPU kind should run, by three facts about 
   register tiling pays. Where the CPU has AMX, its tiles (the `amx` kernels) multiply 16 rows at a
   time; elsewhere the tiled native loops (`tiled`: 4 weight rows x 4 input rows) keep the weights read
   once. A dequantizing kernel here would write a dense copy of the weights every step, the cost the
-  quantization exists to avoid, so it is the last resort (int4 with AVX-512 BF16 and no AMX, until
-  a measurement there; elsewhere int4 takes `gemm`, its integer kernel with int8 activations in runs of
-  32, as llama.cpp multiplies its 4-bit blocks, the loops ordered for many rows).
+  quantization exists to avoid, so it is the last resort (int4 takes `gemm` except on AMX: its
+  integer kernel with int8 activations in runs of 32, as llama.cpp multiplies its 4-bit blocks, the
+  loops ordered for many rows; with AVX-512 VNNI each vpdpbusd is 64 of its multiply-adds).
 - **prompt** (65+ rows): arithmetic, not weight reads, bounds the product, so torch's GEMM (oneDNN /
   MKL, packed panels) takes it wherever it runs the dtype in hardware: float32 everywhere, bfloat16
   where the CPU has bfloat16 arithmetic (AVX-512 BF16 or AMX). Without it (AVX2 alone) torch's
   bfloat16 GEMM emulates every product, and the native kernel, which widens bfloat16 to float32 once
   per load, takes the class. Quantized weights are dequantized once per product for this class
-  (`dequant`; for int4's bfloat16 activations without bfloat16 arithmetic, `dequant32`: float32
-  weights and torch's float32 GEMM; for int8 on AVX2, `broadcast`: each tile of weight rows widened to
-  float32 in cache for the dense kernel's outer-product tiles, no dense copy of the layer), except int4
-  without bfloat16 arithmetic (`gemm`, as the batch class) and W8A8,
+  (`dequant`; for int8 on AVX2, `broadcast`: each tile of weight rows widened to float32 in cache for
+  the dense kernel's outer-product tiles, no dense copy of the layer), except int4 without AMX
+  (`gemm`, as the batch class: its integer sums outrun dequantizing the layer for a GEMM) and W8A8,
   whose integer GEMM (`int_mm`: oneDNN, VNNI where present) keeps the
   activations in int8, and AMX's own int8 tiles where the CPU has them.
 
@@ -127,12 +126,15 @@ RULES: tuple[Rule, ...] = (
     # (`dequant32`: bfloat16 activations through float32 weights and GEMM, for CPUs without bfloat16
     # arithmetic, where `dequant`'s bfloat16 GEMM is emulated)
     Rule("int4", BATCH, ANY, "amx", ("amx", "int4pack", "dequant")),
-    Rule("int4", BATCH, ANY, "bf16", ("int4pack", "dequant")),
+    # (AVX-512 BF16 without AMX: `gemm` on VNNI, 4-90x `dequant` at 16-512 rows on Zen 4,
+    # benchmarks/quant_many_rows.py; `dequant`'s GEMM runs bfloat16 in hardware there, not `dequant32`)
+    Rule("int4", BATCH, ANY, "bf16", ("gemm", "int4pack", "dequant")),
     # (`gemm`: the integer kernel, int8 activations in runs of 32 as llama.cpp's, its loops ordered for
     # many rows; `widened`: float32 outer-product tiles over weight rows dequantized in cache, AVX2
     # builds alone. Both read the weights once a product, where `dequant32` writes a float32 copy.)
     Rule("int4", BATCH, ANY, ANY, ("gemm", "widened", "int4pack", "dequant32", "dequant")),
-    Rule("int4", PROMPT, ANY, "bf16", ("dequant", "int4pack", "amx")),
+    Rule("int4", PROMPT, ANY, "amx", ("dequant", "int4pack", "amx")),
+    Rule("int4", PROMPT, ANY, "bf16", ("gemm", "int4pack", "dequant")),
     Rule("int4", PROMPT, ANY, ANY, ("gemm", "widened", "dequant32", "dequant", "int4pack", "amx")),
     # the greedy head
     Rule("greedy_head", ANY, ANY, ANY, ("logits", "head")),
