@@ -89,7 +89,9 @@ def main() -> None:
         "repeats": args.repeats,
         "rows": table,
     }
-    (RESULTS / (args.out or f"quant_many_rows_{args.quantization}.json")).write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / (args.out or f"quant_many_rows_{args.quantization}.json")).write_text(
+        json.dumps(result, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

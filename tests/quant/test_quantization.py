@@ -124,6 +124,33 @@ def test_the_quantizers_equal_the_plain_computation_bit_for_bit(n, k, group, dty
     assert torch.equal(int8.scales, step) and torch.equal(int8.q, expect.reshape(n, k).to(torch.int8))
 
 
+@needs_kernels
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 96, 32), (128, 256, 64), (50, 2048, 2048), (16, 512, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_dequantizers_write_the_torch_expressions_values(n, k, group, dtype):
+    """A prompt chunk's dense copy from the native kernels (one pass a row) holds the bits of
+    `dequantize_int8` / `dequantize_int4`: float32 q * scale (+ min), rounded as torch rounds; int4 with
+    float16 and float32 scales and mins, a last tile of padding rows."""
+    w = weights(n, k, seed=n + k) * 3
+    int8 = quantize_int8(w, group)
+    out = torch.empty(n, k, dtype=dtype)
+    KERNELS.ops.dequant_int8(out, int8.q, int8.scales, int8.group)
+    assert torch.equal(out, dequantize_int8(int8, dtype))
+    if group % 32:
+        return
+    int4 = quantize_int4(w, group)
+    for v in (
+        int4,
+        dataclasses.replace(int4, mins=int4.mins.float()),
+        dataclasses.replace(int4, scales=int4.scales.float(), mins=int4.mins.float()),
+    ):
+        out = torch.full((n, k), float("nan"), dtype=dtype)
+        KERNELS.ops.dequant_int4(out, v.packed, v.scales, v.mins, v.group)
+        assert torch.equal(out, dequantize_int4(v, dtype))
+    with pytest.raises(RuntimeError, match="dequant_int8: out must be contiguous"):
+        KERNELS.ops.dequant_int8(torch.empty(n, k + 1, dtype=dtype), int8.q, int8.scales, int8.group)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_layers_quantized_on_several_threads_equal_one_threads(tiny_model_dir, name):
     folder = tiny_model_dir("llama")

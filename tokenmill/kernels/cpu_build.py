@@ -39,6 +39,7 @@ SOURCES = (
     "decode_layer.cpp",
     "gguf_blocks.cpp",
     "gguf_gemm.cpp",
+    "dequant.cpp",
 )
 HEADERS = (
     "convert.h",

@@ -245,9 +245,13 @@ class Int8LinearMethod(QuantizedLinearMethod):
         self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias, mode)  # type: ignore[union-attr]
         return out
 
-    @staticmethod
-    def _dequant(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, dequantize_int8(cast(Int8Weight, w), x.dtype), bias)
+    def _dequant(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = cast(Int8Weight, w)
+        if self.ops is None or x.dtype not in (torch.float32, torch.bfloat16):
+            return F.linear(x, dequantize_int8(q, x.dtype), bias)
+        dense = torch.empty(q.q.shape, dtype=x.dtype)  # [N, K]: `dequantize_int8`'s values, one pass
+        self.ops.dequant_int8(dense, q.q, q.scales, q.group)
+        return F.linear(x, dense, bias)
 
 
 class W8A8LinearMethod(QuantizedLinearMethod):
@@ -361,20 +365,26 @@ class Int4LinearMethod(QuantizedLinearMethod):
             out = out + bias.to(out.dtype)
         return out.to(x.dtype)
 
-    @staticmethod
-    def _dequant(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _dense(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:  # -> [N, K]
+        """`dequantize_int4`'s values, through the native kernel (one pass) where it is built."""
+        if self.ops is None or dtype not in (torch.float32, torch.bfloat16):
+            return dequantize_int4(w, dtype)
+        dense = torch.empty(w.shape, dtype=dtype)
+        self.ops.dequant_int4(dense, w.packed, w.scales, w.mins, w.group)
+        return dense
+
+    def _dequant(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(w, Int4Weight):
-            return F.linear(x, dequantize_int4(w, x.dtype), bias)
+            return F.linear(x, self._dense(w, x.dtype), bias)
         return F.linear(x, dequantize_int4pack(cast(Int4PackWeight, w), x.dtype), bias)
 
-    @staticmethod
-    def _dequant32(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _dequant32(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """bfloat16 activations through a float32 GEMM: the weights dequantized to float32 (as
         `dequantize_int4` computes them before its rounding to bfloat16), the rows widened, the product
         rounded back. On a CPU without bfloat16 arithmetic (AVX2 alone) torch's bfloat16 GEMM emulates
         every product; its float32 GEMM runs at the vector units' rate."""
         q = cast(Int4Weight, w)
-        out = F.linear(x.float(), dequantize_int4(q, torch.float32), None if bias is None else bias.float())
+        out = F.linear(x.float(), self._dense(q, torch.float32), None if bias is None else bias.float())
         return out.to(x.dtype)  # [M, N]
 
 
