@@ -256,6 +256,44 @@ def test_every_kernel_computes_the_product_of_the_dequantized_weights(name, dtyp
                 assert err < tol, (name, kernel_name, n, k, rows, err)
 
 
+def int8_gemm_reference(w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What int8's `gemm` computes: x rounded to int8 in runs of 256 k (the last run shorter), one scale
+    a run, against q * scale, in float64."""
+    xq, scale = [], []
+    for r in torch.split(x.float(), 256, dim=1):  # (in float32, as the kernel rounds)
+        amax = r.abs().amax(1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        xq.append(torch.round(r * inv).double())
+        scale.append((amax / 127).double().expand(-1, r.shape[1]))
+    dense = dequantize(w, torch.float32).double()
+    return (torch.cat(xq, 1) * torch.cat(scale, 1)) @ dense.t() + (0 if bias is None else bias.double())
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.ops.int8_gemm_built(), reason="int8 gemm: AVX-512 VNNI builds")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8s_many_row_kernel_is_the_product_with_int8_runs_of_x(dtype):
+    """int8's prompt kernel on AVX-512 VNNI: rows across its blocks of 96 and tiles of 3, weight rows past
+    a whole tile of 4, a last run of x shorter than 256, a row of zeros, bias; against the float64
+    product of the rounded runs. An input width off the 64-k steps takes the dequantizing product."""
+    method = get_quant_method(QuantSpec("int8", None), KERNELS)
+    gemm = method.kernels(dtype)["gemm"]
+    for n, k in ((38, 320), (64, 2048), (130, 576)):
+        w = method.quantize(weights(n, k, seed=n), k)
+        bias = (torch.randn(n) * 0.1).to(dtype)
+        for rows in (1, 3, 50, 100, 200):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            x[0] = 0
+            out = gemm(w, x, bias)
+            ref = int8_gemm_reference(w, x.float(), bias.float())
+            assert out.dtype == dtype and out.shape == (rows, n)
+            tol = 1e-5 if dtype == torch.float32 else 8e-3  # float32: summation order; bfloat16: the output's rounding
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err < tol, (n, k, rows, err)
+    w = method.quantize(weights(16, 100, seed=1), 100)
+    x = torch.randn(70, 100).to(dtype)
+    assert torch.equal(gemm(w, x, None), method.kernels(dtype)["dequant"](w, x, None))
+
+
 @needs_kernels
 def test_int4s_float32_kernel_is_the_float32_product_rounded_once():
     # bfloat16 rows through float32 weights and GEMM (the many-row kernel without bfloat16 arithmetic):

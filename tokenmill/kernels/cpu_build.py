@@ -40,6 +40,7 @@ SOURCES = (
     "gguf_blocks.cpp",
     "gguf_gemm.cpp",
     "dequant.cpp",
+    "linear_int8_gemm.cpp",
 )
 HEADERS = (
     "convert.h",

@@ -12,7 +12,9 @@ a shape missing from the plan takes `default_kernel`):
   activations where the CPU has AMX: the weights widened to bfloat16 tiles as they are read) or
   `dequant` (the layer's weights dequantized to the activations' dtype, then torch's GEMM: prompt
   chunks, where arithmetic and not weight reads bound the product; the memory saving stays, the
-  dense copy lives for the one product).
+  dense copy lives for the one product) or `gemm` (per channel, AVX-512 VNNI builds: the activations
+  rounded to int8 in runs of 256, as llama.cpp's for its K-quant products, integer products on the
+  weights as stored, kernels/csrc/linear_int8_gemm.cpp).
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
   products, VNNI where the CPU has it), `tiled` (as int8's), `amx` (AMX's int8 tiles, where the CPU
   has them) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same per-row quantization).
@@ -234,6 +236,8 @@ class Int8LinearMethod(QuantizedLinearMethod):
                 out["tiled"] = partial(self._native, mode=1)
             # the outer-product tiles (AVX2, 16 rows and more; elsewhere the kernel runs `tiled`'s loop)
             out["broadcast"] = partial(self._native, mode=3)
+            if self.spec.group_size is None and self.ops.int8_gemm_built():
+                out["gemm"] = self._gemm  # int8 activations in runs of 256 (AVX-512 VNNI)
             if self.amx_bf16(dtype):
                 out["amx"] = partial(self._native, mode=2)
         return out
@@ -243,6 +247,17 @@ class Int8LinearMethod(QuantizedLinearMethod):
         x = _contiguous_rows(x)
         out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)  # [M, N]
         self.ops.linear_int8(out, x, q.q, q.scales, q.group, bias, mode)  # type: ignore[union-attr]
+        return out
+
+    def _gemm(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Many rows with int8 activations (kernels/csrc/linear_int8_gemm.cpp: x rounded in runs of 256
+        k, vpdpbusd on the weights as stored); an input width off its 64-k steps is dequantized."""
+        q = cast(Int8Weight, w)
+        if q.q.shape[1] % 64 or q.group != q.q.shape[1]:
+            return self._dequant(w, x, bias)
+        x = _contiguous_rows(x)
+        out = torch.empty(x.shape[0], q.q.shape[0], dtype=x.dtype)  # [M, N]
+        self.ops.linear_int8_gemm(out, x, q.q, q.scales.view(-1), bias)  # type: ignore[union-attr]
         return out
 
     def _dequant(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
