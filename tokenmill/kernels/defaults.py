@@ -108,10 +108,10 @@ RULES: tuple[Rule, ...] = (
     Rule("int8", BATCH, ANY, "amx", ("amx", "tiled", "native", "dequant")),
     Rule("int8", BATCH, ANY, ANY, ("tiled", "native", "dequant")),
     Rule("int8", PROMPT, ANY, "amx", ("dequant", "amx", "tiled", "native")),
-    # (AVX-512 BF16 and VNNI without AMX, per channel: `gemm`, int8 activations in runs of 256, 1.0-1.6x
-    # `dequant` at 128-512 rows on Zen 4, benchmarks/quant_many_rows.py; AMX and AVX-512 without BF16
-    # keep theirs until measured there)
-    Rule("int8", PROMPT, ANY, "bf16", ("gemm", "dequant", "tiled", "native")),
+    # (AVX-512 BF16 without AMX: `dequant`, the layer written out dense for torch's bfloat16 GEMM. On Zen
+    # 4 `gemm`, int8 activations in runs of 256 on VNNI, ran 1.6x it at 64-128 rows alone but 0.80-0.89x
+    # in the engine's 512-row prompt chunks, benchmarks/quant_prefill.py: a candidate for `tokenmill tune`)
+    Rule("int8", PROMPT, ANY, "bf16", ("dequant", "gemm", "tiled", "native")),
     Rule("int8", PROMPT, "float32", "avx512", ("dequant", "tiled", "native")),
     Rule("int8", PROMPT, ANY, "avx512", ("tiled", "native", "dequant")),
     # AVX2: no bfloat16 GEMM to dequantize to; each tile's rows widened to float32 for the outer-product

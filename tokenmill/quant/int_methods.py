@@ -12,9 +12,9 @@ a shape missing from the plan takes `default_kernel`):
   activations where the CPU has AMX: the weights widened to bfloat16 tiles as they are read) or
   `dequant` (the layer's weights dequantized to the activations' dtype, then torch's GEMM: prompt
   chunks, where arithmetic and not weight reads bound the product; the memory saving stays, the
-  dense copy lives for the one product) or `gemm` (per channel, AVX-512 VNNI builds: the activations
-  rounded to int8 in runs of 256, as llama.cpp's for its K-quant products, integer products on the
-  weights as stored, kernels/csrc/linear_int8_gemm.cpp).
+  dense copy lives for the one product) or `gemm` (per channel, AVX-512 VNNI builds, a candidate for
+  tuning: the activations rounded to int8 in runs of 256, as llama.cpp's for its K-quant products,
+  integer products on the weights as stored, kernels/csrc/linear_int8_gemm.cpp).
 - `w8a8`: per-channel int8 weights, activations quantized per row at run time; `native` (integer dot
   products, VNNI where the CPU has it), `tiled` (as int8's), `amx` (AMX's int8 tiles, where the CPU
   has them) or `int_mm` (torch's integer GEMM `torch._int_mm` after the same per-row quantization).

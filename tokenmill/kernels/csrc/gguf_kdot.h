@@ -173,6 +173,9 @@ struct K4Block {
   __m256i sc, hb;  // the 8 scales (bytes 0-7) and mins (8-15) in both 128-bit lanes; Q5_K's high bits
   __m128i mn;       // the mins as int16
   __m256 dm;        // d 4 times, then -dmin 4 times
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512i sc4;  // the scales and mins in all four 128-bit lanes
+#endif
   explicit K4Block(const uint8_t* p) {
     // k4_scales in vector form: dwords w0, w1, w2 of the 12 bytes -> [sc 0-3, sc 4-7, mn 0-3, mn 4-7]
     const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
@@ -182,6 +185,9 @@ struct K4Block {
                                     _mm_and_si128(_mm_srli_epi32(w, 2), _mm_set1_epi8(0x30)));  // [sc 4-7, mn 4-7]
     const __m128i all = _mm_unpacklo_epi32(lo, hi);
     sc = _mm256_broadcastsi128_si256(all);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    sc4 = _mm512_broadcast_i32x4(all);
+#endif
     mn = _mm_unpackhi_epi8(all, _mm_setzero_si128());
     const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(word(p))));  // d, dmin
     dm = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_xor_ps(h, _mm_setr_ps(0.f, -0.f, 0.f, 0.f))),
@@ -203,6 +209,23 @@ struct K4Block {
     return _mm256_shuffle_epi8(sc, _mm256_setr_epi8(b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z, b,
                                                      z, b, z, b, z, b, z, b, z));
   }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // runs 2j and 2j + 1 in one register's halves. Q4_K: both are the same 32 bytes (low nibbles, then
+  // high), so one broadcast load and a shift of the high half; Q5_K: the two runs, joined
+  __m512i run2(int j) const {
+    if constexpr (TYPE == 12) {
+      const __m512i v = _mm512_broadcast_i64x4(ld32(nib + 32 * j));
+      return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(15));
+    } else {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(run(2 * j)), run(2 * j + 1), 1);
+    }
+  }
+  __m512i scale2(int j) const {  // byte 2j zero-extended into the low half's int16 lanes, 2j + 1 the high's
+    const __m512i lo = _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j)));
+    const __m512i hi = _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j + 1)));
+    return _mm512_shuffle_epi8(sc4, _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1));
+  }
+#endif
   // facc += xd * (d * dot - dmin * mins . sum32): dot [8] int32, sum32 x's 8 sums of 32
   __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
     (void)sum16;
@@ -242,6 +265,12 @@ struct KBlock<14> {  // Q6_K
     return _mm256_or_si256(q4, _mm256_and_si256(h2, _mm256_set1_epi8(0x30)));
   }
   __m256i scale(int r) const { return pick16(r < 4 ? lo8 : hi8, (2 * r) % 8, (2 * r + 1) % 8); }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512i run2(int j) const { return _mm512_inserti64x4(_mm512_castsi256_si512(run(2 * j)), run(2 * j + 1), 1); }
+  __m512i scale2(int j) const {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(scale(2 * j)), scale(2 * j + 1), 1);
+  }
+#endif
   // facc += xd * d * (dot - 32 * sc . sum16)
   __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
     (void)sum32;
@@ -262,24 +291,30 @@ inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) 
   for (int64_t b = 0; b < NB; ++b) {
     const B blk(row + b * B::BYTES);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512i acc[MM];
-    for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
+    // (ACC sums a row: vpdpwssd's accumulator is a chain of 5-cycle steps, and one row's chain through
+    // a block's 4 steps, not the bytes, bounded a single request's decode)
+    constexpr int ACC = MM <= 2 ? 4 : MM <= 4 ? 2 : 1;
+    __m512i acc[MM][ACC];
+    for (int m = 0; m < MM; ++m)
+      for (int a = 0; a < ACC; ++a) acc[m][a] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {  // runs 2j, 2j + 1 a register
-      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(blk.run(2 * j)), blk.run(2 * j + 1), 1);
-      const __m512i s = _mm512_inserti64x4(_mm512_castsi256_si512(blk.scale(2 * j)), blk.scale(2 * j + 1), 1);
+      const __m512i q = blk.run2(j), s = blk.scale2(j);
       for (int m = 0; m < MM; ++m) {
         const __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + m * K + b * QK + 64 * j));
 #if defined(__AVX512VNNI__)
-        acc[m] = _mm512_dpwssd_epi32(acc[m], p, s);
+        acc[m][j % ACC] = _mm512_dpwssd_epi32(acc[m][j % ACC], p, s);
 #else
-        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(p, s));
+        acc[m][j % ACC] = _mm512_add_epi32(acc[m][j % ACC], _mm512_madd_epi16(p, s));
 #endif
       }
     }
     __m256i dot[MM];
-    for (int m = 0; m < MM; ++m)
-      dot[m] = _mm256_add_epi32(_mm512_castsi512_si256(acc[m]), _mm512_extracti64x4_epi64(acc[m], 1));
+    for (int m = 0; m < MM; ++m) {
+      __m512i sum = acc[m][0];
+      for (int a = 1; a < ACC; ++a) sum = _mm512_add_epi32(sum, acc[m][a]);
+      dot[m] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+    }
 #else
     __m256i dot[MM];
     for (int m = 0; m < MM; ++m) dot[m] = _mm256_setzero_si256();
