@@ -8,7 +8,7 @@ first run ever, whatever the model). Warm: the same cache folder again, right af
 cold then warm, the variants interleaved in each of `--repeats` rounds; the median per (model,
 variant, cold / warm) is reported, with every run's seconds and the server's own start-up lines
 (the phases and the resolution line's kernel-choice count) from the last run. Writes
-benchmarks/results/startup.json (or `--out`).
+benchmarks/results/startup.json (or `--out`: a bare name goes there too).
 
 A `--model` may be a GGUF file (served as it is stored; cold and warm differ by its header and
 tokenizer, parsed and built on the cold start and read from the cache after); `--gguf-variants`
@@ -124,7 +124,7 @@ def write(
         "load_average_1min": loads,
         "startup_lines_last_run": lines,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(result, indent=1) + "\n")  # (an absolute --out stays as given)
     return result
 
 
