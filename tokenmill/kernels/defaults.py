@@ -130,7 +130,7 @@ RULES: tuple[Rule, ...] = (
     # (`dequant32`: bfloat16 activations through float32 weights and GEMM, for CPUs without bfloat16
     # arithmetic, where `dequant`'s bfloat16 GEMM is emulated)
     Rule("int4", BATCH, ANY, "amx", ("amx", "int4pack", "dequant")),
-    # (AVX-512 BF16 without AMX: `gemm` on VNNI, 4-90x `dequant` at 16-512 rows on Zen 4,
+    # (AVX-512 BF16 without AMX: `gemm` on VNNI, 1.5-15x `dequant` at 512-16 rows on Zen 4,
     # benchmarks/quant_many_rows.py; `dequant`'s GEMM runs bfloat16 in hardware there, not `dequant32`)
     Rule("int4", BATCH, ANY, "bf16", ("gemm", "int4pack", "dequant")),
     # (`gemm`: the integer kernel, int8 activations in runs of 32 as llama.cpp's, its loops ordered for
