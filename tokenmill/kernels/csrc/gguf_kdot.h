@@ -161,6 +161,10 @@ inline __m256i pick16(__m256i v, int a, int b) {
                                                   2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+#endif
+
 // A block's decoded state: run(r) its run r's 32 q bytes, scale(r) the int16 scales of run r's byte
 // pairs (vpmaddubsw's lanes: 8 a 16 weights), finish() the block's int32 sums into a float sum.
 template <int TYPE>
@@ -217,13 +221,13 @@ struct K4Block {
       const __m512i v = _mm512_broadcast_i64x4(ld32(nib + 32 * j));
       return _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(15));
     } else {
-      return _mm512_inserti64x4(_mm512_castsi256_si512(run(2 * j)), run(2 * j + 1), 1);
+      return join(run(2 * j), run(2 * j + 1));
     }
   }
   __m512i scale2(int j) const {  // byte 2j zero-extended into the low half's int16 lanes, 2j + 1 the high's
-    const __m512i lo = _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j)));
-    const __m512i hi = _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j + 1)));
-    return _mm512_shuffle_epi8(sc4, _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1));
+    const __m256i lo = _mm256_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j)));
+    const __m256i hi = _mm256_set1_epi16(static_cast<int16_t>(0x8000 | (2 * j + 1)));
+    return _mm512_shuffle_epi8(sc4, join(lo, hi));
   }
 #endif
   // facc += xd * (d * dot - dmin * mins . sum32): dot [8] int32, sum32 x's 8 sums of 32
@@ -266,10 +270,8 @@ struct KBlock<14> {  // Q6_K
   }
   __m256i scale(int r) const { return pick16(r < 4 ? lo8 : hi8, (2 * r) % 8, (2 * r + 1) % 8); }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512i run2(int j) const { return _mm512_inserti64x4(_mm512_castsi256_si512(run(2 * j)), run(2 * j + 1), 1); }
-  __m512i scale2(int j) const {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(scale(2 * j)), scale(2 * j + 1), 1);
-  }
+  __m512i run2(int j) const { return join(run(2 * j), run(2 * j + 1)); }
+  __m512i scale2(int j) const { return join(scale(2 * j), scale(2 * j + 1)); }
 #endif
   // facc += xd * d * (dot - 32 * sc . sum16)
   __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
