@@ -243,7 +243,8 @@ def test_an_exception_processing_one_requests_output_fails_it_and_its_siblings_s
 def test_the_watchdog_restarts_a_core_whose_loop_died(serve):
     """An error outside any step (here: applying an abort) ends the core's loop: its open requests
     fail with an error, the watchdog restarts the loop on the same core, and the server serves on."""
-    srv = serve()
+    # (slowed steps: on a fast CPU the tiny model's 200 tokens came back inside the client's 0.2 s)
+    srv = serve(step_sleep=0.005)
     engine = srv.server.engine
     core = engine.clients[0].core
     abort = core.abort_requests
