@@ -51,6 +51,7 @@ def kept(native: bool, max_native_rows: int = 64, layout: str = "int") -> QuantC
         if isinstance(m, GGUFBlocksMethod):
             m.max_native_rows = max_native_rows if native else 0
             m.prompt_kernel = "gemm" if native else "dequant"
+            m.repack = m.repack and native  # (the file's blocks, for the dequantizing reference)
         elif not native:
             m.default_kernel = "dequant"  # type: ignore[attr-defined]
     return QuantConfig(UnquantizedLinearMethod(), gguf=methods)

@@ -41,11 +41,13 @@ SOURCES = (
     "gguf_gemm.cpp",
     "dequant.cpp",
     "linear_int8_gemm.cpp",
+    "gguf_x16.cpp",
 )
 HEADERS = (
     "convert.h",
     "gguf_formats.h",
     "gguf_kdot.h",
+    "gguf_x16.h",
     "int_dot.h",
     "linear_amx.h",
     "linear_broadcast.h",

@@ -273,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
         """After the layers are quantized: a tied table whose head is a quantized layer of its own is
         dropped, its lookups reading the head's rows (int8: a byte a weight instead of the dtype's)."""
         if isinstance(self.embed_tokens, GGUFEmbedding):  # (a tied head of its blocks shares them)
-            self.embed_tokens.finish_loading()
+            tied_head = self.config.tie_word_embeddings and not self.head_from_table
+            self.embed_tokens.finish_loading(self.lm_head if tied_head else None)
             return
         quantized_head = not self.head_from_table and isinstance(self.lm_head.linear_method, QuantizedLinearMethod)
         if self.config.tie_word_embeddings and quantized_head:  # (another method's head keeps the table)

@@ -13,6 +13,11 @@ the `gguf` package's, bit for bit. Without the native kernels (no compiler, floa
 products dequantize a chunk of weight rows at a time (the `gguf` package's own dequantizer) into a
 scratch buffer the method reuses, then take torch's GEMM.
 
+Where the CPU has AVX-512 VNNI, a layer's Q4_K and Q6_K matrices (rows a multiple of 16) are repacked
+once at load into groups of 16 rows (`GGUFMatrix.repacked`, kernels/csrc/gguf_x16.cpp: the same
+bytes moved, 148 a row's block for Q4_K's 144, Q6_K's 210 unchanged), whose products need no horizontal
+sums; the values are the file's blocks' bit for bit, and `gguf_dequant` gives back the file's rows.
+
 A fused layer (q/k/v, gate/up) may mix types (Q4_K_M stores some v and down projections in Q6_K):
 the layer keeps one matrix per run of shards of one type, each product writing its columns.
 """
@@ -53,6 +58,8 @@ BLOCKS = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK_TYPES = tuple(BLOCKS)
+REPACKED_ROW_BYTES = {"Q4_K": 148, "Q6_K": 210}  # a row's bytes a block in the 16-row form (gguf_x16.cpp)
+REPACK_ROWS = 16
 PROMPT_KERNELS = ("auto", "gemm", "widened", "dequant")  # GGUFBlocksMethod's products for many rows
 MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the prompt product (`gguf_gemm`)
 SCRATCH_VALUES = 1 << 22  # dequantized values a prompt product holds at once (16 MiB in float32)
@@ -68,11 +75,18 @@ def row_bytes(type_name: str, cols: int) -> int:
 
 @dataclass(frozen=True)
 class GGUFMatrix:
-    """A [rows, cols] matrix as a GGUF file stores it: `data` [rows, row_bytes(type_name, cols)] uint8."""
+    """A [rows, cols] matrix as a GGUF file stores it: `data` [rows, row_bytes(type_name, cols)] uint8; or,
+    `repacked`, the same blocks in groups of 16 rows (data [rows, cols / 256 * REPACKED_ROW_BYTES])."""
 
     type_name: str
     data: torch.Tensor
     cols: int
+    repacked: bool = False
+
+    @property
+    def type_number(self) -> int:
+        """The GGML type number the native ops take (+100: the 16-row form)."""
+        return BLOCKS[self.type_name][0] + (100 if self.repacked else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,7 +97,20 @@ class GGUFMatrix:
         return self.data.numel()
 
     def permute_rows(self, order: torch.Tensor) -> GGUFMatrix:  # order [N]: new row i = old row order[i]
+        if self.repacked:
+            raise ValueError("permute_rows: a repacked matrix's rows are interleaved in groups of 16")
         return GGUFMatrix(self.type_name, self.data[order], self.cols)
+
+
+def repackable(m: GGUFMatrix) -> bool:
+    """Whether `m` has a 16-row form (Q4_K or Q6_K, rows a multiple of 16) and is not in it yet."""
+    return not m.repacked and m.type_name in REPACKED_ROW_BYTES and m.shape[0] % REPACK_ROWS == 0 and m.shape[0] > 0
+
+
+def repack(m: GGUFMatrix, ops: object) -> GGUFMatrix:
+    """`m` in the 16-row form (kernels/csrc/gguf_x16.cpp), its file blocks' values bit for bit."""
+    data = ops.gguf_repack16(m.data.contiguous(), BLOCKS[m.type_name][0])  # type: ignore[attr-defined]
+    return GGUFMatrix(m.type_name, data, m.cols, repacked=True)
 
 
 def dequantize(
@@ -102,8 +129,10 @@ def dequantize(
     if out is None:
         out = torch.empty(count, m.cols, dtype=dtype)
     if ops is not None and dtype in NATIVE_DTYPES:
-        ops.gguf_dequant(out, m.data, BLOCKS[m.type_name][0], ids, start)  # type: ignore[attr-defined]
+        ops.gguf_dequant(out, m.data, m.type_number, ids, start)  # type: ignore[attr-defined]
         return out
+    if m.repacked:
+        raise ValueError(f"dequantize: a repacked {m.type_name} matrix needs the native kernels, float32 or bfloat16")
     import gguf
 
     picked = m.data[ids] if ids is not None else m.data[start:end]
@@ -144,6 +173,7 @@ class GGUFBlocksMethod(LinearMethod):
         max_native_rows: int = MAX_NATIVE_ROWS,
         prompt_kernel: str = "auto",
         cpu: CpuKind | None = None,
+        repack: bool | None = None,
     ) -> None:
         if prompt_kernel not in PROMPT_KERNELS:
             raise ValueError(f"prompt_kernel: expected one of {', '.join(PROMPT_KERNELS)}, got {prompt_kernel!r}")
@@ -154,6 +184,9 @@ class GGUFBlocksMethod(LinearMethod):
         self.prompt_kernel = prompt_kernel
         kind = cpu or CpuKind.from_flags(cpu_flags())
         self.type_prompt = {t: default_choice("gguf_prompt", PROMPT, t, kind, PROMPT_KERNELS[1:3]) for t in BLOCKS}
+        # Q4_K / Q6_K into 16-row groups at load: where the CPU has AVX-512 VNNI (the form's vector
+        # kernel; elsewhere it runs a scalar reference), unless told
+        self.repack = repack if repack is not None else "avx512_vnni" in cpu_flags().split()
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
 
     def create_weights(
@@ -175,9 +208,13 @@ class GGUFBlocksMethod(LinearMethod):
             else:
                 runs.append([piece])
         start = 0
+        native = self.ops is not None and layer.gguf_dtype in NATIVE_DTYPES
         for run in runs:
             data = run[0].data if len(run) == 1 else torch.cat([p.data for p in run])
-            parts.append((start, GGUFMatrix(run[0].type_name, data, layer.input_size)))
+            matrix = GGUFMatrix(run[0].type_name, data, layer.input_size)
+            if self.repack and native and repackable(matrix):
+                matrix = repack(matrix, self.ops)
+            parts.append((start, matrix))
             start += int(data.shape[0])
         layer.gguf_parts = parts
         del layer.gguf_pieces, layer.weight
@@ -189,21 +226,24 @@ class GGUFBlocksMethod(LinearMethod):
         out = torch.empty(rows.shape[0], layer.output_size, dtype=x.dtype)  # [M, out]
         for start, m in layer.gguf_parts:
             cols = out[:, start : start + m.shape[0]]
-            product = self.product(m.type_name, rows)
+            product = self.product(m.type_name, rows, m.repacked)
             if product is not None:
-                getattr(self.ops, product)(cols, rows, m.data, BLOCKS[m.type_name][0])
+                getattr(self.ops, product)(cols, rows, m.data, m.type_number)
             else:
                 self._dequant_product(m, rows, cols)
         if bias is not None:
             out += bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.output_size)
 
-    def product(self, type_name: str, rows: torch.Tensor) -> str | None:
-        """The native op for `rows` [M, K] against a matrix of `type_name`, or None: dequantized chunks."""
+    def product(self, type_name: str, rows: torch.Tensor, repacked: bool = False) -> str | None:
+        """The native op for `rows` [M, K] against a matrix of `type_name`, or None: dequantized chunks.
+        A repacked matrix's one product serves every row count (`gguf_gemm` takes it to gguf_x16.cpp)."""
         if self.ops is None or rows.dtype not in NATIVE_DTYPES:
             return None
         if rows.shape[0] <= self.max_native_rows:
             return "gguf_linear"
+        if repacked and self.prompt_kernel == "auto":
+            return "gguf_gemm"
         kernel = self.type_prompt[type_name] if self.prompt_kernel == "auto" else self.prompt_kernel
         return {"gemm": "gguf_gemm", "widened": "gguf_gemm_widened"}.get(kernel)
 
@@ -219,7 +259,7 @@ class GGUFBlocksMethod(LinearMethod):
         or None, 0)"""
         (_, first), *rest = layer.gguf_parts
         second = rest[0][1] if rest else None
-        kinds = [BLOCKS[first.type_name][0], BLOCKS[second.type_name][0] if second else -1, first.shape[0]]
+        kinds = [first.type_number, second.type_number if second else -1, first.shape[0]]
         return first.data, torch.tensor(kinds, dtype=torch.int64), second.data if second else None, 0
 
     def _dequant_product(self, m: GGUFMatrix, rows: torch.Tensor, cols: torch.Tensor) -> None:
@@ -265,10 +305,14 @@ class GGUFEmbedding(nn.Module):
             raise WeightShapeError(loaded.shape, self.shape, None)
         self.matrix = loaded
 
-    def finish_loading(self) -> None:
-        """Drop the placeholder once the table is in."""
+    def finish_loading(self, tied_head: nn.Module | None = None) -> None:
+        """Drop the placeholder once the table is in; a tied head's matrix (one part of the table's shape:
+        the same blocks, perhaps repacked at load) becomes the table, so that one copy is held."""
         if "weight" in self._parameters:
             del self.weight
+        parts = getattr(tied_head, "gguf_parts", [])
+        if len(parts) == 1 and parts[0][1].shape == self.shape:
+            self.matrix = parts[0][1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         assert self.matrix is not None, "GGUFEmbedding used before its table was loaded"

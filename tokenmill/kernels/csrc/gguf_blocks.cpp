@@ -28,6 +28,7 @@
 
 #include "convert.h"
 #include "gguf_formats.h"
+#include "gguf_x16.h"
 #include "int_dot.h"
 
 namespace {
@@ -116,7 +117,11 @@ void gguf_dequant(at::Tensor out, const at::Tensor& blocks, int64_t type, const 
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
               "gguf_dequant: out float32 or bfloat16");
   const int64_t R = out.size(0), K = out.size(1), N = blocks.size(0);
-  check_blocks("gguf_dequant", blocks, type, K);
+  const bool x16 = gguf_x16_type(type);
+  if (x16)
+    gguf_x16_check("gguf_dequant", blocks, type, K);
+  else
+    check_blocks("gguf_dequant", blocks, type, K);
   const int64_t* idp = nullptr;
   if (ids) {
     TORCH_CHECK(ids->scalar_type() == at::kLong && ids->is_contiguous() && ids->numel() == R,
@@ -129,10 +134,13 @@ void gguf_dequant(at::Tensor out, const at::Tensor& blocks, int64_t type, const 
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1), o_row = out.stride(0);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
-  with_format(type, [&]<typename F>() {
+  with_format(x16 ? type - 100 : type, [&]<typename F>() {
     at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> file_row(x16 ? K / F::W * F::BYTES : 0);  // (x16: the row as the file held it)
       for (int64_t i = begin; i < end; ++i) {
-        const uint8_t* row = bp + (idp ? idp[i] : row0 + i) * row_bytes;
+        const int64_t n = idp ? idp[i] : row0 + i;
+        const uint8_t* row = bp + n * row_bytes;
+        if (x16) gguf_x16_file_row(bp, row_bytes, type, K, n, file_row.data()), row = file_row.data();
         if (out.scalar_type() == at::kFloat)
           dequant_row<F>(row, K, out.data_ptr<float>() + i * o_row);
         else
@@ -152,6 +160,7 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, 
                   out.scalar_type() == x.scalar_type(),
               "gguf_linear: x and out float32 or bfloat16, one dtype");
   const int64_t M = x.size(0), K = x.size(1);
+  if (gguf_x16_type(type)) return gguf_x16_linear(out, x, blocks, type);
   check_blocks("gguf_linear", blocks, type, K);
   if (M == 0 || blocks.size(0) == 0) return;
   with_format(type, [&]<typename F>() {

@@ -22,6 +22,7 @@
 
 #include "convert.h"
 #include "gguf_formats.h"
+#include "gguf_x16.h"
 #include "int_dot.h"
 #include "linear_broadcast.h"
 
@@ -36,6 +37,7 @@ using bf16 = c10::BFloat16;
 #define TM_GGUF_TILE_KB 96
 #endif
 constexpr int GEMM_ROWS = TM_GGUF_GEMM_ROWS;                 // x rows a weight row is dotted with while unpacked
+static_assert(GEMM_ROWS == XG, "krow's groups of x rows");
 constexpr int64_t TILE_BYTES = int64_t{TM_GGUF_TILE_KB} << 10;  // weight bytes a tile (held in L2 across x tiles)
 
 // y[m0 .. m0 + mm, n] for the tile's weight rows n in [n0, n1), x tile by x tile
@@ -87,8 +89,7 @@ template <int TYPE, typename T>
 void gemm256(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
   const int64_t N = w.size(0), row_bytes = w.size(1);
   KX xk;
-  xk.K = K;
-  xk.q.resize(M * K), xk.d.resize(M * (K / QK)), xk.sum16.resize(M * (K / 16)), xk.sum32.resize(M * (K / 32));
+  xk.resize(M, K);
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     alignas(32) float v[QK];
     for (int64_t m = b; m < e; ++m)
@@ -97,6 +98,7 @@ void gemm256(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, c
         round_block(v, xk, m, blk);
       }
   });
+  group_rows(xk, M);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* y = out.data_ptr<T>();
   over_tiles(N, row_bytes, [&](int64_t n0, int64_t n1) {
@@ -151,6 +153,7 @@ void gguf_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, in
                   out.scalar_type() == x.scalar_type(),
               "gguf_gemm: x and out float32 or bfloat16, one dtype");
   const int64_t M = x.size(0), K = x.size(1);
+  if (gguf_x16_type(type)) return gguf_x16_linear(out, x, blocks, type);  // (one product for any rows)
   check_blocks("gguf_gemm", blocks, type, K);
   if (M == 0 || blocks.size(0) == 0) return;
   with_format(type, [&]<typename F>() {
@@ -170,6 +173,7 @@ void gguf_gemm_widened(at::Tensor out, const at::Tensor& x, const at::Tensor& bl
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "gguf_gemm_widened: x [M, K] and out [M, N], rows contiguous, float32 or bfloat16, one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  if (gguf_x16_type(type)) return gguf_x16_linear(out, x, blocks, type);
   check_blocks("gguf_gemm_widened", blocks, type, K);
   if (M == 0 || N == 0) return;
   int64_t done = 0;

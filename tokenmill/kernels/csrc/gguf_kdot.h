@@ -9,10 +9,14 @@
 //   xd * d * (sum_g sc_g * (q_g . xq_g) - 32 * sum_g sc_g * sum(xq_g))          (Q6_K)
 // with every sum over g an exact int32: q . xq per pair of bytes by vpmaddubsw (q unsigned <= 63, xq
 // signed: |pair| <= 2 * 63 * 127, within int16), the pairs times the scales widened to int16 and summed
-// in pairs by vpmaddwd (AVX-512 VNNI: vpdpwssd, the multiply and the add in one), |sum| < 2^26. Two
-// float steps a block and x row (one for Q6_K): 256 weights a conversion where the per-32 design
-// converted 8 times. AVX-512 takes two runs of 32 a 512-bit register; the block's int32 sums are
-// folded to 256 bits before its float step.
+// in pairs by vpmaddwd (AVX-512 VNNI: vpdpwssd, the multiply and the add in one), |sum| < 2^26.
+//
+// The float step, one a block and x row: acc = fma(dot, d * xd, acc), then (Q4_K, Q5_K) acc =
+// fma(mins, -dmin * xd, acc), in block order. Several x rows take it together: their int32 sums are
+// reduced into one lane a row (an exact integer transpose-and-add), the mins (or Q6_K's offsets) come
+// from x's per-32 (per-16) sums laid out 8 rows a register (KX's groups), and 8 rows share one
+// conversion and two fmas where each row had its own. One row takes the same fmas in scalar form, so
+// a row's value does not depend on how many rows it was computed with.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -42,13 +46,36 @@ inline uint32_t word(const uint8_t* p) {
   return v;
 }
 
-// x rounded per 256: q [M, K] int8, d [M, K / 256], sum16 [M, K / 16] and sum32 [M, K / 32] (of q)
+constexpr int64_t XG = 8;  // x rows a group: the rows a product of several rows takes at once
+
+// x rounded per 256: q [M, K] int8, d [M, K / 256], sum16 [M, K / 16] and sum32 [M, K / 32] (of q);
+// and by groups of XG rows (rows past M zero), for each group g and block b: d8 [g, b, 8] (d), s32p
+// [g, b, 4, 8, 2] (sum32's pairs k: row m's sums 2k, 2k + 1) and s16p [g, b, 8, 8, 2] (sum16's)
 struct KX {
   std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int16_t> sum16, sum32;
+  std::vector<float> d, d8;
+  std::vector<int16_t> sum16, sum32, s32p, s16p;
   int64_t K = 0;
+  void resize(int64_t M, int64_t k) {
+    K = k;
+    q.resize(M * K), d.resize(M * (K / QK)), sum16.resize(M * (K / 16)), sum32.resize(M * (K / 32));
+  }
 };
+
+// KX's groups, from its rows (after every row is rounded)
+inline void group_rows(KX& x, int64_t M) {
+  const int64_t NB = x.K / QK, G = (M + XG - 1) / XG;
+  x.d8.assign(G * NB * XG, 0.f), x.s32p.assign(G * NB * 64, 0), x.s16p.assign(G * NB * 128, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t g = m / XG, r = m % XG;
+    for (int64_t b = 0; b < NB; ++b) {
+      const int64_t gb = g * NB + b;
+      x.d8[gb * XG + r] = x.d[m * NB + b];
+      for (int i = 0; i < 8; ++i) x.s32p[gb * 64 + (i / 2) * 16 + 2 * r + i % 2] = x.sum32[m * (x.K / 32) + b * 8 + i];
+      for (int i = 0; i < 16; ++i) x.s16p[gb * 128 + (i / 2) * 16 + 2 * r + i % 2] = x.sum16[m * (x.K / 16) + b * 16 + i];
+    }
+  }
+}
 
 // x's block b of row m (256 values v) rounded: q, d, the sums of q per 16 and per 32
 inline void round_block(const float* v, KX& out, int64_t m, int64_t b) {
@@ -93,14 +120,14 @@ inline void round_block(const float* v, KX& out, int64_t m, int64_t b) {
 
 template <typename T>
 void quantize_x256(const T* x, int64_t x_row, int64_t M, int64_t K, KX& out) {
-  out.K = K;
-  out.q.resize(M * K), out.d.resize(M * (K / QK)), out.sum16.resize(M * (K / 16)), out.sum32.resize(M * (K / 32));
+  out.resize(M, K);
   alignas(32) float v[QK];
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       to_float(x + m * x_row + b * QK, v, QK);
       round_block(v, out, m, b);
     }
+  group_rows(out, M);
 }
 
 // Q4_K / Q5_K's 12 bytes of 6-bit scales and mins as 8 bytes each (byte r: run r's)
@@ -144,13 +171,40 @@ float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
       for (int r = 0; r < 8; ++r) mins += static_cast<int>((mn >> (8 * r)) & 255) * (s16[2 * r] + s16[2 * r + 1]);
     }
     const float xd = x.d[m * (K / QK) + b];
-    acc += d * xd * static_cast<float>(dot) - dmin * xd * static_cast<float>(mins);
+    acc = std::fma(static_cast<float>(dot), d * xd, acc);
+    if constexpr (TYPE != 14) acc = std::fma(static_cast<float>(mins), -dmin * xd, acc);
   }
   return acc;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define TM_GGUF_KDOT_AVX2 1
+// fma(a, b, c) rounded once, as each lane of a vector fma
+inline float fma1(float a, float b, float c) {
+  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+inline int32_t hsum_i(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+inline int32_t hsum_i(__m256i v) { return hsum_i(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))); }
+// lane m: the sum of v[m]'s int32 lanes (v[m] zero for m >= MM)
+template <int MM>
+inline __m256i rows8(const __m256i* v) {
+  const auto at = [&](int m) { return m < MM ? v[m] : _mm256_setzero_si256(); };
+  const __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(at(0), at(1)), _mm256_hadd_epi32(at(2), at(3)));
+  const __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(at(4), at(5)), _mm256_hadd_epi32(at(6), at(7)));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+// 8 rows' madd of a block's int16 scale pairs (pair k: int32 lane k of sc, 8 pairs) with x's grouped sums
+// (pairs k: 8 rows a 256 bits): row m's sum over k
+inline __m256i pairs8(__m256i sc, const int16_t* pairs, int npairs) {
+  __m256i t = _mm256_setzero_si256();
+  for (int k = 0; k < npairs; ++k)
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(k)),
+                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 16 * k))));
+  return t;
+}
 inline __m256i ld32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i ld32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 // int16 lanes: the low 128 bits take int16 a of v (a 128-bit lane's 8), the high 128 bits int16 b
@@ -163,10 +217,24 @@ inline __m256i pick16(__m256i v, int a, int b) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+// rows8 for 16-lane sums: pairs of rows interleaved, then pairs of pairs, then the four 128-bit lanes added
+inline __m512i add2(__m512i a, __m512i b) { return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b)); }
+inline __m512i add4(__m512i ab, __m512i cd) { return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd)); }
+template <int MM>
+inline __m256i rows8(const __m512i* v) {
+  const auto at = [&](int m) { return m < MM ? v[m] : _mm512_setzero_si512(); };
+  const __m512i r03 = add4(add2(at(0), at(1)), add2(at(2), at(3)));  // a 128-bit lane: rows 0-3's partial sums
+  const __m512i r47 = add4(add2(at(4), at(5)), add2(at(6), at(7)));
+  const __m512i t = _mm512_add_epi32(_mm512_shuffle_i32x4(r03, r47, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_i32x4(r03, r47, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i u = _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+}
+inline int32_t hsum_i(__m512i v) { return hsum_i(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))); }
 #endif
 
 // A block's decoded state: run(r) its run r's 32 q bytes, scale(r) the int16 scales of run r's byte
-// pairs (vpmaddubsw's lanes: 8 a 16 weights), finish() the block's int32 sums into a float sum.
+// pairs (vpmaddubsw's lanes: 8 a 16 weights), step1() / step8() the float step of one x row / a group.
 template <int TYPE>
 struct KBlock;
 
@@ -176,7 +244,7 @@ struct K4Block {
   const uint8_t* nib;
   __m256i sc, hb;  // the 8 scales (bytes 0-7) and mins (8-15) in both 128-bit lanes; Q5_K's high bits
   __m128i mn;       // the mins as int16
-  __m256 dm;        // d 4 times, then -dmin 4 times
+  float d, nmin;    // d, -dmin
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   __m512i sc4;  // the scales and mins in all four 128-bit lanes
 #endif
@@ -194,8 +262,7 @@ struct K4Block {
 #endif
     mn = _mm_unpackhi_epi8(all, _mm_setzero_si128());
     const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(word(p))));  // d, dmin
-    dm = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_xor_ps(h, _mm_setr_ps(0.f, -0.f, 0.f, 0.f))),
-                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    d = _mm_cvtss_f32(h), nmin = -_mm_cvtss_f32(_mm_movehdup_ps(h));
     nib = p + (TYPE == 13 ? 48 : 16);
     if constexpr (TYPE == 13) hb = ld32(p + 16);
   }
@@ -230,13 +297,19 @@ struct K4Block {
     return _mm512_shuffle_epi8(sc4, join(lo, hi));
   }
 #endif
-  // facc += xd * (d * dot - dmin * mins . sum32): dot [8] int32, sum32 x's 8 sums of 32
-  __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
-    (void)sum16;
-    const __m128i mins = _mm_madd_epi16(mn, _mm_loadu_si128(reinterpret_cast<const __m128i*>(sum32)));
-    const __m128i dot4 = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
-    const __m256 both = _mm256_cvtepi32_ps(_mm256_set_m128i(mins, dot4));  // [dot 4 | mins 4]
-    return _mm256_fmadd_ps(both, _mm256_mul_ps(dm, _mm256_set1_ps(xd)), facc);
+  // the float step of one x row m (block b's int32 dot), and of a group g of 8 (lane m: row m's dot)
+  float step1(int32_t dot, const KX& x, int64_t m, int64_t b, float acc) const {
+    const float xd = x.d[m * (x.K / QK) + b];
+    const __m128i mins = _mm_madd_epi16(mn, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.sum32.data() + m * (x.K / 32) + b * 8)));
+    acc = fma1(static_cast<float>(dot), d * xd, acc);
+    return fma1(static_cast<float>(hsum_i(mins)), nmin * xd, acc);
+  }
+  __m256 step8(__m256i dots, const KX& x, int64_t g, int64_t b, __m256 facc) const {
+    const int64_t gb = g * (x.K / QK) + b;
+    const __m256 xd = _mm256_loadu_ps(x.d8.data() + gb * XG);
+    const __m256i mins = pairs8(_mm256_castsi128_si256(mn), x.s32p.data() + gb * 64, 4);
+    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_set1_ps(d), xd), facc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_set1_ps(nmin), xd), facc);
   }
 };
 template <>
@@ -273,23 +346,30 @@ struct KBlock<14> {  // Q6_K
   __m512i run2(int j) const { return join(run(2 * j), run(2 * j + 1)); }
   __m512i scale2(int j) const { return join(scale(2 * j), scale(2 * j + 1)); }
 #endif
-  // facc += xd * d * (dot - 32 * sc . sum16)
-  __m256 finish(__m256i dot, const int16_t* sum16, const int16_t* sum32, float xd, __m256 facc) const {
-    (void)sum32;
-    const __m256i off = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16)));
-    dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(off, 5));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd), facc);
+  // the float step of one x row m, of a group g of 8: dot - 32 * sc . sum16 (exact), then its fma
+  float step1(int32_t dot, const KX& x, int64_t m, int64_t b, float acc) const {
+    const __m256i off = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + m * (x.K / 16) + b * 16)));
+    const float xd = x.d[m * (x.K / QK) + b];
+    return fma1(static_cast<float>(dot - 32 * hsum_i(off)), d * xd, acc);
+  }
+  __m256 step8(__m256i dots, const KX& x, int64_t g, int64_t b, __m256 facc) const {
+    const int64_t gb = g * (x.K / QK) + b;
+    const __m256i off = pairs8(sc, x.s16p.data() + gb * 128, 8);
+    dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
+    const __m256 xd = _mm256_loadu_ps(x.d8.data() + gb * XG);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_set1_ps(d), xd), facc);
   }
 };
 
-// one weight row . MM x rows (x.q rows xm0 .. xm0 + MM - 1): sums[m]
+// one weight row . MM x rows (x.q rows xm0 .. xm0 + MM - 1; MM > 1: xm0 a multiple of XG): sums[m]
 template <int TYPE, int MM>
 inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) {
+  static_assert(MM >= 1 && MM <= XG);
   using B = KBlock<TYPE>;
   const int64_t K = x.K, NB = K / QK;
   const int8_t* xq = x.q.data() + xm0 * K;
-  __m256 facc[MM];
-  for (int m = 0; m < MM; ++m) facc[m] = _mm256_setzero_ps();
+  __m256 facc = _mm256_setzero_ps();  // lane m: row m's sum (MM > 1)
+  float acc1 = 0.f;                   // MM == 1
   for (int64_t b = 0; b < NB; ++b) {
     const B blk(row + b * B::BYTES);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -311,11 +391,10 @@ inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) 
 #endif
       }
     }
-    __m256i dot[MM];
+    __m512i dot[MM];
     for (int m = 0; m < MM; ++m) {
-      __m512i sum = acc[m][0];
-      for (int a = 1; a < ACC; ++a) sum = _mm512_add_epi32(sum, acc[m][a]);
-      dot[m] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+      dot[m] = acc[m][0];
+      for (int a = 1; a < ACC; ++a) dot[m] = _mm512_add_epi32(dot[m], acc[m][a]);
     }
 #else
     __m256i dot[MM];
@@ -329,13 +408,18 @@ inline void krow_dot(const uint8_t* row, const KX& x, int64_t xm0, float* sums) 
       }
     }
 #endif
-    for (int m = 0; m < MM; ++m) {
-      const int64_t xm = xm0 + m;
-      facc[m] = blk.finish(dot[m], x.sum16.data() + xm * (K / 16) + b * 16, x.sum32.data() + xm * (K / 32) + b * 8,
-                           x.d[xm * NB + b], facc[m]);
-    }
+    if constexpr (MM == 1)
+      acc1 = blk.step1(hsum_i(dot[0]), x, xm0, b, acc1);
+    else
+      facc = blk.step8(rows8<MM>(dot), x, xm0 / XG, b, facc);
   }
-  for (int m = 0; m < MM; ++m) sums[m] = hsum8(facc[m]);
+  if constexpr (MM == 1) {
+    sums[0] = acc1;
+  } else {
+    alignas(32) float s[XG];
+    _mm256_store_ps(s, facc);
+    for (int m = 0; m < MM; ++m) sums[m] = s[m];
+  }
 }
 #endif
 

@@ -1,0 +1,374 @@
+// GGUF's Q4_K and Q6_K matrices repacked at load into groups of 16 rows ("x16", GGML type + 100), so
+// that the products need no horizontal sums: one 512-bit register holds 4 consecutive weights of each
+// of 16 rows, vpdpbusd multiplies them with 4 bytes of x broadcast to every row (64 multiply-adds an
+// instruction, 4 a lane), and its 16 int32 lanes are the 16 rows' sums. A run of weights that shares a
+// scale (32 in Q4_K, 16 in Q6_K) is summed that way, then times the 16 rows' scales (vpmulld) into the
+// block's int32 sum; the block's float step (d, -dmin, x's scale) is one fma a row of x for 16 rows.
+// The file's blocks take 2 multiply instructions a 64 weights and a horizontal sum a block and x row
+// (gguf_kdot.h); these take about 1.1.
+//
+// A group's block (256 weights of 16 rows; the rows' bytes are the file's, moved):
+//   Q4_K, 2368 bytes (148 a row: the file's 144, with the 6-bit scales and mins a byte each):
+//     [0, 2048)     32 lines of 64 bytes: line 4R + i, byte 4r + j: row r's weight 32R + 4i + j (low
+//                   nibble) and 32R + 16 + 4i + j (high nibble)
+//     [2048, 2112)  d [16], then dmin [16], fp16
+//     [2112, 2240)  the scales, [run R][row r]
+//     [2240, 2368)  the mins in pairs, [k][row r][2]: runs 2k, 2k + 1
+//   Q6_K, 3360 bytes (210 a row, the file's size):
+//     [0, 2048)     32 lines: line 2G + h, byte 4r + j: the low 4 bits of row r's weights 16G + 8h + j
+//                   (low nibble) and 16G + 8h + 4 + j (high nibble)
+//     [2048, 3072)  16 lines: line G, byte 4r + j: the high 2 bits of weights 16G + 4t + j at bits 2t
+//     [3072, 3328)  the scales, [group G][row r], int8
+//     [3328, 3360)  d [16], fp16
+// x is rounded as for the file's blocks (gguf_kdot.h: int8 per 256, with its per-16 and per-32 sums),
+// so the products are the same integer sums; the float step is, for each row of x and of W, a block at
+// a time: acc = fma(dot, d * xd, acc), then (Q4_K) acc = fma(mins, -dmin * xd, acc), the same for any
+// number of x rows. Without AVX-512 VNNI the same sums in scalar form (tests; loaders repack only where
+// the CPU has it).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "convert.h"
+#include "gguf_formats.h"
+#include "gguf_x16.h"
+#include "int_dot.h"
+
+namespace {
+
+using namespace tm_gguf;
+using bf16 = c10::BFloat16;
+using tm_x16::ROWS;
+
+constexpr int XROWS = 8;                       // x rows a pass over a group's block
+constexpr int64_t TILE_BYTES = int64_t{96} << 10;  // weight bytes a thread's tile (in L2 across x passes)
+#ifndef TM_X16_AHEAD
+#define TM_X16_AHEAD 2
+#endif
+constexpr int64_t AHEAD = TM_X16_AHEAD;  // blocks a group's reads are prefetched ahead (few x rows wait on memory)
+
+constexpr int64_t group_bytes(int type) { return type == 12 ? 2368 : 3360; }
+constexpr int64_t file_bytes(int type) { return type == 12 ? 144 : 210; }
+
+// ---- repacking (and its inverse, for dequantized rows) ----
+// 16 file blocks (rows r: src + r * stride) -> one group block
+template <int TYPE>
+void pack_block(const uint8_t* src, int64_t stride, uint8_t* g) {
+  std::memset(g, 0, group_bytes(TYPE));
+  alignas(32) uint8_t q[256];
+  for (int r = 0; r < ROWS; ++r) {
+    const uint8_t* p = src + r * stride;
+    if constexpr (TYPE == 12) {
+      for (int R = 0; R < 8; ++R) run_scalar<Q4_K>(p, R, q + 32 * R);
+      for (int R = 0; R < 8; ++R)
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) g[(4 * R + i) * 64 + 4 * r + j] = q[32 * R + 4 * i + j] | (q[32 * R + 16 + 4 * i + j] << 4);
+      std::memcpy(g + 2048 + 2 * r, p, 2), std::memcpy(g + 2080 + 2 * r, p + 2, 2);
+      uint64_t sc, mn;
+      k4_scales(p + 4, sc, mn);
+      for (int R = 0; R < 8; ++R) g[2112 + 16 * R + r] = (sc >> (8 * R)) & 255;
+      for (int R = 0; R < 8; ++R) g[2240 + 32 * (R / 2) + 2 * r + R % 2] = (mn >> (8 * R)) & 255;
+    } else {
+      for (int R = 0; R < 8; ++R) run_scalar<Q6_K>(p, R, q + 32 * R);
+      for (int k = 0; k < 256; ++k) {
+        const int G = k / 16, t = (k % 16) / 4, j = k % 4;
+        g[(2 * G + t / 2) * 64 + 4 * r + j] |= (q[k] & 15) << (4 * (t % 2));
+        g[2048 + G * 64 + 4 * r + j] |= (q[k] >> 4) << (2 * t);
+      }
+      for (int G = 0; G < 16; ++G) g[3072 + 16 * G + r] = p[192 + G];
+      std::memcpy(g + 3328 + 2 * r, p + 208, 2);
+    }
+  }
+}
+
+// row r of a group block -> the file's block (the bytes the file held)
+template <int TYPE>
+void unpack_block(const uint8_t* g, int r, uint8_t* p) {
+  std::memset(p, 0, file_bytes(TYPE));
+  if constexpr (TYPE == 12) {
+    std::memcpy(p, g + 2048 + 2 * r, 2), std::memcpy(p + 2, g + 2080 + 2 * r, 2);
+    uint8_t sc[8], mn[8];
+    for (int R = 0; R < 8; ++R) sc[R] = g[2112 + 16 * R + r], mn[R] = g[2240 + 32 * (R / 2) + 2 * r + R % 2];
+    for (int j = 0; j < 4; ++j) {  // k4_scales' packing, inverted
+      p[4 + j] = sc[j] | ((sc[4 + j] >> 4) << 6);
+      p[8 + j] = mn[j] | ((mn[4 + j] >> 4) << 6);
+      p[12 + j] = (sc[4 + j] & 15) | ((mn[4 + j] & 15) << 4);
+    }
+    for (int R = 0; R < 8; ++R)
+      for (int l = 0; l < 32; ++l) {
+        const int i = (l % 16) / 4, j = l % 4;
+        const uint8_t b = g[(4 * R + i) * 64 + 4 * r + j];
+        p[16 + 32 * (R / 2) + l] |= ((l < 16 ? b & 15 : b >> 4) << (4 * (R % 2)));
+      }
+  } else {
+    for (int k = 0; k < 256; ++k) {
+      const int G = k / 16, t = (k % 16) / 4, j = k % 4;
+      const int q = ((g[(2 * G + t / 2) * 64 + 4 * r + j] >> (4 * (t % 2))) & 15) | (((g[2048 + G * 64 + 4 * r + j] >> (2 * t)) & 3) << 4);
+      const int R = k / 32, l = k % 32, h = R / 4, tt = R % 4;  // the file's layout (run_scalar<Q6_K>)
+      p[64 * h + 32 * (tt % 2) + l] |= (q & 15) << (4 * (tt / 2));
+      p[128 + 32 * h + l] |= (q >> 4) << (2 * tt);
+    }
+    for (int G = 0; G < 16; ++G) p[192 + G] = g[3072 + 16 * G + r];
+    std::memcpy(p + 208, g + 3328 + 2 * r, 2);
+  }
+}
+
+// ---- the product: MM x rows (from m0) . a group's 16 rows, all its blocks -> out[m * 16 + r] ----
+template <int TYPE, int MM>
+void group_scalar(const uint8_t* g, const KX& x, int64_t m0, float* out) {
+  const int64_t K = x.K, NB = K / QK;
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < ROWS; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < NB; ++b) {
+        const uint8_t* gb = g + b * group_bytes(TYPE);
+        uint8_t p[210];
+        unpack_block<TYPE>(gb, r, p);
+        alignas(32) uint8_t q[256];
+        const int8_t* xq = x.q.data() + (m0 + m) * K + b * QK;
+        const float xd = x.d[(m0 + m) * NB + b];
+        int32_t dot = 0, mins = 0;
+        if constexpr (TYPE == 12) {
+          for (int R = 0; R < 8; ++R) {
+            run_scalar<Q4_K>(p, R, q);
+            int32_t t = 0;
+            for (int l = 0; l < 32; ++l) t += q[l] * xq[32 * R + l];
+            dot += gb[2112 + 16 * R + r] * t;
+            mins += gb[2240 + 32 * (R / 2) + 2 * r + R % 2] * x.sum32[(m0 + m) * (K / 32) + b * 8 + R];
+          }
+          acc = std::fma(static_cast<float>(dot), half_bits(gb + 2048 + 2 * r) * xd, acc);
+          acc = std::fma(static_cast<float>(mins), -half_bits(gb + 2080 + 2 * r) * xd, acc);
+        } else {
+          for (int R = 0; R < 8; ++R) run_scalar<Q6_K>(p, R, q + 32 * R);
+          for (int G = 0; G < 16; ++G) {
+            int32_t t = 0;
+            for (int l = 0; l < 16; ++l) t += q[16 * G + l] * xq[16 * G + l];
+            dot += static_cast<int8_t>(gb[3072 + 16 * G + r]) * (t - 32 * x.sum16[(m0 + m) * (K / 16) + b * 16 + G]);
+          }
+          acc = std::fma(static_cast<float>(dot), half_bits(gb + 3328 + 2 * r) * xd, acc);
+        }
+      }
+      out[m * ROWS + r] = acc;
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TM_X16_VNNI 1
+inline __m512i ld64(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+template <int MM>
+void q4k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
+  const int64_t K = x.K, NB = K / QK;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 facc[MM];
+  for (int m = 0; m < MM; ++m) facc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* gb = g + b * 2368;
+    __m512i acc[MM];
+    for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
+    for (int R = 0; R < 8; ++R) {  // run R: 32 weights of each row, one scale a row
+      for (int c = 0; c < 5; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + AHEAD * 2368 + (5 * R + c) * 64), _MM_HINT_T0);
+      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 2112 + 16 * R)));
+      __m512i q[8];
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = ld64(gb + (4 * R + i) * 64);
+        q[i] = _mm512_and_si512(v, low), q[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MM; ++m) {
+        const int8_t* xr = x.q.data() + (m0 + m) * K + b * QK + 32 * R;
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4(xr));
+        for (int i = 1; i < 8; ++i) t = _mm512_dpbusd_epi32(t, q[i], bcast4(xr + 4 * i));
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_mullo_epi32(t, sc));
+      }
+    }
+    __m512i mn[4];
+    for (int k = 0; k < 4; ++k) mn[k] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2240 + 32 * k)));
+    const __m512 d = halves16(gb + 2048), nmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(halves16(gb + 2080)), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+    for (int m = 0; m < MM; ++m) {
+      const int16_t* s32 = x.sum32.data() + (m0 + m) * (K / 32) + b * 8;
+      __m512i mins = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) mins = _mm512_dpwssd_epi32(mins, mn[k], bcast4(reinterpret_cast<const int8_t*>(s32 + 2 * k)));
+      const __m512 xd = _mm512_set1_ps(x.d[(m0 + m) * NB + b]);
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(d, xd), facc[m]);
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(nmin, xd), facc[m]);
+    }
+  }
+  for (int m = 0; m < MM; ++m) _mm512_storeu_ps(out + m * ROWS, facc[m]);
+}
+
+template <int MM>
+void q6k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
+  const int64_t K = x.K, NB = K / QK;
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  __m512 facc[MM];
+  for (int m = 0; m < MM; ++m) facc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* gb = g + b * 3360;
+    __m512i acc[MM];
+    for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
+    for (int G = 0; G < 16; ++G) {  // 16 weights of each row, one scale a row
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + AHEAD * 3360 + (4 * G + c) * 64), _MM_HINT_T0);
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 3072 + 16 * G)));
+      const __m512i l0 = ld64(gb + 2 * G * 64), l1 = ld64(gb + (2 * G + 1) * 64), h = ld64(gb + 2048 + G * 64);
+      const __m512i q[4] = {
+          _mm512_or_si512(_mm512_and_si512(l0, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
+          _mm512_or_si512(_mm512_and_si512(l1, low), _mm512_and_si512(h, top)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
+      for (int m = 0; m < MM; ++m) {
+        const int8_t* xr = x.q.data() + (m0 + m) * K + b * QK + 16 * G;
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4(xr));
+        for (int i = 1; i < 4; ++i) t = _mm512_dpbusd_epi32(t, q[i], bcast4(xr + 4 * i));
+        t = _mm512_sub_epi32(t, _mm512_set1_epi32(32 * x.sum16[(m0 + m) * (K / 16) + b * 16 + G]));
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_mullo_epi32(t, sc));
+      }
+    }
+    const __m512 d = halves16(gb + 3328);
+    for (int m = 0; m < MM; ++m) {
+      const __m512 xd = _mm512_set1_ps(x.d[(m0 + m) * NB + b]);
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(d, xd), facc[m]);
+    }
+  }
+  for (int m = 0; m < MM; ++m) _mm512_storeu_ps(out + m * ROWS, facc[m]);
+}
+#endif
+
+template <int TYPE, int MM>
+inline void group_dot(const uint8_t* g, const KX& x, int64_t m0, float* out) {
+#if defined(TM_X16_VNNI)
+  if constexpr (TYPE == 12)
+    q4k_group<MM>(g, x, m0, out);
+  else
+    q6k_group<MM>(g, x, m0, out);
+#else
+  group_scalar<TYPE, MM>(g, x, m0, out);
+#endif
+}
+
+// x [M, K] rounded per 256 (rows in parallel when there are many)
+template <typename T>
+void round_x(const T* x, int64_t x_row, int64_t M, int64_t K, KX& xk) {
+  xk.resize(M, K);
+  at::parallel_for(0, M, M > XROWS ? 16 : M, [&](int64_t b, int64_t e) {
+    alignas(32) float v[QK];
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t blk = 0; blk < K / QK; ++blk) {
+        to_float(x + m * x_row + blk * QK, v, QK);
+        round_block(v, xk, m, blk);
+      }
+  });
+}
+
+// threads over tiles of groups; each tile's groups in L2 while every pass of XROWS x rows goes over them
+template <int TYPE, typename T>
+void linear16(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
+  KX xk;
+  round_x(x, x_row, M, K, xk);
+  const int64_t groups = w.size(0) / ROWS, gbytes = ROWS * w.size(1), y_row = out.stride(0);
+  const int64_t per_tile = std::max<int64_t>(1, TILE_BYTES / gbytes), tiles = (groups + per_tile - 1) / per_tile;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  T* y = out.data_ptr<T>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float sums[XROWS * ROWS];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += XROWS)
+        tm_int::with_rows<XROWS>(std::min<int64_t>(XROWS, M - m0), [&]<int MM>() {
+          for (int64_t gi = t * per_tile; gi < std::min(groups, (t + 1) * per_tile); ++gi) {
+            group_dot<TYPE, MM>(wp + gi * gbytes, xk, m0, sums);
+            for (int m = 0; m < MM; ++m)
+              for (int r = 0; r < ROWS; ++r) y[(m0 + m) * y_row + gi * ROWS + r] = from_float<T>(sums[m * ROWS + r]);
+          }
+        });
+  });
+}
+
+}  // namespace
+
+namespace tokenmill {
+
+bool gguf_x16_type(int64_t type) { return type == tm_x16::Q4_K16 || type == tm_x16::Q6_K16; }
+
+void gguf_x16_check(const char* op, const at::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && w.stride(0) == w.size(1),
+              op, ": blocks must be contiguous uint8 [N, row bytes]");
+  const int t = static_cast<int>(type - 100);
+  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * group_bytes(t) / ROWS && w.size(0) % ROWS == 0, op, ": [",
+              w.size(0), ", ", w.size(1), "] bytes are not a 16-row repacked matrix of ", K, " columns of type ", type);
+}
+
+// W's file blocks [N, row bytes] (Q4_K or Q6_K, N a multiple of 16) -> the x16 form of them
+at::Tensor gguf_repack16(const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(type == 12 || type == 14, "gguf_repack16: Q4_K (12) or Q6_K (14), got ", type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(0) % ROWS == 0 && blocks.size(1) % file_bytes(static_cast<int>(type)) == 0,
+              "gguf_repack16: blocks must be contiguous uint8 [N, row bytes], N a multiple of 16");
+  const int64_t N = blocks.size(0), NB = blocks.size(1) / file_bytes(static_cast<int>(type));
+  const int64_t gb = group_bytes(static_cast<int>(type));
+  at::Tensor out = at::empty({N, NB * gb / ROWS}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t src_row = blocks.size(1);
+  at::parallel_for(0, N / ROWS, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < NB; ++b) {
+        const uint8_t* s = src + g * ROWS * src_row + b * file_bytes(static_cast<int>(type));
+        uint8_t* d = dst + (g * NB + b) * gb;
+        if (type == 12)
+          pack_block<12>(s, src_row, d);
+        else
+          pack_block<14>(s, src_row, d);
+      }
+  });
+  return out;
+}
+
+// row n of an x16 matrix as the file held it [row bytes of the file's type]
+void gguf_x16_file_row(const uint8_t* w, int64_t row_bytes16, int64_t type, int64_t K, int64_t n, uint8_t* row) {
+  const int t = static_cast<int>(type - 100);
+  const int64_t NB = K / QK, g = n / ROWS;
+  const uint8_t* gp = w + g * ROWS * row_bytes16;
+  for (int64_t b = 0; b < NB; ++b) {
+    if (t == 12)
+      unpack_block<12>(gp + b * group_bytes(12), static_cast<int>(n % ROWS), row + b * file_bytes(12));
+    else
+      unpack_block<14>(gp + b * group_bytes(14), static_cast<int>(n % ROWS), row + b * file_bytes(14));
+  }
+}
+
+void gguf_x16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  const int64_t M = x.size(0), K = x.size(1);
+  gguf_x16_check("gguf_linear", blocks, type, K);
+  if (M == 0 || blocks.size(0) == 0) return;
+  const auto run = [&]<int TYPE>() {
+    if (x.scalar_type() == at::kFloat)
+      linear16<TYPE, float>(out, x.data_ptr<float>(), x.stride(0), M, K, blocks);
+    else
+      linear16<TYPE, bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, K, blocks);
+  };
+  if (type == tm_x16::Q4_K16)
+    run.template operator()<12>();
+  else
+    run.template operator()<14>();
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
+  m.def("gguf_repack16(Tensor blocks, int type) -> Tensor");
+  m.impl("gguf_repack16", c10::DispatchKey::CPU, &tokenmill::gguf_repack16);
+}
