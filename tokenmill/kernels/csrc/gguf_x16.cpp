@@ -280,7 +280,12 @@ void linear16(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, 
   KX xk;
   round_x(x, x_row, M, K, xk);
   const int64_t groups = w.size(0) / ROWS, gbytes = ROWS * w.size(1), y_row = out.stride(0);
-  const int64_t per_tile = std::max<int64_t>(1, TILE_BYTES / gbytes), tiles = (groups + per_tile - 1) / per_tile;
+  // tiles of at most TILE_BYTES (one pass of x: the groups split evenly), as many a thread
+  const int64_t threads = at::get_num_threads();
+  int64_t tiles = M <= XROWS ? threads : (groups * gbytes + TILE_BYTES - 1) / TILE_BYTES;
+  tiles = std::min(groups, (tiles + threads - 1) / threads * threads);
+  const int64_t per_tile = (groups + tiles - 1) / tiles;
+  tiles = (groups + per_tile - 1) / per_tile;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* y = out.data_ptr<T>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
