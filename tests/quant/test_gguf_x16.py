@@ -1,8 +1,9 @@
-"""Q4_K and Q6_K matrices repacked into groups of 16 rows (kernels/csrc/gguf_x16.cpp): the same values as
-the file's blocks (dequantized rows bit for bit), products equal to the file blocks' own bit for bit at
-every row count (the same integer sums and float steps), and a model served either way gives the same
-logits, holding the table of a tied head once. Forced on here, so that a CPU without AVX-512 VNNI (whose
-loaders do not repack) tests the scalar form."""
+"""Q4_K, Q6_K, Q4_0 and Q8_0 matrices repacked into groups of 16 rows (kernels/csrc/gguf_x16.cpp): the
+same values as the file's blocks (dequantized rows bit for bit); the K-quants' products equal to the file
+blocks' own bit for bit at every row count (the same integer sums and float steps), Q4_0 / Q8_0's the
+per-32 int8-rounded x times the weights within float32 summation, the same at every row count; and a
+model served either way gives the same logits, holding the table of a tied head once. Forced on here,
+so that a CPU without AVX-512 VNNI (whose loaders do not repack) tests the scalar form."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from tokenmill.quant.gguf_method import (
 )
 from tokenmill.quant.method import UnquantizedLinearMethod
 
-TYPES = ["Q4_K", "Q6_K"]
+TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_the_repacked_rows_are_the_files_rows(ops, type_name):
         assert torch.equal(dequantize(x16, ops, dtype, rows=(13, 35)), whole[13:35])
 
 
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_repacked_products_equal_the_file_blocks_at_every_row_count(ops, type_name, dtype):
     m, x16 = matrices(ops, type_name, n=64, k=768)
@@ -83,14 +84,36 @@ def test_the_repacked_products_equal_the_file_blocks_at_every_row_count(ops, typ
     assert torch.equal(wide[:, 8:72], file) and torch.all(wide[:, :8] == 5) and torch.all(wide[:, 72:] == 5)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_the_32_weight_types_products_are_the_per_32_rounded_x_times_the_weights(ops, type_name):
+    m, x16 = matrices(ops, type_name, n=32, k=256)
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((19, 256)) * rng.uniform(0.1, 3, (19, 1))).astype(np.float32)
+    x[:, 3] = 25.0
+    x[2] = 0.0
+    blocks = x.reshape(19, 8, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)  # (float32 arithmetic throughout, as the kernel's)
+    scale = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    xr = (np.rint(blocks * scale) * (amax / np.float32(127))).astype(np.float64).reshape(19, 256)
+    w = dequantize(m, ops, torch.float32).double().numpy()
+    out = torch.empty(19, 32)
+    ops.gguf_gemm(out, torch.from_numpy(x), x16.data, BLOCKS[type_name][0] + 100)
+    slack = 1e-5 * (np.abs(xr) @ np.abs(w).T) + 1e-30
+    assert np.all(np.abs(out.numpy() - xr @ w.T) <= slack)
+    for rows in (1, 5, 8):
+        few = torch.empty(rows, 32)
+        ops.gguf_linear(few, torch.from_numpy(x[:rows]), x16.data, BLOCKS[type_name][0] + 100)
+        assert torch.equal(few, out[:rows])
+
+
 def test_what_cannot_be_repacked_is_refused(ops):
     raw = torch.from_numpy(random_blocks("Q4_K", 24, 256, seed=1))
     assert not repackable(GGUFMatrix("Q4_K", raw, 256))  # 24 rows: not groups of 16
-    assert not repackable(GGUFMatrix("Q8_0", torch.from_numpy(random_blocks("Q8_0", 32, 64, seed=1)), 64))
+    assert not repackable(GGUFMatrix("Q5_1", torch.from_numpy(random_blocks("Q5_1", 32, 64, seed=1)), 64))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.gguf_repack16(raw, 12)
     with pytest.raises(RuntimeError, match="Q4_K"):
-        ops.gguf_repack16(torch.from_numpy(random_blocks("Q8_0", 32, 64, seed=1)), 8)
+        ops.gguf_repack16(torch.from_numpy(random_blocks("Q5_1", 32, 64, seed=1)), 7)
     _, x16 = matrices(ops, "Q4_K")
     with pytest.raises(RuntimeError, match="16-row repacked"):
         ops.gguf_linear(torch.empty(1, 48), torch.randn(1, 256), x16.data, 112)  # k 256, not 512

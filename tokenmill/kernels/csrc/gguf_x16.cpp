@@ -1,4 +1,4 @@
-// GGUF's Q4_K and Q6_K matrices repacked at load into groups of 16 rows ("x16", GGML type + 100), so
+// GGUF's Q4_K, Q6_K, Q4_0 and Q8_0 matrices repacked at load into groups of 16 rows ("x16", GGML type + 100), so
 // that the products need no horizontal sums: one 512-bit register holds 4 consecutive weights of each
 // of 16 rows, vpdpbusd multiplies them with 4 bytes of x broadcast to every row (64 multiply-adds an
 // instruction, 4 a lane), and its 16 int32 lanes are the 16 rows' sums. A run of weights that shares a
@@ -20,10 +20,14 @@
 //     [2048, 3072)  16 lines: line G, byte 4r + j: the high 2 bits of weights 16G + 4t + j at bits 2t
 //     [3072, 3328)  the scales, [group G][row r], int8
 //     [3328, 3360)  d [16], fp16
-// x is rounded as for the file's blocks (gguf_kdot.h: int8 per 256, with its per-16 and per-32 sums),
-// so the products are the same integer sums; the float step is, for each row of x and of W, a block at
-// a time: acc = fma(dot, d * xd, acc), then (Q4_K) acc = fma(mins, -dmin * xd, acc), the same for any
-// number of x rows. Without AVX-512 VNNI the same sums in scalar form (tests; loaders repack only where
+//   Q4_0 (32 weights), 288 bytes: 4 lines, line i byte 4r + j: weights 4i + j (low nibble), 16 + 4i + j
+//                   (high; the file's bytes as they are), then d [16]; Q8_0, 544: 8 lines, line i byte
+//                   4r + j: weight 4i + j + 128 (unsigned for vpdpbusd), then d [16]
+// For the K-quants x is rounded as for the file's blocks (gguf_kdot.h: int8 per 256, with its per-16 and
+// per-32 sums), so the products are the same integer sums; the float step is, for each row of x and of
+// W, a block at a time: acc = fma(dot, d * xd, acc), then (Q4_K) acc = fma(mins, -dmin * xd, acc), the
+// same for any number of x rows. Q4_0 / Q8_0 round x per 32 (with the integer sums of each 32, for the
+// offsets 8 and 128) and take acc = fma(dot, d * xd, acc) a block. Without AVX-512 VNNI the same sums in scalar form (tests; loaders repack only where
 // the CPU has it).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -50,13 +55,19 @@ using tm_x16::ROWS;
 
 constexpr int XROWS = 8;                       // x rows a pass over a group's block
 constexpr int64_t TILE_BYTES = int64_t{96} << 10;  // weight bytes a thread's tile (in L2 across x passes)
-#ifndef TM_X16_AHEAD
-#define TM_X16_AHEAD 2
-#endif
-constexpr int64_t AHEAD = TM_X16_AHEAD;  // blocks a group's reads are prefetched ahead (few x rows wait on memory)
 
-constexpr int64_t group_bytes(int type) { return type == 12 ? 2368 : 3360; }
-constexpr int64_t file_bytes(int type) { return type == 12 ? 144 : 210; }
+constexpr int64_t group_bytes(int type) { return type == 12 ? 2368 : type == 14 ? 3360 : type == 2 ? 288 : 544; }
+constexpr int64_t file_bytes(int type) { return type == 12 ? 144 : type == 14 ? 210 : type == 2 ? 18 : 34; }
+constexpr int64_t block_weights(int type) { return type == 12 || type == 14 ? 256 : 32; }
+constexpr int64_t PF_BYTES = 4736;  // how far ahead of a group's reads they are prefetched (few x rows wait on memory)
+
+// x rounded per 32 (Q4_0, Q8_0): q [M, K] int8, d [M, K / 32] (|q| <= 127, q * d ~ x), s [M, K / 32] (sums of q)
+struct X32 {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+  int64_t K = 0;
+};
 
 // ---- repacking (and its inverse, for dequantized rows) ----
 // 16 file blocks (rows r: src + r * stride) -> one group block
@@ -66,7 +77,11 @@ void pack_block(const uint8_t* src, int64_t stride, uint8_t* g) {
   alignas(32) uint8_t q[256];
   for (int r = 0; r < ROWS; ++r) {
     const uint8_t* p = src + r * stride;
-    if constexpr (TYPE == 12) {
+    if constexpr (TYPE == 2 || TYPE == 8) {  // (Q4_0's byte l: weights l, l + 16, as the lines want them)
+      for (int i = 0; i < (TYPE == 2 ? 4 : 8); ++i)
+        for (int j = 0; j < 4; ++j) g[64 * i + 4 * r + j] = TYPE == 2 ? p[2 + 4 * i + j] : p[2 + 4 * i + j] ^ 0x80;
+      std::memcpy(g + (TYPE == 2 ? 256 : 512) + 2 * r, p, 2);
+    } else if constexpr (TYPE == 12) {
       for (int R = 0; R < 8; ++R) run_scalar<Q4_K>(p, R, q + 32 * R);
       for (int R = 0; R < 8; ++R)
         for (int i = 0; i < 4; ++i)
@@ -93,7 +108,11 @@ void pack_block(const uint8_t* src, int64_t stride, uint8_t* g) {
 template <int TYPE>
 void unpack_block(const uint8_t* g, int r, uint8_t* p) {
   std::memset(p, 0, file_bytes(TYPE));
-  if constexpr (TYPE == 12) {
+  if constexpr (TYPE == 2 || TYPE == 8) {
+    for (int i = 0; i < (TYPE == 2 ? 4 : 8); ++i)
+      for (int j = 0; j < 4; ++j) p[2 + 4 * i + j] = TYPE == 2 ? g[64 * i + 4 * r + j] : g[64 * i + 4 * r + j] ^ 0x80;
+    std::memcpy(p, g + (TYPE == 2 ? 256 : 512) + 2 * r, 2);
+  } else if constexpr (TYPE == 12) {
     std::memcpy(p, g + 2048 + 2 * r, 2), std::memcpy(p + 2, g + 2080 + 2 * r, 2);
     uint8_t sc[8], mn[8];
     for (int R = 0; R < 8; ++R) sc[R] = g[2112 + 16 * R + r], mn[R] = g[2240 + 32 * (R / 2) + 2 * r + R % 2];
@@ -160,6 +179,28 @@ void group_scalar(const uint8_t* g, const KX& x, int64_t m0, float* out) {
     }
 }
 
+
+template <int TYPE, int MM>
+void group_scalar(const uint8_t* g, const X32& x, int64_t m0, float* out) {
+  const int64_t K = x.K, NB = K / 32;
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < ROWS; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < NB; ++b) {
+        uint8_t p[34];
+        unpack_block<TYPE>(g + b * group_bytes(TYPE), r, p);
+        const int8_t* xq = x.q.data() + (m0 + m) * K + b * 32;
+        int32_t dot = 0;
+        for (int l = 0; l < 32; ++l) {
+          const int q = TYPE == 2 ? ((p[2 + l % 16] >> (4 * (l / 16))) & 15) - 8 : static_cast<int8_t>(p[2 + l]);
+          dot += q * xq[l];
+        }
+        acc = std::fma(static_cast<float>(dot), half_bits(p) * x.d[(m0 + m) * NB + b], acc);
+      }
+      out[m * ROWS + r] = acc;
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TM_X16_VNNI 1
 inline __m512i ld64(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -181,7 +222,7 @@ void q4k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
     __m512i acc[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
     for (int R = 0; R < 8; ++R) {  // run R: 32 weights of each row, one scale a row
-      for (int c = 0; c < 5; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + AHEAD * 2368 + (5 * R + c) * 64), _MM_HINT_T0);
+      for (int c = 0; c < 5; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + 2 * 2368 + (5 * R + c) * 64), _MM_HINT_T0);
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 2112 + 16 * R)));
       __m512i q[8];
       for (int i = 0; i < 4; ++i) {
@@ -222,7 +263,7 @@ void q6k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
     __m512i acc[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
     for (int G = 0; G < 16; ++G) {  // 16 weights of each row, one scale a row
-      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + AHEAD * 3360 + (4 * G + c) * 64), _MM_HINT_T0);
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + 2 * 3360 + (4 * G + c) * 64), _MM_HINT_T0);
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 3072 + 16 * G)));
       const __m512i l0 = ld64(gb + 2 * G * 64), l1 = ld64(gb + (2 * G + 1) * 64), h = ld64(gb + 2048 + G * 64);
       const __m512i q[4] = {
@@ -246,7 +287,50 @@ void q6k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
   }
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(out + m * ROWS, facc[m]);
 }
+
+// Q4_0 (q - 8: the x sums' 8 times taken off) and Q8_0 (stored q + 128: 128 times), 32 weights a block
+template <int TYPE, int MM>
+void q32_group(const uint8_t* g, const X32& x, int64_t m0, float* out) {
+  const int64_t K = x.K, NB = K / 32;
+  constexpr int64_t GB = group_bytes(TYPE);
+  constexpr int32_t OFF = TYPE == 2 ? 8 : 128;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 facc[MM];
+  for (int m = 0; m < MM; ++m) facc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    const uint8_t* gb = g + b * GB;
+    for (int c = 0; c < (GB + 63) / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + PF_BYTES + 64 * c), _MM_HINT_T0);
+    __m512i q[8];
+    if constexpr (TYPE == 2) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = ld64(gb + 64 * i);
+        q[i] = _mm512_and_si512(v, low), q[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) q[i] = ld64(gb + 64 * i);
+    }
+    const __m512 d = halves16(gb + (TYPE == 2 ? 256 : 512));
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* xr = x.q.data() + (m0 + m) * K + b * 32;
+      __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4(xr));
+      for (int i = 1; i < 8; ++i) t = _mm512_dpbusd_epi32(t, q[i], bcast4(xr + 4 * i));
+      t = _mm512_sub_epi32(t, _mm512_set1_epi32(OFF * x.s[(m0 + m) * NB + b]));
+      const __m512 xd = _mm512_set1_ps(x.d[(m0 + m) * NB + b]);
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, xd), facc[m]);
+    }
+  }
+  for (int m = 0; m < MM; ++m) _mm512_storeu_ps(out + m * ROWS, facc[m]);
+}
 #endif
+
+template <int TYPE, int MM>
+inline void group_dot(const uint8_t* g, const X32& x, int64_t m0, float* out) {
+#if defined(TM_X16_VNNI)
+  q32_group<TYPE, MM>(g, x, m0, out);
+#else
+  group_scalar<TYPE, MM>(g, x, m0, out);
+#endif
+}
 
 template <int TYPE, int MM>
 inline void group_dot(const uint8_t* g, const KX& x, int64_t m0, float* out) {
@@ -274,10 +358,42 @@ void round_x(const T* x, int64_t x_row, int64_t M, int64_t K, KX& xk) {
   });
 }
 
+// ... per 32, as round_block rounds (nearest even; a block of zeros: scale 0)
+template <typename T>
+void round_x(const T* x, int64_t x_row, int64_t M, int64_t K, X32& xk) {
+  xk.K = K, xk.q.resize(M * K), xk.d.resize(M * (K / 32)), xk.s.resize(M * (K / 32));
+  at::parallel_for(0, M, M > XROWS ? 16 : M, [&](int64_t b, int64_t e) {
+    alignas(32) float v[32];
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t blk = 0; blk < K / 32; ++blk) {
+        to_float(x + m * x_row + blk * 32, v, 32);
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* q = xk.q.data() + m * K + blk * 32;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) sum += q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        xk.d[m * (K / 32) + blk] = amax / 127.f, xk.s[m * (K / 32) + blk] = sum;
+      }
+  });
+}
+
+// f.template operator()<GGML type>() for an x16 type number
+template <typename Fn>
+void with_x16(int64_t type, Fn&& f) {
+  switch (type) {
+    case tm_x16::Q4_016: f.template operator()<2>(); break;
+    case tm_x16::Q8_016: f.template operator()<8>(); break;
+    case tm_x16::Q4_K16: f.template operator()<12>(); break;
+    case tm_x16::Q6_K16: f.template operator()<14>(); break;
+    default: TORCH_CHECK(false, "gguf: not a 16-row repacked type: ", type);
+  }
+}
+
 // threads over tiles of groups; each tile's groups in L2 while every pass of XROWS x rows goes over them
 template <int TYPE, typename T>
 void linear16(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
-  KX xk;
+  std::conditional_t<block_weights(TYPE) == 256, KX, X32> xk;
   round_x(x, x_row, M, K, xk);
   const int64_t groups = w.size(0) / ROWS, gbytes = ROWS * w.size(1), y_row = out.stride(0);
   // tiles of at most TILE_BYTES (one pass of x: the groups split evenly), as many a thread
@@ -306,69 +422,60 @@ void linear16(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, 
 
 namespace tokenmill {
 
-bool gguf_x16_type(int64_t type) { return type == tm_x16::Q4_K16 || type == tm_x16::Q6_K16; }
+bool gguf_x16_type(int64_t type) {
+  return type == tm_x16::Q4_K16 || type == tm_x16::Q6_K16 || type == tm_x16::Q4_016 || type == tm_x16::Q8_016;
+}
 
 void gguf_x16_check(const char* op, const at::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && w.stride(0) == w.size(1),
               op, ": blocks must be contiguous uint8 [N, row bytes]");
   const int t = static_cast<int>(type - 100);
-  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * group_bytes(t) / ROWS && w.size(0) % ROWS == 0, op, ": [",
-              w.size(0), ", ", w.size(1), "] bytes are not a 16-row repacked matrix of ", K, " columns of type ", type);
+  TORCH_CHECK(K % block_weights(t) == 0 && w.size(1) == K / block_weights(t) * group_bytes(t) / ROWS &&
+                  w.size(0) % ROWS == 0,
+              op, ": [", w.size(0), ", ", w.size(1), "] bytes are not a 16-row repacked matrix of ", K,
+              " columns of type ", type);
 }
 
-// W's file blocks [N, row bytes] (Q4_K or Q6_K, N a multiple of 16) -> the x16 form of them
+// W's file blocks [N, row bytes] (Q4_K, Q6_K, Q4_0 or Q8_0; N a multiple of 16) -> the x16 form of them
 at::Tensor gguf_repack16(const at::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(type == 12 || type == 14, "gguf_repack16: Q4_K (12) or Q6_K (14), got ", type);
+  TORCH_CHECK(gguf_x16_type(type + 100), "gguf_repack16: Q4_0 (2), Q8_0 (8), Q4_K (12) or Q6_K (14), got ", type);
+  const int t = static_cast<int>(type);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(0) % ROWS == 0 && blocks.size(1) % file_bytes(static_cast<int>(type)) == 0,
+                  blocks.size(0) % ROWS == 0 && blocks.size(1) % file_bytes(t) == 0,
               "gguf_repack16: blocks must be contiguous uint8 [N, row bytes], N a multiple of 16");
-  const int64_t N = blocks.size(0), NB = blocks.size(1) / file_bytes(static_cast<int>(type));
-  const int64_t gb = group_bytes(static_cast<int>(type));
+  const int64_t N = blocks.size(0), NB = blocks.size(1) / file_bytes(t), gb = group_bytes(t);
   at::Tensor out = at::empty({N, NB * gb / ROWS}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t src_row = blocks.size(1);
-  at::parallel_for(0, N / ROWS, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < NB; ++b) {
-        const uint8_t* s = src + g * ROWS * src_row + b * file_bytes(static_cast<int>(type));
-        uint8_t* d = dst + (g * NB + b) * gb;
-        if (type == 12)
-          pack_block<12>(s, src_row, d);
-        else
-          pack_block<14>(s, src_row, d);
-      }
+  with_x16(type + 100, [&]<int TYPE>() {
+    at::parallel_for(0, N / ROWS, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t b = 0; b < NB; ++b) pack_block<TYPE>(src + g * ROWS * src_row + b * file_bytes(TYPE), src_row, dst + (g * NB + b) * gb);
+    });
   });
   return out;
 }
 
 // row n of an x16 matrix as the file held it [row bytes of the file's type]
 void gguf_x16_file_row(const uint8_t* w, int64_t row_bytes16, int64_t type, int64_t K, int64_t n, uint8_t* row) {
-  const int t = static_cast<int>(type - 100);
-  const int64_t NB = K / QK, g = n / ROWS;
-  const uint8_t* gp = w + g * ROWS * row_bytes16;
-  for (int64_t b = 0; b < NB; ++b) {
-    if (t == 12)
-      unpack_block<12>(gp + b * group_bytes(12), static_cast<int>(n % ROWS), row + b * file_bytes(12));
-    else
-      unpack_block<14>(gp + b * group_bytes(14), static_cast<int>(n % ROWS), row + b * file_bytes(14));
-  }
+  with_x16(type, [&]<int TYPE>() {
+    const uint8_t* gp = w + n / ROWS * ROWS * row_bytes16;
+    for (int64_t b = 0; b < K / block_weights(TYPE); ++b)
+      unpack_block<TYPE>(gp + b * group_bytes(TYPE), static_cast<int>(n % ROWS), row + b * file_bytes(TYPE));
+  });
 }
 
 void gguf_x16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
   const int64_t M = x.size(0), K = x.size(1);
   gguf_x16_check("gguf_linear", blocks, type, K);
   if (M == 0 || blocks.size(0) == 0) return;
-  const auto run = [&]<int TYPE>() {
+  with_x16(type, [&]<int TYPE>() {
     if (x.scalar_type() == at::kFloat)
       linear16<TYPE, float>(out, x.data_ptr<float>(), x.stride(0), M, K, blocks);
     else
       linear16<TYPE, bf16>(out, x.data_ptr<bf16>(), x.stride(0), M, K, blocks);
-  };
-  if (type == tm_x16::Q4_K16)
-    run.template operator()<12>();
-  else
-    run.template operator()<14>();
+  });
 }
 
 }  // namespace tokenmill
