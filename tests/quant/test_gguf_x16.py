@@ -1,6 +1,6 @@
-"""Q4_K, Q6_K, Q4_0 and Q8_0 matrices repacked into groups of 16 rows (kernels/csrc/gguf_x16.cpp): the
+"""Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked into groups of 16 rows (kernels/csrc/gguf_x16.cpp): the
 same values as the file's blocks (dequantized rows bit for bit); the K-quants' products equal to the file
-blocks' own bit for bit at every row count (the same integer sums and float steps), Q4_0 / Q8_0's the
+blocks' own bit for bit at every row count (the same integer sums and float steps), the 32-weight types' the
 per-32 int8-rounded x times the weights within float32 summation, the same at every row count; and a
 model served either way gives the same logits, holding the table of a tied head once. Forced on here,
 so that a CPU without AVX-512 VNNI (whose loaders do not repack) tests the scalar form."""
@@ -30,7 +30,7 @@ from tokenmill.quant.gguf_method import (
 )
 from tokenmill.quant.method import UnquantizedLinearMethod
 
-TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0"]
+TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_the_repacked_products_equal_the_file_blocks_at_every_row_count(ops, typ
     assert torch.equal(wide[:, 8:72], file) and torch.all(wide[:, :8] == 5) and torch.all(wide[:, 72:] == 5)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_32_weight_types_products_are_the_per_32_rounded_x_times_the_weights(ops, type_name):
     m, x16 = matrices(ops, type_name, n=32, k=256)
     rng = np.random.default_rng(4)

@@ -1,4 +1,4 @@
-// GGUF's Q4_K, Q6_K, Q4_0 and Q8_0 matrices repacked at load into groups of 16 rows ("x16", GGML type + 100), so
+// GGUF's Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked at load into groups of 16 rows ("x16", GGML type + 100), so
 // that the products need no horizontal sums: one 512-bit register holds 4 consecutive weights of each
 // of 16 rows, vpdpbusd multiplies them with 4 bytes of x broadcast to every row (64 multiply-adds an
 // instruction, 4 a lane), and its 16 int32 lanes are the 16 rows' sums. A run of weights that shares a
@@ -21,8 +21,9 @@
 //     [3072, 3328)  the scales, [group G][row r], int8
 //     [3328, 3360)  d [16], fp16
 //   Q4_0 (32 weights), 288 bytes: 4 lines, line i byte 4r + j: weights 4i + j (low nibble), 16 + 4i + j
-//                   (high; the file's bytes as they are), then d [16]; Q8_0, 544: 8 lines, line i byte
-//                   4r + j: weight 4i + j + 128 (unsigned for vpdpbusd), then d [16]
+//                   (high; the file's bytes as they are), then d [16]; Q4_1, 320: the same, then m [16];
+//                   Q8_0, 544: 8 lines, line i byte 4r + j: weight 4i + j + 128 (unsigned for
+//                   vpdpbusd), then d [16]
 // For the K-quants x is rounded as for the file's blocks (gguf_kdot.h: int8 per 256, with its per-16 and
 // per-32 sums), so the products are the same integer sums; the float step is, for each row of x and of
 // W, a block at a time: acc = fma(dot, d * xd, acc), then (Q4_K) acc = fma(mins, -dmin * xd, acc), the
@@ -56,8 +57,11 @@ using tm_x16::ROWS;
 constexpr int XROWS = 8;                       // x rows a pass over a group's block
 constexpr int64_t TILE_BYTES = int64_t{96} << 10;  // weight bytes a thread's tile (in L2 across x passes)
 
-constexpr int64_t group_bytes(int type) { return type == 12 ? 2368 : type == 14 ? 3360 : type == 2 ? 288 : 544; }
-constexpr int64_t file_bytes(int type) { return type == 12 ? 144 : type == 14 ? 210 : type == 2 ? 18 : 34; }
+constexpr int64_t group_bytes(int type) {
+  return type == 12 ? 2368 : type == 14 ? 3360 : type == 2 ? 288 : type == 3 ? 320 : 544;
+}
+constexpr int64_t file_bytes(int type) { return type == 12 ? 144 : type == 14 ? 210 : type == 2 ? 18 : type == 3 ? 20 : 34; }
+constexpr int64_t nibbles_at(int type) { return type == 3 ? 4 : 2; }  // a 32-weight block's q bytes in the file
 constexpr int64_t block_weights(int type) { return type == 12 || type == 14 ? 256 : 32; }
 constexpr int64_t PF_BYTES = 4736;  // how far ahead of a group's reads they are prefetched (few x rows wait on memory)
 
@@ -77,10 +81,12 @@ void pack_block(const uint8_t* src, int64_t stride, uint8_t* g) {
   alignas(32) uint8_t q[256];
   for (int r = 0; r < ROWS; ++r) {
     const uint8_t* p = src + r * stride;
-    if constexpr (TYPE == 2 || TYPE == 8) {  // (Q4_0's byte l: weights l, l + 16, as the lines want them)
-      for (int i = 0; i < (TYPE == 2 ? 4 : 8); ++i)
-        for (int j = 0; j < 4; ++j) g[64 * i + 4 * r + j] = TYPE == 2 ? p[2 + 4 * i + j] : p[2 + 4 * i + j] ^ 0x80;
-      std::memcpy(g + (TYPE == 2 ? 256 : 512) + 2 * r, p, 2);
+    if constexpr (TYPE == 2 || TYPE == 3 || TYPE == 8) {  // (Q4_x's byte l: weights l, l + 16, as lines want)
+      const uint8_t* qb = p + nibbles_at(TYPE);
+      for (int i = 0; i < (TYPE == 8 ? 8 : 4); ++i)
+        for (int j = 0; j < 4; ++j) g[64 * i + 4 * r + j] = TYPE == 8 ? qb[4 * i + j] ^ 0x80 : qb[4 * i + j];
+      std::memcpy(g + (TYPE == 8 ? 512 : 256) + 2 * r, p, 2);
+      if constexpr (TYPE == 3) std::memcpy(g + 288 + 2 * r, p + 2, 2);
     } else if constexpr (TYPE == 12) {
       for (int R = 0; R < 8; ++R) run_scalar<Q4_K>(p, R, q + 32 * R);
       for (int R = 0; R < 8; ++R)
@@ -108,10 +114,12 @@ void pack_block(const uint8_t* src, int64_t stride, uint8_t* g) {
 template <int TYPE>
 void unpack_block(const uint8_t* g, int r, uint8_t* p) {
   std::memset(p, 0, file_bytes(TYPE));
-  if constexpr (TYPE == 2 || TYPE == 8) {
-    for (int i = 0; i < (TYPE == 2 ? 4 : 8); ++i)
-      for (int j = 0; j < 4; ++j) p[2 + 4 * i + j] = TYPE == 2 ? g[64 * i + 4 * r + j] : g[64 * i + 4 * r + j] ^ 0x80;
-    std::memcpy(p, g + (TYPE == 2 ? 256 : 512) + 2 * r, 2);
+  if constexpr (TYPE == 2 || TYPE == 3 || TYPE == 8) {
+    uint8_t* qb = p + nibbles_at(TYPE);
+    for (int i = 0; i < (TYPE == 8 ? 8 : 4); ++i)
+      for (int j = 0; j < 4; ++j) qb[4 * i + j] = TYPE == 8 ? g[64 * i + 4 * r + j] ^ 0x80 : g[64 * i + 4 * r + j];
+    std::memcpy(p, g + (TYPE == 8 ? 512 : 256) + 2 * r, 2);
+    if constexpr (TYPE == 3) std::memcpy(p + 2, g + 288 + 2 * r, 2);
   } else if constexpr (TYPE == 12) {
     std::memcpy(p, g + 2048 + 2 * r, 2), std::memcpy(p + 2, g + 2080 + 2 * r, 2);
     uint8_t sc[8], mn[8];
@@ -141,8 +149,17 @@ void unpack_block(const uint8_t* g, int r, uint8_t* p) {
 }
 
 // ---- the product: MM x rows (from m0) . a group's 16 rows, all its blocks -> out[m * 16 + r] ----
+// The scalar forms are kept out of GCC's vectorizer: GCC 12 at -march=native with AVX-512 VNNI turns a
+// sum of int8 * int8 products into vpdpbusd, which takes one side unsigned (Q8_0's negative weights
+// came out 256 too large).
+#if defined(__GNUC__) && !defined(__clang__)
+#define TM_SCALAR_REFERENCE __attribute__((optimize("no-tree-vectorize")))
+#else
+#define TM_SCALAR_REFERENCE
+#endif
+
 template <int TYPE, int MM>
-void group_scalar(const uint8_t* g, const KX& x, int64_t m0, float* out) {
+TM_SCALAR_REFERENCE void group_scalar(const uint8_t* g, const KX& x, int64_t m0, float* out) {
   const int64_t K = x.K, NB = K / QK;
   for (int m = 0; m < MM; ++m)
     for (int r = 0; r < ROWS; ++r) {
@@ -181,7 +198,7 @@ void group_scalar(const uint8_t* g, const KX& x, int64_t m0, float* out) {
 
 
 template <int TYPE, int MM>
-void group_scalar(const uint8_t* g, const X32& x, int64_t m0, float* out) {
+TM_SCALAR_REFERENCE void group_scalar(const uint8_t* g, const X32& x, int64_t m0, float* out) {
   const int64_t K = x.K, NB = K / 32;
   for (int m = 0; m < MM; ++m)
     for (int r = 0; r < ROWS; ++r) {
@@ -192,10 +209,13 @@ void group_scalar(const uint8_t* g, const X32& x, int64_t m0, float* out) {
         const int8_t* xq = x.q.data() + (m0 + m) * K + b * 32;
         int32_t dot = 0;
         for (int l = 0; l < 32; ++l) {
-          const int q = TYPE == 2 ? ((p[2 + l % 16] >> (4 * (l / 16))) & 15) - 8 : static_cast<int8_t>(p[2 + l]);
+          int q = static_cast<int8_t>(p[2 + l]);  // (Q8_0)
+          if constexpr (TYPE != 8) q = ((p[nibbles_at(TYPE) + l % 16] >> (4 * (l / 16))) & 15) - (TYPE == 2 ? 8 : 0);
           dot += q * xq[l];
         }
-        acc = std::fma(static_cast<float>(dot), half_bits(p) * x.d[(m0 + m) * NB + b], acc);
+        const float xd = x.d[(m0 + m) * NB + b];
+        acc = std::fma(static_cast<float>(dot), half_bits(p) * xd, acc);
+        if constexpr (TYPE == 3) acc = std::fma(half_bits(p + 2), xd * static_cast<float>(x.s[(m0 + m) * NB + b]), acc);
       }
       out[m * ROWS + r] = acc;
     }
@@ -288,12 +308,13 @@ void q6k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(out + m * ROWS, facc[m]);
 }
 
-// Q4_0 (q - 8: the x sums' 8 times taken off) and Q8_0 (stored q + 128: 128 times), 32 weights a block
+// Q4_0 (q - 8: the x sums' 8 times taken off), Q4_1 (d * q + m: m times the x sums in float) and Q8_0
+// (stored q + 128: 128 times), 32 weights a block
 template <int TYPE, int MM>
 void q32_group(const uint8_t* g, const X32& x, int64_t m0, float* out) {
   const int64_t K = x.K, NB = K / 32;
   constexpr int64_t GB = group_bytes(TYPE);
-  constexpr int32_t OFF = TYPE == 2 ? 8 : 128;
+  constexpr int32_t OFF = TYPE == 2 ? 8 : TYPE == 3 ? 0 : 128;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 facc[MM];
   for (int m = 0; m < MM; ++m) facc[m] = _mm512_setzero_ps();
@@ -301,7 +322,7 @@ void q32_group(const uint8_t* g, const X32& x, int64_t m0, float* out) {
     const uint8_t* gb = g + b * GB;
     for (int c = 0; c < (GB + 63) / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + PF_BYTES + 64 * c), _MM_HINT_T0);
     __m512i q[8];
-    if constexpr (TYPE == 2) {
+    if constexpr (TYPE != 8) {
       for (int i = 0; i < 4; ++i) {
         const __m512i v = ld64(gb + 64 * i);
         q[i] = _mm512_and_si512(v, low), q[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -309,14 +330,16 @@ void q32_group(const uint8_t* g, const X32& x, int64_t m0, float* out) {
     } else {
       for (int i = 0; i < 8; ++i) q[i] = ld64(gb + 64 * i);
     }
-    const __m512 d = halves16(gb + (TYPE == 2 ? 256 : 512));
+    const __m512 d = halves16(gb + (TYPE == 8 ? 512 : 256));
     for (int m = 0; m < MM; ++m) {
       const int8_t* xr = x.q.data() + (m0 + m) * K + b * 32;
       __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4(xr));
       for (int i = 1; i < 8; ++i) t = _mm512_dpbusd_epi32(t, q[i], bcast4(xr + 4 * i));
-      t = _mm512_sub_epi32(t, _mm512_set1_epi32(OFF * x.s[(m0 + m) * NB + b]));
-      const __m512 xd = _mm512_set1_ps(x.d[(m0 + m) * NB + b]);
-      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, xd), facc[m]);
+      if constexpr (OFF != 0) t = _mm512_sub_epi32(t, _mm512_set1_epi32(OFF * x.s[(m0 + m) * NB + b]));
+      const float xs = x.d[(m0 + m) * NB + b];
+      facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(xs)), facc[m]);
+      if constexpr (TYPE == 3)
+        facc[m] = _mm512_fmadd_ps(halves16(gb + 288), _mm512_set1_ps(xs * static_cast<float>(x.s[(m0 + m) * NB + b])), facc[m]);
     }
   }
   for (int m = 0; m < MM; ++m) _mm512_storeu_ps(out + m * ROWS, facc[m]);
@@ -383,6 +406,7 @@ template <typename Fn>
 void with_x16(int64_t type, Fn&& f) {
   switch (type) {
     case tm_x16::Q4_016: f.template operator()<2>(); break;
+    case tm_x16::Q4_116: f.template operator()<3>(); break;
     case tm_x16::Q8_016: f.template operator()<8>(); break;
     case tm_x16::Q4_K16: f.template operator()<12>(); break;
     case tm_x16::Q6_K16: f.template operator()<14>(); break;
@@ -423,7 +447,8 @@ void linear16(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, 
 namespace tokenmill {
 
 bool gguf_x16_type(int64_t type) {
-  return type == tm_x16::Q4_K16 || type == tm_x16::Q6_K16 || type == tm_x16::Q4_016 || type == tm_x16::Q8_016;
+  return type == tm_x16::Q4_K16 || type == tm_x16::Q6_K16 || type == tm_x16::Q4_016 || type == tm_x16::Q4_116 ||
+         type == tm_x16::Q8_016;
 }
 
 void gguf_x16_check(const char* op, const at::Tensor& w, int64_t type, int64_t K) {
@@ -436,9 +461,10 @@ void gguf_x16_check(const char* op, const at::Tensor& w, int64_t type, int64_t K
               " columns of type ", type);
 }
 
-// W's file blocks [N, row bytes] (Q4_K, Q6_K, Q4_0 or Q8_0; N a multiple of 16) -> the x16 form of them
+// W's file blocks [N, row bytes] (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K; N a multiple of 16) -> their x16 form
 at::Tensor gguf_repack16(const at::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(gguf_x16_type(type + 100), "gguf_repack16: Q4_0 (2), Q8_0 (8), Q4_K (12) or Q6_K (14), got ", type);
+  TORCH_CHECK(gguf_x16_type(type + 100), "gguf_repack16: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14), got ",
+              type);
   const int t = static_cast<int>(type);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(0) % ROWS == 0 && blocks.size(1) % file_bytes(t) == 0,
