@@ -11,9 +11,9 @@ checkpoint still open), and the load's seconds, for `quantization`
 auto (kept) and none (every matrix dequantized to bfloat16 by `gguf` at load). Then decode: both
 models (bfloat16, the native layer ops and attention, the modules' path) in one process, one sequence
 of a 16-token prompt and `--tokens` greedy steps, the two interleaved in each of `--repeats` repeats;
-steps (tokens) a second, median [min-max]. Writes benchmarks/results/gguf_kquants.json.
+steps (tokens) a second, median [min-max]. Writes benchmarks/results/gguf_kquants.json (or `--out`).
 
-Usage: python benchmarks/gguf_kquants.py [--gguf FILE] [--repeats 3] [--tokens 32]
+Usage: python benchmarks/gguf_kquants.py [--gguf FILE] [--repeats 3] [--tokens 32] [--out gguf_kquants.json]
 """
 
 from __future__ import annotations
@@ -191,10 +191,13 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
+    from tokenmill.kernels.cpu_build import cpu_flags
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--out", default="gguf_kquants.json", help="the JSON (a bare name: under results/)")
     parser.add_argument("--child", nargs=2, metavar=("FILE", "QUANTIZATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -231,9 +234,11 @@ def main() -> None:
         "decode_auto_over_none": statistics.median(rates["auto"]) / statistics.median(rates["none"]),
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "cpu_flags": cpu_flags(),
     }
     print(json.dumps(result, indent=2))
-    (RESULTS / "gguf_kquants.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out) if Path(args.out).parent != Path(".") else RESULTS / args.out
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
