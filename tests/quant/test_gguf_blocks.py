@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.quant.gguf_method import BLOCK_TYPES, BLOCKS, GGUFMatrix, dequantize, row_bytes
 
 # byte offsets of each type's float16 fields within a block (the rest: any bits are a valid block)
@@ -48,14 +47,6 @@ def rounded_x(x: np.ndarray, run: int) -> np.ndarray:
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(runs * inv)
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("the native CPU kernels do not build here")
-    return kernels.ops
 
 
 def shapes(type_name: str) -> list[tuple[int, int]]:

@@ -10,16 +10,8 @@ import pytest
 import torch
 
 from tests.quant.test_gguf_blocks import random_blocks, reference, rounded_x, x_run
-from tokenmill.kernels.cpu_build import cpu_flags, load_cpu_kernels
+from tokenmill.kernels.cpu_build import cpu_flags
 from tokenmill.quant.gguf_method import BLOCK_TYPES, BLOCKS
-
-
-@pytest.fixture(scope="module")
-def ops():
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("the native CPU kernels do not build here")
-    return kernels.ops
 
 
 def case(type_name: str, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray, int, int]:

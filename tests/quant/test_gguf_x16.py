@@ -33,14 +33,6 @@ from tokenmill.quant.method import UnquantizedLinearMethod
 TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    kernels = load_cpu_kernels()
-    if kernels is None:
-        pytest.skip("the native CPU kernels do not build here")
-    return kernels.ops
-
-
 def matrices(ops, type_name: str, n: int = 48, k: int = 512) -> tuple[GGUFMatrix, GGUFMatrix]:
     raw = torch.from_numpy(random_blocks(type_name, n, k, seed=n + k))
     m = GGUFMatrix(type_name, raw, k)
