@@ -5,7 +5,8 @@ and the engine's prefill rate beside llama.cpp's on the same files.
 
 - **kernels**: per block type and TinyLlama-1.1B shape (2048->2560 qkv, 2048->11264 gate_up, 5632->2048
   down, 2048->2048 o) at 128 and 512 x rows, the layer method's product through each path, alternated
-  within every repeat; GFLOP/s median [min-max].
+  within every repeat; GFLOP/s median [min-max]. Where the CPU has AVX-512 VNNI, also `repacked`: the
+  same matrix in 16-row groups (kernels/csrc/gguf_x16.cpp), as the engine loads it there.
 - **engine** (`--engine`): for each GGUF file, one process loads `LLM(file)` (prefix caching off) and
   times a prompt of each `--lengths` (128 and 512) distinct random tokens (one new token: the prefill) with every
   GGUFBlocksMethod in the process set to each path in turn; then `llama-bench -p <lengths> -n 0` on the same
@@ -51,27 +52,32 @@ def kernel_cases(repeats: int, dtype_name: str) -> dict[str, dict[str, list[floa
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gguf_kernels import pool_blocks
 
-    from tokenmill.kernels.cpu_build import load_cpu_kernels
-    from tokenmill.quant.gguf_method import BLOCKS, GGUFBlocksMethod, GGUFMatrix
+    from tokenmill.kernels.cpu_build import cpu_flags, load_cpu_kernels
+    from tokenmill.quant.gguf_method import BLOCKS, GGUFBlocksMethod, GGUFMatrix, repack
 
     kernels = load_cpu_kernels()
     assert kernels is not None, "the native kernels did not build"
     dtype = getattr(torch, dtype_name)
     methods = {p: GGUFBlocksMethod(kernels, prompt_kernel=p) for p in PATHS}
+    if "avx512_vnni" in cpu_flags().split():  # (the 16-row form's vector kernel; elsewhere a scalar reference)
+        methods["repacked"] = GGUFBlocksMethod(kernels, prompt_kernel="gemm")
     rates: dict[str, dict[str, list[float]]] = {}
     for type_name in TYPES:
         _, weights, size = BLOCKS[type_name]
         for n, k in SHAPES:
             mat = GGUFMatrix(type_name, pool_blocks(type_name, n * (k // weights) * size, size).view(n, -1), k)
             layer = type("L", (), {"gguf_parts": [(0, mat)], "output_size": n})()
+            layers = {p: layer for p in methods}
+            if "repacked" in methods:
+                layers["repacked"] = type("L", (), {"gguf_parts": [(0, repack(mat, kernels.ops))], "output_size": n})()
             for m in ROWS:
                 x = torch.randn(m, k, dtype=dtype)
-                case = rates.setdefault(f"{type_name} {n}x{k} m={m}", {p: [] for p in PATHS})
+                case = rates.setdefault(f"{type_name} {n}x{k} m={m}", {p: [] for p in methods})
                 for _ in range(repeats):
                     for p, method in methods.items():
-                        method.apply(layer, x, None)  # warm
+                        method.apply(layers[p], x, None)  # warm
                         start = time.perf_counter()
-                        method.apply(layer, x, None)
+                        method.apply(layers[p], x, None)
                         case[p].append(2 * m * n * k / (time.perf_counter() - start) / 1e9)
             print(
                 type_name,
@@ -179,7 +185,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()  # noqa: E731
+    from tokenmill.kernels.cpu_build import cpu_flags
+
     report: dict[str, object] = {"benchmark": "gguf_prefill", "repeats": args.repeats, "threads": args.threads}
+    report["cpu_flags"] = cpu_flags()
     report["uptime_before"] = uptime()
     if not args.no_kernels:
         rates = kernel_cases(args.repeats, args.dtype)
