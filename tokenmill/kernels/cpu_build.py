@@ -48,6 +48,7 @@ HEADERS = (
     "gguf_formats.h",
     "gguf_kdot.h",
     "gguf_x16.h",
+    "gguf_x16_pack.h",
     "int_dot.h",
     "linear_amx.h",
     "linear_broadcast.h",
