@@ -36,7 +36,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = ((2560, 2048), (11264, 2048), (2048, 5632), (2048, 2048))  # [N, K]: out, in
 ROWS = (128, 512)
-TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q8_0")
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0")
 PEERS = Path("/tmp/peers")
 PATHS = ("dequant", "gemm", "widened")
 

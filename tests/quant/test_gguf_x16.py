@@ -1,4 +1,4 @@
-"""Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked into groups of 16 rows (kernels/csrc/gguf_x16.cpp): the
+"""Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked into groups of 16 rows (kernels/csrc/gguf_x16.cpp): the
 same values as the file's blocks (dequantized rows bit for bit); the K-quants' products equal to the file
 blocks' own bit for bit at every row count (the same integer sums and float steps), the 32-weight types' the
 per-32 int8-rounded x times the weights within float32 summation, the same at every row count; and a
@@ -30,7 +30,7 @@ from tokenmill.quant.gguf_method import (
 )
 from tokenmill.quant.method import UnquantizedLinearMethod
 
-TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"]
 
 
 def matrices(ops, type_name: str, n: int = 48, k: int = 512) -> tuple[GGUFMatrix, GGUFMatrix]:
@@ -43,7 +43,7 @@ def matrices(ops, type_name: str, n: int = 48, k: int = 512) -> tuple[GGUFMatrix
 def test_the_repacked_rows_are_the_files_rows(ops, type_name):
     m, x16 = matrices(ops, type_name)
     assert x16.repacked and x16.shape == m.shape
-    assert x16.nbytes <= 1.03 * m.nbytes  # (Q4_K: its scales a byte each, 148 bytes a block for 144)
+    assert x16.nbytes <= 1.03 * m.nbytes  # (Q4_K / Q5_K: scales a byte each, 148 / 180 bytes for 144 / 176)
     for dtype in (torch.float32, torch.bfloat16):
         whole = dequantize(m, ops, dtype)
         assert torch.equal(dequantize(x16, ops, dtype), whole)
@@ -52,7 +52,7 @@ def test_the_repacked_rows_are_the_files_rows(ops, type_name):
         assert torch.equal(dequantize(x16, ops, dtype, rows=(13, 35)), whole[13:35])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_repacked_products_equal_the_file_blocks_at_every_row_count(ops, type_name, dtype):
     m, x16 = matrices(ops, type_name, n=64, k=768)

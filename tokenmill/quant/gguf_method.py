@@ -13,11 +13,12 @@ the `gguf` package's, bit for bit. Without the native kernels (no compiler, floa
 products dequantize a chunk of weight rows at a time (the `gguf` package's own dequantizer) into a
 scratch buffer the method reuses, then take torch's GEMM.
 
-Where the CPU has AVX-512 VNNI, a layer's Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices (rows a multiple of 16)
-are repacked once at load into groups of 16 rows (`GGUFMatrix.repacked`, kernels/csrc/gguf_x16.cpp: the
-same bytes moved, 148 a row's block for Q4_K's 144, the others' sizes unchanged), whose products need
-no horizontal sums; `gguf_dequant` gives back the file's rows, and the K-quants' products are the file
-blocks' bit for bit (the 32-weight types' x is rounded per 32 with integer sums, not float ones).
+Where the CPU has AVX-512 VNNI, a layer's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices (rows a
+multiple of 16) are repacked once at load into groups of 16 rows (`GGUFMatrix.repacked`,
+kernels/csrc/gguf_x16.cpp: the same bytes moved, 148 a row's block for Q4_K's 144 and 180 for Q5_K's
+176, the others' sizes unchanged), whose products need no horizontal sums; `gguf_dequant` gives back
+the file's rows, and the K-quants' products are the file blocks' bit for bit (the 32-weight types' x
+is rounded per 32 with integer sums, not float ones).
 
 A fused layer (q/k/v, gate/up) may mix types (Q4_K_M stores some v and down projections in Q6_K):
 the layer keeps one matrix per run of shards of one type, each product writing its columns.
@@ -60,7 +61,7 @@ BLOCKS = {
 }
 BLOCK_TYPES = tuple(BLOCKS)
 # a row's bytes a block in the 16-row form (gguf_x16.cpp)
-REPACKED_ROW_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q6_K": 210}
+REPACKED_ROW_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 REPACK_ROWS = 16
 PROMPT_KERNELS = ("auto", "gemm", "widened", "dequant")  # GGUFBlocksMethod's products for many rows
 MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the prompt product (`gguf_gemm`)
@@ -105,7 +106,7 @@ class GGUFMatrix:
 
 
 def repackable(m: GGUFMatrix) -> bool:
-    """Whether `m` has a 16-row form (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; rows a multiple of 16), not in it yet."""
+    """Whether `m` has a 16-row form (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; rows a multiple of 16), not yet in it."""
     return not m.repacked and m.type_name in REPACKED_ROW_BYTES and m.shape[0] % REPACK_ROWS == 0 and m.shape[0] > 0
 
 

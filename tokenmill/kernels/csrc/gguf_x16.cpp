@@ -1,4 +1,4 @@
-// Products on GGUF's Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked at load into groups of 16 rows
+// Products on GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked at load into groups of 16 rows
 // ("x16", GGML type + 100; gguf_x16_pack.h), so that they need no horizontal sums: one 512-bit register holds 4 consecutive weights of each
 // of 16 rows, vpdpbusd multiplies them with 4 bytes of x broadcast to every row (64 multiply-adds an
 // instruction, 4 a lane), and its 16 int32 lanes are the 16 rows' sums. A run of weights that shares a
@@ -76,9 +76,9 @@ TM_SCALAR_REFERENCE void group_scalar(const uint8_t* g, const KX& x, int64_t m0,
         const int8_t* xq = x.q.data() + (m0 + m) * K + b * QK;
         const float xd = x.d[(m0 + m) * NB + b];
         int32_t dot = 0, mins = 0;
-        if constexpr (TYPE == 12) {
+        if constexpr (TYPE == 12 || TYPE == 13) {
           for (int R = 0; R < 8; ++R) {
-            run_scalar<Q4_K>(p, R, q);
+            run_scalar<std::conditional_t<TYPE == 12, Q4_K, Q5_K>>(p, R, q);
             int32_t t = 0;
             for (int l = 0; l < 32; ++l) t += q[l] * xq[32 * R + l];
             dot += gb[2112 + 16 * R + r] * t;
@@ -135,23 +135,32 @@ inline __m512i bcast4(const int8_t* p) {  // 4 bytes of x to every lane
 }
 inline __m512 halves16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-template <int MM>
+template <int TYPE, int MM>  // Q4_K, Q5_K (its fifth bits: a line a run)
 void q4k_group(const uint8_t* g, const KX& x, int64_t m0, float* out) {
+  constexpr int64_t GB = group_bytes(TYPE);
   const int64_t K = x.K, NB = K / QK;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 facc[MM];
   for (int m = 0; m < MM; ++m) facc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
-    const uint8_t* gb = g + b * 2368;
+    const uint8_t* gb = g + b * GB;
     __m512i acc[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_si512();
     for (int R = 0; R < 8; ++R) {  // run R: 32 weights of each row, one scale a row
-      for (int c = 0; c < 5; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + 2 * 2368 + (5 * R + c) * 64), _MM_HINT_T0);
+      for (int c = 0; c < GB / 512 + 1; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(gb + 2 * GB + (GB / 512 + 1) * 64 * R + 64 * c), _MM_HINT_T0);
       const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 2112 + 16 * R)));
       __m512i q[8];
       for (int i = 0; i < 4; ++i) {
         const __m512i v = ld64(gb + (4 * R + i) * 64);
         q[i] = _mm512_and_si512(v, low), q[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if constexpr (TYPE == 13) {  // bit i / 4 + i of the run's line -> bit 4 of q[i] / q[4 + i]
+        const __m512i h = ld64(gb + 2368 + 64 * R), five = _mm512_set1_epi8(16);
+        for (int i = 0; i < 4; ++i) {
+          q[i] = _mm512_ternarylogic_epi32(q[i], _mm512_slli_epi16(h, 4 - i), five, 0xF8);  // a | (b & c)
+          q[4 + i] = _mm512_ternarylogic_epi32(q[4 + i], _mm512_srli_epi16(h, i), five, 0xF8);
+        }
       }
       for (int m = 0; m < MM; ++m) {
         const int8_t* xr = x.q.data() + (m0 + m) * K + b * QK + 32 * R;
@@ -262,8 +271,8 @@ inline void group_dot(const uint8_t* g, const X32& x, int64_t m0, float* out) {
 template <int TYPE, int MM>
 inline void group_dot(const uint8_t* g, const KX& x, int64_t m0, float* out) {
 #if defined(TM_X16_VNNI)
-  if constexpr (TYPE == 12)
-    q4k_group<MM>(g, x, m0, out);
+  if constexpr (TYPE == 12 || TYPE == 13)
+    q4k_group<TYPE, MM>(g, x, m0, out);
   else
     q6k_group<MM>(g, x, m0, out);
 #else
@@ -313,6 +322,7 @@ void with_x16(int64_t type, Fn&& f) {
     case tm_x16::Q4_116: f.template operator()<3>(); break;
     case tm_x16::Q8_016: f.template operator()<8>(); break;
     case tm_x16::Q4_K16: f.template operator()<12>(); break;
+    case tm_x16::Q5_K16: f.template operator()<13>(); break;
     case tm_x16::Q6_K16: f.template operator()<14>(); break;
     default: TORCH_CHECK(false, "gguf: not a 16-row repacked type: ", type);
   }
@@ -351,8 +361,8 @@ void linear16(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, 
 namespace tokenmill {
 
 bool gguf_x16_type(int64_t type) {
-  return type == tm_x16::Q4_K16 || type == tm_x16::Q6_K16 || type == tm_x16::Q4_016 || type == tm_x16::Q4_116 ||
-         type == tm_x16::Q8_016;
+  return type == tm_x16::Q4_K16 || type == tm_x16::Q5_K16 || type == tm_x16::Q6_K16 || type == tm_x16::Q4_016 ||
+         type == tm_x16::Q4_116 || type == tm_x16::Q8_016;
 }
 
 void gguf_x16_check(const char* op, const at::Tensor& w, int64_t type, int64_t K) {
@@ -367,8 +377,8 @@ void gguf_x16_check(const char* op, const at::Tensor& w, int64_t type, int64_t K
 
 // W's file blocks [N, row bytes] (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K; N a multiple of 16) -> their x16 form
 at::Tensor gguf_repack16(const at::Tensor& blocks, int64_t type) {
-  TORCH_CHECK(gguf_x16_type(type + 100), "gguf_repack16: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14), got ",
-              type);
+  TORCH_CHECK(gguf_x16_type(type + 100),
+              "gguf_repack16: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) or Q6_K (14), got ", type);
   const int t = static_cast<int>(type);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(0) % ROWS == 0 && blocks.size(1) % file_bytes(t) == 0,

@@ -8,7 +8,7 @@
 
 namespace tm_x16 {
 constexpr int64_t ROWS = 16;                    // W's rows a group
-constexpr int64_t Q4_016 = 102, Q4_116 = 103, Q8_016 = 108, Q4_K16 = 112, Q6_K16 = 114;  // GGML's + 100
+constexpr int64_t Q4_016 = 102, Q4_116 = 103, Q8_016 = 108, Q4_K16 = 112, Q5_K16 = 113, Q6_K16 = 114;  // +100
 }  // namespace tm_x16
 
 namespace tokenmill {

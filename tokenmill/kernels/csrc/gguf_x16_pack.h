@@ -1,4 +1,4 @@
-// The 16-row layout of GGUF's Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 blocks (gguf_x16.cpp's products read it):
+// The 16-row layout of GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 blocks (gguf_x16.cpp's products read it):
 // sizes, and one block of 16 rows packed from the file's blocks and unpacked back to them.
 //
 // A group's block (256 weights of 16 rows; the rows' bytes are the file's, moved):
@@ -8,6 +8,8 @@
 //     [2048, 2112)  d [16], then dmin [16], fp16
 //     [2112, 2240)  the scales, [run R][row r]
 //     [2240, 2368)  the mins in pairs, [k][row r][2]: runs 2k, 2k + 1
+//   Q5_K, 2880 bytes (180 a row for the file's 176): Q4_K's 2368, then the weights' fifth bits in 8
+//                   lines: line R, byte 4r + j, bit i / 4 + i: the low / high nibble's of line 4R + i
 //   Q6_K, 3360 bytes (210 a row, the file's size):
 //     [0, 2048)     32 lines: line 2G + h, byte 4r + j: the low 4 bits of row r's weights 16G + 8h + j
 //                   (low nibble) and 16G + 8h + 4 + j (high nibble)
@@ -22,6 +24,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf_formats.h"
 #include "gguf_x16.h"
@@ -31,11 +34,13 @@ namespace tm_x16 {
 using namespace tm_gguf;
 
 constexpr int64_t group_bytes(int type) {
-  return type == 12 ? 2368 : type == 14 ? 3360 : type == 2 ? 288 : type == 3 ? 320 : 544;
+  return type == 12 ? 2368 : type == 13 ? 2880 : type == 14 ? 3360 : type == 2 ? 288 : type == 3 ? 320 : 544;
 }
-constexpr int64_t file_bytes(int type) { return type == 12 ? 144 : type == 14 ? 210 : type == 2 ? 18 : type == 3 ? 20 : 34; }
+constexpr int64_t file_bytes(int type) {
+  return type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : type == 2 ? 18 : type == 3 ? 20 : 34;
+}
 constexpr int64_t nibbles_at(int type) { return type == 3 ? 4 : 2; }  // a 32-weight block's q bytes in the file
-constexpr int64_t block_weights(int type) { return type == 12 || type == 14 ? 256 : 32; }
+constexpr int64_t block_weights(int type) { return type >= 12 ? 256 : 32; }
 
 // ---- repacking (and its inverse, for dequantized rows) ----
 // 16 file blocks (rows r: src + r * stride) -> one group block
@@ -51,11 +56,15 @@ void pack_block(const uint8_t* src, int64_t stride, uint8_t* g) {
         for (int j = 0; j < 4; ++j) g[64 * i + 4 * r + j] = TYPE == 8 ? qb[4 * i + j] ^ 0x80 : qb[4 * i + j];
       std::memcpy(g + (TYPE == 8 ? 512 : 256) + 2 * r, p, 2);
       if constexpr (TYPE == 3) std::memcpy(g + 288 + 2 * r, p + 2, 2);
-    } else if constexpr (TYPE == 12) {
-      for (int R = 0; R < 8; ++R) run_scalar<Q4_K>(p, R, q + 32 * R);
+    } else if constexpr (TYPE == 12 || TYPE == 13) {
+      for (int R = 0; R < 8; ++R) run_scalar<std::conditional_t<TYPE == 12, Q4_K, Q5_K>>(p, R, q + 32 * R);
       for (int R = 0; R < 8; ++R)
         for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) g[(4 * R + i) * 64 + 4 * r + j] = q[32 * R + 4 * i + j] | (q[32 * R + 16 + 4 * i + j] << 4);
+          for (int j = 0; j < 4; ++j) {
+            const int lo = q[32 * R + 4 * i + j], hi = q[32 * R + 16 + 4 * i + j];
+            g[(4 * R + i) * 64 + 4 * r + j] = (lo & 15) | ((hi & 15) << 4);
+            if constexpr (TYPE == 13) g[2368 + 64 * R + 4 * r + j] |= ((lo >> 4) << i) | ((hi >> 4) << (4 + i));
+          }
       std::memcpy(g + 2048 + 2 * r, p, 2), std::memcpy(g + 2080 + 2 * r, p + 2, 2);
       uint64_t sc, mn;
       k4_scales(p + 4, sc, mn);
@@ -84,7 +93,7 @@ void unpack_block(const uint8_t* g, int r, uint8_t* p) {
       for (int j = 0; j < 4; ++j) qb[4 * i + j] = TYPE == 8 ? g[64 * i + 4 * r + j] ^ 0x80 : g[64 * i + 4 * r + j];
     std::memcpy(p, g + (TYPE == 8 ? 512 : 256) + 2 * r, 2);
     if constexpr (TYPE == 3) std::memcpy(p + 2, g + 288 + 2 * r, 2);
-  } else if constexpr (TYPE == 12) {
+  } else if constexpr (TYPE == 12 || TYPE == 13) {
     std::memcpy(p, g + 2048 + 2 * r, 2), std::memcpy(p + 2, g + 2080 + 2 * r, 2);
     uint8_t sc[8], mn[8];
     for (int R = 0; R < 8; ++R) sc[R] = g[2112 + 16 * R + r], mn[R] = g[2240 + 32 * (R / 2) + 2 * r + R % 2];
@@ -97,7 +106,9 @@ void unpack_block(const uint8_t* g, int r, uint8_t* p) {
       for (int l = 0; l < 32; ++l) {
         const int i = (l % 16) / 4, j = l % 4;
         const uint8_t b = g[(4 * R + i) * 64 + 4 * r + j];
-        p[16 + 32 * (R / 2) + l] |= ((l < 16 ? b & 15 : b >> 4) << (4 * (R % 2)));
+        p[(TYPE == 12 ? 16 : 48) + 32 * (R / 2) + l] |= ((l < 16 ? b & 15 : b >> 4) << (4 * (R % 2)));
+        if constexpr (TYPE == 13)  // (the file's high bits: byte l, bit R)
+          p[16 + l] |= ((g[2368 + 64 * R + 4 * r + j] >> (l < 16 ? i : 4 + i)) & 1) << R;
       }
   } else {
     for (int k = 0; k < 256; ++k) {
