@@ -1,19 +1,20 @@
-// Products on GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked at load into groups of 16 rows
-// ("x16", GGML type + 100; gguf_x16_pack.h), so that they need no horizontal sums: one 512-bit register holds 4 consecutive weights of each
-// of 16 rows, vpdpbusd multiplies them with 4 bytes of x broadcast to every row (64 multiply-adds an
-// instruction, 4 a lane), and its 16 int32 lanes are the 16 rows' sums. A run of weights that shares a
-// scale (32 in Q4_K, 16 in Q6_K) is summed that way, then times the 16 rows' scales (vpmulld) into the
-// block's int32 sum; the block's float step (d, -dmin, x's scale) is one fma a row of x for 16 rows.
-// The file's blocks take 2 multiply instructions a 64 weights and a horizontal sum a block and x row
+// Products on GGUF's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices repacked at load into groups of 16
+// rows ("x16", GGML type + 100; the layout: gguf_x16_pack.h), so that they need no horizontal sums: one
+// 512-bit register holds 4 consecutive weights of each of 16 rows, vpdpbusd multiplies them with 4
+// bytes of x broadcast to every row (64 multiply-adds an instruction, 4 a lane), and its 16 int32 lanes
+// are the 16 rows' sums. A run of weights that shares a scale (32 in Q4_K / Q5_K, 16 in Q6_K, a block
+// in the 32-weight types) is summed that way, then times the 16 rows' scales (vpmulld) into the block's
+// int32 sum; the block's float step (d, -dmin, x's scale) is one fma a row of x for 16 rows. The file's
+// blocks take 2 multiply instructions a 64 weights and a horizontal sum a block and x row
 // (gguf_kdot.h); these take about 1.1.
 //
-// The layout of a group's block: gguf_x16_pack.h.
 // For the K-quants x is rounded as for the file's blocks (gguf_kdot.h: int8 per 256, with its per-16 and
 // per-32 sums), so the products are the same integer sums; the float step is, for each row of x and of
-// W, a block at a time: acc = fma(dot, d * xd, acc), then (Q4_K) acc = fma(mins, -dmin * xd, acc), the
-// same for any number of x rows. Q4_0 / Q8_0 round x per 32 (with the integer sums of each 32, for the
-// offsets 8 and 128; Q4_1 its m times the x sums in float) and take acc = fma(dot, d * xd, acc) a block.
-// Without AVX-512 VNNI the same sums in scalar form (tests; loaders repack only where the CPU has it).
+// W, a block at a time: acc = fma(dot, d * xd, acc), then (Q4_K, Q5_K) acc = fma(mins, -dmin * xd, acc),
+// the same for any number of x rows. The 32-weight types round x per 32, with the integer sums of each
+// 32 (Q4_0's offset 8, Q8_0's 128 as stored; Q4_1's m times them in float), and take acc = fma(dot, d *
+// xd, acc) a block. Without AVX-512 VNNI the same sums in scalar form (tests; loaders repack only where
+// the CPU has it).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
