@@ -60,8 +60,7 @@ BLOCKS = {
     "Q6_K": (14, 256, 210),
 }
 BLOCK_TYPES = tuple(BLOCKS)
-# a row's bytes a block in the 16-row form (gguf_x16.cpp)
-REPACKED_ROW_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
+REPACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types with a 16-row form (gguf_x16.cpp)
 REPACK_ROWS = 16
 PROMPT_KERNELS = ("auto", "gemm", "widened", "dequant")  # GGUFBlocksMethod's products for many rows
 MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the prompt product (`gguf_gemm`)
@@ -79,7 +78,7 @@ def row_bytes(type_name: str, cols: int) -> int:
 @dataclass(frozen=True)
 class GGUFMatrix:
     """A [rows, cols] matrix as a GGUF file stores it: `data` [rows, row_bytes(type_name, cols)] uint8; or,
-    `repacked`, the same blocks in groups of 16 rows (data [rows, cols / 256 * REPACKED_ROW_BYTES])."""
+    `repacked`, the same blocks in groups of 16 rows (kernels/csrc/gguf_x16_pack.h)."""
 
     type_name: str
     data: torch.Tensor
@@ -107,7 +106,7 @@ class GGUFMatrix:
 
 def repackable(m: GGUFMatrix) -> bool:
     """Whether `m` has a 16-row form (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; rows a multiple of 16), not yet in it."""
-    return not m.repacked and m.type_name in REPACKED_ROW_BYTES and m.shape[0] % REPACK_ROWS == 0 and m.shape[0] > 0
+    return not m.repacked and m.type_name in REPACKED_TYPES and m.shape[0] % REPACK_ROWS == 0 and m.shape[0] > 0
 
 
 def repack(m: GGUFMatrix, ops: object) -> GGUFMatrix:
@@ -187,9 +186,9 @@ class GGUFBlocksMethod(LinearMethod):
         self.prompt_kernel = prompt_kernel
         kind = cpu or CpuKind.from_flags(cpu_flags())
         self.type_prompt = {t: default_choice("gguf_prompt", PROMPT, t, kind, PROMPT_KERNELS[1:3]) for t in BLOCKS}
-        # Q4_K / Q6_K into 16-row groups at load: where the CPU has AVX-512 VNNI (the form's vector
+        # REPACKED_TYPES into 16-row groups at load: where the CPU has AVX-512 VNNI (the form's vector
         # kernel; elsewhere it runs a scalar reference), unless told
-        self.repack = repack if repack is not None else "avx512_vnni" in cpu_flags().split()
+        self.repack = repack if repack is not None else kind.vnni
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
 
     def create_weights(

@@ -79,7 +79,7 @@ template <int TYPE, typename T>
 void klinear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
   const int64_t N = w.size(0), row_bytes = w.size(1);
   tm_gguf::KX xk;
-  tm_gguf::quantize_x256(x, x_row, M, K, xk);
+  tm_gguf::quantize_x256(x, x_row, M, K, xk, M > 1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* y = out.data_ptr<T>();
   const int64_t y_row = out.stride(0);

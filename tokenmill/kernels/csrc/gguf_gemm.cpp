@@ -89,16 +89,7 @@ template <int TYPE, typename T>
 void gemm256(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
   const int64_t N = w.size(0), row_bytes = w.size(1);
   KX xk;
-  xk.resize(M, K);
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    alignas(32) float v[QK];
-    for (int64_t m = b; m < e; ++m)
-      for (int64_t blk = 0; blk < K / QK; ++blk) {
-        to_float(x + m * x_row + blk * QK, v, QK);
-        round_block(v, xk, m, blk);
-      }
-  });
-  group_rows(xk, M);
+  quantize_x256(x, x_row, M, K, xk, true);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   T* y = out.data_ptr<T>();
   over_tiles(N, row_bytes, [&](int64_t n0, int64_t n1) {

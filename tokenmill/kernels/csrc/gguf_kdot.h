@@ -19,6 +19,7 @@
 // a row's value does not depend on how many rows it was computed with.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -118,16 +119,20 @@ inline void round_block(const float* v, KX& out, int64_t m, int64_t b) {
   for (int g = 0; g < QK / 32; ++g) out.sum32[m * (K / 32) + b * 8 + g] = static_cast<int16_t>(s16[2 * g] + s16[2 * g + 1]);
 }
 
+// x [M, K] rounded per 256 into `out`, rows in parallel when there are more than a group; `groups`:
+// KX's groups too (the products that take several x rows at once read them, one x row does not)
 template <typename T>
-void quantize_x256(const T* x, int64_t x_row, int64_t M, int64_t K, KX& out) {
+void quantize_x256(const T* x, int64_t x_row, int64_t M, int64_t K, KX& out, bool groups) {
   out.resize(M, K);
-  alignas(32) float v[QK];
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / QK; ++b) {
-      to_float(x + m * x_row + b * QK, v, QK);
-      round_block(v, out, m, b);
-    }
-  group_rows(out, M);
+  at::parallel_for(0, M, M > XG ? 16 : std::max<int64_t>(1, M), [&](int64_t begin, int64_t end) {
+    alignas(32) float v[QK];
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        to_float(x + m * x_row + b * QK, v, QK);
+        round_block(v, out, m, b);
+      }
+  });
+  if (groups) group_rows(out, M);
 }
 
 // Q4_K / Q5_K's 12 bytes of 6-bit scales and mins as 8 bytes each (byte r: run r's)

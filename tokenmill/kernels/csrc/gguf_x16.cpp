@@ -281,25 +281,17 @@ inline void group_dot(const uint8_t* g, const KX& x, int64_t m0, float* out) {
 #endif
 }
 
-// x [M, K] rounded per 256 (rows in parallel when there are many)
+// x [M, K] rounded per 256 (gguf_kdot.h; no groups: these products read x's rows as they are), or per 32
+// as round_block rounds (nearest even; a block of zeros: scale 0), rows in parallel when there are many
 template <typename T>
 void round_x(const T* x, int64_t x_row, int64_t M, int64_t K, KX& xk) {
-  xk.resize(M, K);
-  at::parallel_for(0, M, M > XROWS ? 16 : M, [&](int64_t b, int64_t e) {
-    alignas(32) float v[QK];
-    for (int64_t m = b; m < e; ++m)
-      for (int64_t blk = 0; blk < K / QK; ++blk) {
-        to_float(x + m * x_row + blk * QK, v, QK);
-        round_block(v, xk, m, blk);
-      }
-  });
+  quantize_x256(x, x_row, M, K, xk, false);
 }
 
-// ... per 32, as round_block rounds (nearest even; a block of zeros: scale 0)
 template <typename T>
 void round_x(const T* x, int64_t x_row, int64_t M, int64_t K, X32& xk) {
   xk.K = K, xk.q.resize(M * K), xk.d.resize(M * (K / 32)), xk.s.resize(M * (K / 32));
-  at::parallel_for(0, M, M > XROWS ? 16 : M, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, M, M > XROWS ? 16 : std::max<int64_t>(1, M), [&](int64_t b, int64_t e) {
     alignas(32) float v[32];
     for (int64_t m = b; m < e; ++m)
       for (int64_t blk = 0; blk < K / 32; ++blk) {
