@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.autotune import Autotuner
+from tokenmill.quant import config as quant_config
 from tokenmill.runner import model_builder
 from tokenmill.runner.dtype_choice import probe_logits
 from tokenmill.runner.model_builder import build_model
@@ -35,16 +36,27 @@ def state(model) -> dict[str, torch.Tensor]:
     for name, layer in model.quantized_layers():
         for field in dataclasses.fields(layer.quantized):
             value = getattr(layer.quantized, field.name)
-            out[f"{name}::{field.name}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            plain = torch.tensor(list(repr(value).encode()))  # (a type name, a group, a flag)
+            out[f"{name}::{field.name}"] = value if isinstance(value, torch.Tensor) else plain
     return out
 
 
 @pytest.mark.parametrize(
-    ("quantization", "tied", "dtype"),
-    [("int8", False, "float32"), ("int4", True, "bfloat16"), ("w8a8", False, "float32"), ("int8", True, "float32")],
+    ("quantization", "tied", "dtype", "blocks"),
+    [
+        ("int8", False, "float32", False),
+        ("int4", True, "bfloat16", False),
+        ("w8a8", False, "float32", False),
+        ("int8", True, "float32", False),
+        ("int8", True, "float32", True),  # int8 in Q8_0 blocks (quant/int8_blocks.py), whatever this CPU's kind
+        ("int8", False, "bfloat16", True),
+    ],
 )
-def test_the_cache_round_trips_exactly(tiny_model_dir, tmp_path, monkeypatch, caplog, quantization, tied, dtype):
+def test_the_cache_round_trips_exactly(
+    tiny_model_dir, tmp_path, monkeypatch, caplog, quantization, tied, dtype, blocks
+):
     monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
+    monkeypatch.setattr(quant_config, "int8_in_blocks", lambda settings, cpu=None: blocks)
     folder = tiny_model_dir("llama", tied=tied)
     built = build(folder, tmp_path, quantization=quantization, dtype=dtype)
     first = built.model
@@ -54,6 +66,11 @@ def test_the_cache_round_trips_exactly(tiny_model_dir, tmp_path, monkeypatch, ca
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         again = build(folder, tmp_path, quantization=quantization, dtype=dtype).model
     assert "from the cache" in caplog.text
+    assert type(first.layers[0].mlp.down_proj.linear_method).__name__ == (
+        "Int8BlocksMethod"
+        if blocks
+        else {"int8": "Int8LinearMethod", "int4": "Int4LinearMethod", "w8a8": "W8A8LinearMethod"}[quantization]
+    )
     expected, got = state(first), state(again)
     assert expected.keys() == got.keys()
     for name, tensor in expected.items():

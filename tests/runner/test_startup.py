@@ -13,6 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kernels.autotune import Autotuner
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.kernels.defaults import BATCH, DECODE, PROMPT, CpuKind, default_choice
+from tokenmill.quant import config as quant_config
 from tokenmill.quant.cpu_dense import CpuLinearMethod
 from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.runner.model_builder import build_model
@@ -126,6 +127,7 @@ def test_a_start_measures_nothing_and_follows_the_table(tiny_model_dir, tmp_path
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     tuner = Autotuner(CPU, tmp_path / "autotune.json", measure=False, timer=never)
     tuner.cpu = AVX2
+    monkeypatch.setattr(quant_config, "int8_in_blocks", lambda settings, cpu=None: False)  # (AVX2: int8's format)
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         built = build_model(config_for(tiny_model_dir("llama"), quantization=quantization), CPU, tuner)
     assert tuner.counts["default"] > 0 and tuner.counts["measured"] == 0

@@ -8,7 +8,9 @@ and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
 
 - `quantization` int8 / int4 / w8a8: every projection quantized at load (CPU only), the output
   projection by `quantization_head` (`same`, or `int8` per channel); a checkpoint stored quantized
-  already refuses them.
+  already refuses them. int8 with the group size unset or 32 goes by `gguf_layout` too, where the CPU
+  has AVX-512 VNNI: a layout keeping Q8_0 in blocks quantizes into Q8_0 blocks (`int8_in_blocks`,
+  quant/int8_blocks.py), `int` into tokenmill's int8 format (per channel unless a group is given).
 - `quantization` auto: a stored AWQ / GPTQ / compressed-tensors checkpoint loads as stored (CPU only;
   its output projection dense); a GGUF file's layers stay quantized on a CPU. The K-quants (Q4_K,
   Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay in the file's own blocks
@@ -38,6 +40,7 @@ from tokenmill.quant.awq_gptq import checkpoint_method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.cpu_dense import get_dense_linear_method
 from tokenmill.quant.gguf_method import GGUFBlocksMethod
+from tokenmill.quant.int8_blocks import Int8BlocksMethod
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, get_head_method, get_quant_method
 from tokenmill.quant.method import LinearMethod, Shape, UnquantizedLinearMethod
 from tokenmill.quant.quantize import QuantSpec
@@ -195,7 +198,21 @@ def build_quant_config(
         raise ValueError(f"quantization: {quantization} runs on a CPU device, not {device}")
     spec = QuantSpec(quantization, settings.group_size, settings.group_fallback, settings.head)
     native = kernels()
+    if native is not None and int8_in_blocks(settings):
+        blocks = QuantSpec("int8", GGUF_BLOCK, settings.group_fallback, settings.head)
+        return QuantConfig(Int8BlocksMethod(blocks, native), get_head_method(blocks, native), name=quantization)
     return QuantConfig(get_quant_method(spec, native), get_head_method(spec, native), name=quantization)
+
+
+def int8_in_blocks(settings: QuantSettings, cpu: CpuKind | None = None) -> bool:
+    """Whether `quantization` int8 keeps its weights in Q8_0 blocks (quant/int8_blocks.py) rather than
+    tokenmill's int8 format: the group size unset or 32 (Q8_0's), and `gguf_layout` keeping a GGUF file's
+    Q8_0 in blocks on `cpu` (None: this machine's) where the blocks' 16-row form has its vector kernel
+    (AVX-512 VNNI; the blocks and int8 pair was measured there, not yet on AVX2 for int8's per-channel form)."""
+    if settings.quantization != "int8" or settings.group_size not in (None, GGUF_BLOCK):
+        return False
+    kind = cpu or CpuKind.from_flags(cpu_flags())
+    return kind.vnni and gguf_layout(settings.gguf_layout, kind) in ("blocks", "q8_0")
 
 
 def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:

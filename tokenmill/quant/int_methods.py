@@ -156,6 +156,10 @@ class QuantizedLinearMethod(LinearMethod):
     def quantize(self, weight: torch.Tensor, group: int) -> object:
         raise NotImplementedError
 
+    def cache_tag(self) -> str:
+        """What the quantized-weight cache's key holds of this method (runner/quantized_cache.py)."""
+        return f"{type(self).__name__} {self.spec} native={self.ops is not None}"
+
     # --- products ---
     def kernels(self, dtype: torch.dtype) -> dict[str, Kernel]:
         """The kernels this method can run here for activations of `dtype`, by name."""

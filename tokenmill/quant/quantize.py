@@ -8,6 +8,8 @@ Owns the formats the quantized linear methods (quant/int_methods.py) hold, as pl
   range in 15 steps from its minimum), W[n, k] ~ q[n, k] * scale + min, in tokenmill's packed layout;
   `Int4PackWeight` holds the same values in torch's CPU int4 layout ((q - 8) * scale + zero, zero =
   min + 8 * scale, in bfloat16), for torch's int4 kernel where tokenmill's do not build.
+- `quantize_q8_0`: int8 in GGUF's Q8_0 blocks (groups of 32, a float16 scale each), the bytes a GGUF
+  file stores, for `--quantization int8` kept in blocks (quant/int8_blocks.py).
 Quantization rounds to nearest; the dequantized weights (`dequantize`) are the reference every kernel
 is tested against. `choose_group` applies the user's group size to one layer's input width: a group
 that does not divide it is an error naming the layer, or, with fallback, the largest power of two
@@ -142,6 +144,29 @@ def quantize_int8(w: torch.Tensor, group: int) -> Int8Weight:
         q[start : start + len(g)] = g.reshape(len(g), k)
         scales[start : start + len(g)] = s
     return int8_weight(q, scales, group)
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (any float dtype, K a multiple of 32) -> GGUF's Q8_0 blocks [N, K / 32 * 34] uint8: per 32
+    inputs a float16 scale d = max |w| / 127 (little-endian), then 32 int8 q = w / d rounded half away
+    from zero, as llama.cpp's and the `gguf` package's quantizers compute them (q from the float32 d,
+    the stored d rounded to float16)."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"quantize_q8_0: Q8_0 blocks hold 32 weights; a row of {k} is not a whole number of them")
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    for start, g in _row_blocks(w, 32):  # g [rows, K / 32, 32] float32
+        rows = len(g)
+        d = torch.maximum(-g.amin(-1), g.amax(-1)) / 127  # [rows, K / 32]
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        g.mul_(inv[..., None])
+        q = torch.round(g)  # half to even: the ties go away from zero below
+        ties = (g - g.trunc()).abs() == 0.5
+        q = torch.where(ties, g.trunc() + g.sign(), q)
+        block = out[start : start + rows]
+        block[..., :2] = d.to(torch.float16).view(torch.uint8).reshape(rows, -1, 2)
+        block[..., 2:] = q.to(torch.int8).view(torch.uint8)
+    return out.reshape(n, k // 32 * 34)
 
 
 # rows quantized at a time: their float32 copy (8 MB at 2,048 inputs) stays in a server CPU's L3, and

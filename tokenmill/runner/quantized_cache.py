@@ -6,14 +6,14 @@ The cache of one build is the folder `$TOKENMILL_CACHE_DIR/quantized/<key>/` (de
 of everything the quantized values depend on: the checkpoint's folder and files (names, sizes,
 modification times: a rewritten file is a new key), the dtype the weights were loaded in before
 quantizing, each quantized method (its class, its `QuantSpec`: method, group size, fallback, head;
-and whether tokenmill's native kernels are there, which picks the int4 layout), the quantization
-code's own source, and this file's `FORMAT`. It holds one safetensors file (never pickle): every
-parameter the model keeps (embedding table, norms, biases, a dense head) under its own name, and
-each quantized layer's tensors as `<layer>::<field>` (`Int8Weight.q`, `.scales`, `.wsums`;
-`Int4Weight.packed`, ...), the layers' formats and plain fields (group, rows) in the file's metadata
-beside the key's text. It is written beside its place and renamed in (a second process starting at
-once writes its own and one rename wins), streamed tensor by tensor (no second copy of the weights
-in memory).
+and whether tokenmill's native kernels are there, which picks the int4 layout; for Q8_0 blocks, the
+source of their 16-row layout), the quantization code's own source, and this file's `FORMAT`. It
+holds one safetensors file (never pickle): every parameter the model keeps (embedding table, norms,
+biases, a dense head) under its own name, and each quantized layer's tensors as `<layer>::<field>`
+(`Int8Weight.q`, `.scales`, `.wsums`; `Int4Weight.packed`, ...; `GGUFMatrix.data` for int8 kept in
+Q8_0 blocks), the layers' formats and plain fields (group, rows) in the file's metadata beside the
+key's text. It is written beside its place and renamed in (a second process starting at once writes
+its own and one rename wins), streamed tensor by tensor (no second copy of the weights in memory).
 
 A cached build makes the model's modules as a load does (the quantized layers' dense weights are
 allocated and never touched), hands each quantized layer its weights, then every parameter its
@@ -44,6 +44,7 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import read_model_config, weight_files
 from tokenmill.quant import quantize
 from tokenmill.quant.config import QuantConfig
+from tokenmill.quant.gguf_method import GGUFMatrix
 from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.quantize import Int4PackWeight, Int4Weight, Int8Weight
 
@@ -53,7 +54,7 @@ FORMAT = 1  # this file's layout; a change makes every key new
 FILE = "model.safetensors"
 META = "tokenmill"  # the safetensors metadata entry holding the key and the layers' formats
 SEP = "::"  # <layer>::<field> names a quantized layer's tensor
-FORMATS: dict[str, type] = {cls.__name__: cls for cls in (Int8Weight, Int4Weight, Int4PackWeight)}
+FORMATS: dict[str, type] = {cls.__name__: cls for cls in (Int8Weight, Int4Weight, Int4PackWeight, GGUFMatrix)}
 DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
     torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
@@ -191,7 +192,7 @@ def cache_for(source: object, quant: QuantConfig, dtype: torch.dtype, device: to
     files = sorted([*weight_files(folder), folder / "config.json"])
     parts = [f"tokenmill quantized cache {FORMAT}", str(folder.resolve()), str(dtype), quant.describe()]
     parts += [f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files]
-    parts += [f"{type(m).__name__} {m.spec} native={m.ops is not None}" for m in methods]
+    parts += [m.cache_tag() for m in methods]
     parts.append("quantize.py " + hashlib.sha256(Path(quantize.__file__).read_bytes()).hexdigest()[:16])
     text = "\n".join(parts)
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
