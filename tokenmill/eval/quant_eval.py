@@ -28,8 +28,8 @@ from tokenmill.layers.backends import get_attention_backend
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.loader import load_model
+from tokenmill.quant.config import quantized_methods
 from tokenmill.quant.cpu_dense import get_dense_linear_method
-from tokenmill.quant.int_methods import get_head_method, get_quant_method
 from tokenmill.quant.quantize import QuantSpec
 from tokenmill.runner.kv_cache import kv_bytes_per_block
 from tokenmill.runner.model_builder import prepare_native
@@ -117,8 +117,7 @@ def _load(model: str, dtype: str, spec: QuantSpec | None, length: int, tuner: Au
     """The model as the engine builds it on this CPU (native kernels where they build, tuned)."""
     backend = get_attention_backend("auto")
     kernels = load_cpu_kernels()
-    method = get_dense_linear_method("auto") if spec is None else get_quant_method(spec, kernels)
-    head = None if spec is None else get_head_method(spec, kernels)
+    method, head = (get_dense_linear_method("auto"), None) if spec is None else quantized_methods(spec, kernels)
     loaded = load_model(
         model, dtype=dtype, backend=backend, ops=get_layer_ops("auto"), linear_method=method, head_method=head
     )

@@ -197,11 +197,21 @@ def build_quant_config(
     if device.type != "cpu":
         raise ValueError(f"quantization: {quantization} runs on a CPU device, not {device}")
     spec = QuantSpec(quantization, settings.group_size, settings.group_fallback, settings.head)
-    native = kernels()
-    if native is not None and int8_in_blocks(settings):
-        blocks = QuantSpec("int8", GGUF_BLOCK, settings.group_fallback, settings.head)
-        return QuantConfig(Int8BlocksMethod(blocks, native), get_head_method(blocks, native), name=quantization)
-    return QuantConfig(get_quant_method(spec, native), get_head_method(spec, native), name=quantization)
+    layers, head = quantized_methods(spec, kernels(), settings.gguf_layout)
+    return QuantConfig(layers, head, name=quantization)
+
+
+def quantized_methods(
+    spec: QuantSpec, kernels: CpuKernels | None, layout: str = "auto"
+) -> tuple[LinearMethod, LinearMethod | None]:
+    """The projections' method and the output projection's own (None: the same) for quantizing at load
+    by `spec` on this CPU: int8 in Q8_0 blocks where `int8_in_blocks` says so (`layout`: the
+    `gguf_layout` setting), else `spec`'s method. `tokenmill eval-quant` builds its models by this too."""
+    settings = QuantSettings(spec.method, spec.group_size, spec.group_fallback, spec.head, gguf_layout=layout)
+    if kernels is not None and int8_in_blocks(settings):
+        blocks = QuantSpec("int8", GGUF_BLOCK, spec.group_fallback, spec.head)
+        return Int8BlocksMethod(blocks, kernels), get_head_method(blocks, kernels)
+    return get_quant_method(spec, kernels), get_head_method(spec, kernels)
 
 
 def int8_in_blocks(settings: QuantSettings, cpu: CpuKind | None = None) -> bool:
