@@ -152,3 +152,18 @@ def test_which_cpu_kinds_keep_int8_in_q8_0_blocks():
     assert not int8_in_blocks(QuantSettings("int8"), amx)  # not measured there: the int8 kernels stay
     assert not int8_in_blocks(QuantSettings("int8", gguf_layout="q8_0"), avx2)  # no 16-row vector kernel
     assert not int8_in_blocks(QuantSettings("int4"), zen4)
+
+
+@needs_kernels
+def test_float16_layers_hold_blocks_and_run_them_dequantized():
+    """The block kernels take float32 and bfloat16 activations: a float16 layer multiplies its
+    dequantized blocks (torch's GEMM) and is not chained by the fused decode."""
+    method = Int8BlocksMethod(SPEC, KERNELS)
+    layer = Linear(64, 32, linear_method=method, dtype=torch.float16)
+    w = torch.randn(32, 64)
+    layer.weight.data.copy_(w)
+    layer.process_weights_after_loading()
+    assert isinstance(layer.quantized, GGUFMatrix) and not method.fusable(layer)
+    x = torch.randn(3, 64, dtype=torch.float16)
+    dense = dequantize(layer.quantized, KERNELS.ops, torch.float32).half()
+    assert torch.equal(layer(x), F.linear(x, dense))

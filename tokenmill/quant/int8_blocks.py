@@ -47,6 +47,12 @@ class Int8BlocksMethod(QuantizedLinearMethod):
         """What the cache key adds for this method: the repacked form's layout source."""
         return super().cache_tag() + f" repack16={self.repack16} {_layout_hash()}"
 
+    def create_weights(
+        self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().create_weights(layer, input_size, output_sizes, bias, dtype)
+        layer.blocks_dtype = dtype  # the activations' dtype: the block kernels take float32 and bfloat16
+
     def process_weights_after_loading(self, layer: Layer) -> None:
         weight = layer.weight.data  # type: ignore[union-attr]  # [out, in]
         if weight.shape[1] % BLOCK:
@@ -91,7 +97,9 @@ class Int8BlocksMethod(QuantizedLinearMethod):
 
     # --- the fused decode: the GGUF projection kind (decode_layer.cpp), one run of Q8_0 ---
     def fusable(self, layer: Layer) -> bool:
-        return True
+        if isinstance(layer.quantized, Int8Weight):  # type: ignore[attr-defined]
+            return self.per_channel.fusable(layer)
+        return layer.blocks_dtype in NATIVE_DTYPES  # type: ignore[attr-defined]
 
     def fused_kind(self, layer: Layer, rows: int) -> int | None:
         if isinstance(layer.quantized, Int8Weight):  # type: ignore[attr-defined]
