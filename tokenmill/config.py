@@ -212,8 +212,9 @@ class EngineConfig:
         "a GGUF file's Q8_0, Q4_0 and Q4_1 matrices under quantization auto: blocks (the file's own blocks, "
         "products on int8 activations, prompts through an integer GEMM), q8_0 (Q8_0 so, Q4_0 / Q4_1 as int), int "
         "(read into tokenmill's int8 / int4 formats and their kernels), or auto (the CPU kind's default: q8_0 "
-        "without AVX-512 and with AVX-512 BF16 but no AMX, int otherwise); with AVX-512 VNNI it also says how "
-        "quantization int8 keeps its weights (blocks or q8_0: Q8_0 blocks, int: tokenmill's int8)",
+        "without AVX-512, blocks with AVX-512 BF16 but no AMX, int otherwise); with AVX-512 VNNI it also says how "
+        "quantization int8 / int4 keep their weights (int8 in Q8_0 blocks under blocks or q8_0, int4 in Q4_1 "
+        "blocks under blocks, else tokenmill's formats)",
         choices=GGUF_LAYOUTS,
     )
     speculative_config: str | None = setting(

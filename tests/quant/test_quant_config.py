@@ -161,9 +161,9 @@ def test_gguf_layout_auto_is_the_cpu_kinds_rule():
     amx = CpuKind(avx512=True, vnni=True, bf16=True, amx=True)
     assert gguf_layout("auto", avx2) == "q8_0"
     icx = CpuKind(avx512=True, vnni=True, bf16=False, amx=False)  # (AVX-512 VNNI alone: not measured, int)
-    assert gguf_layout("auto", zen4) == "q8_0" and gguf_layout("auto", amx) == gguf_layout("auto", icx) == "int"
+    assert gguf_layout("auto", zen4) == "blocks" and gguf_layout("auto", amx) == gguf_layout("auto", icx) == "int"
     assert gguf_layout("int", avx2) == "int" and gguf_layout("blocks", amx) == "blocks"
-    assert gguf_layout("auto") in ("q8_0", "int")  # this machine's
+    assert gguf_layout("auto") in ("blocks", "q8_0", "int")  # this machine's
     q8 = build(gguf=GGUF, layout="q8_0")  # Q8_0 in its blocks, Q4_1 in int4
     assert isinstance(q8.method_for(QKV, SHAPE), GGUFBlocksMethod)
     assert isinstance(q8.method_for(DOWN, SHAPE), Int4LinearMethod)

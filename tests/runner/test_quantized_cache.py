@@ -48,15 +48,16 @@ def state(model) -> dict[str, torch.Tensor]:
         ("int4", True, "bfloat16", False),
         ("w8a8", False, "float32", False),
         ("int8", True, "float32", False),
-        ("int8", True, "float32", True),  # int8 in Q8_0 blocks (quant/int8_blocks.py), whatever this CPU's kind
+        ("int8", True, "float32", True),  # int8 in Q8_0 blocks (quant/int_blocks.py), whatever this CPU's kind
         ("int8", False, "bfloat16", True),
+        ("int4", True, "bfloat16", True),  # int4 in Q4_1 blocks
     ],
 )
 def test_the_cache_round_trips_exactly(
     tiny_model_dir, tmp_path, monkeypatch, caplog, quantization, tied, dtype, blocks
 ):
     monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
-    monkeypatch.setattr(quant_config, "int8_in_blocks", lambda settings, cpu=None: blocks)
+    monkeypatch.setattr(quant_config, "in_blocks", lambda settings, cpu=None: blocks)
     folder = tiny_model_dir("llama", tied=tied)
     built = build(folder, tmp_path, quantization=quantization, dtype=dtype)
     first = built.model
@@ -67,7 +68,7 @@ def test_the_cache_round_trips_exactly(
         again = build(folder, tmp_path, quantization=quantization, dtype=dtype).model
     assert "from the cache" in caplog.text
     assert type(first.layers[0].mlp.down_proj.linear_method).__name__ == (
-        "Int8BlocksMethod"
+        "BlocksQuantMethod"
         if blocks
         else {"int8": "Int8LinearMethod", "int4": "Int4LinearMethod", "w8a8": "W8A8LinearMethod"}[quantization]
     )

@@ -127,7 +127,7 @@ def test_a_start_measures_nothing_and_follows_the_table(tiny_model_dir, tmp_path
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     tuner = Autotuner(CPU, tmp_path / "autotune.json", measure=False, timer=never)
     tuner.cpu = AVX2
-    monkeypatch.setattr(quant_config, "int8_in_blocks", lambda settings, cpu=None: False)  # (AVX2: int8's format)
+    monkeypatch.setattr(quant_config, "in_blocks", lambda settings, cpu=None: False)  # (AVX2: the int formats)
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         built = build_model(config_for(tiny_model_dir("llama"), quantization=quantization), CPU, tuner)
     assert tuner.counts["default"] > 0 and tuner.counts["measured"] == 0

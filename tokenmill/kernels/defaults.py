@@ -148,14 +148,16 @@ RULES: tuple[Rule, ...] = (
     # multiplies a Q8_0 block's bytes as stored (vpmaddubsw on int8 activations in runs of 32) over
     # several weight streams a thread at one x row, where the int8 kernel widens each weight to 16 bits
     # over one stream a thread; Q4_0's blocks pay a nibble unpack and sign step per 32 weights that
-    # the int4 kernel's layout avoids: `q8_0`. With AVX-512 VNNI and BF16 but no AMX (Zen 4), Q8_0's
-    # blocks repacked in 16-row groups (gguf_x16.cpp) outrun the int8 kernels (the 1.1B q8_0 file:
-    # prompt 2.21x llama.cpp against 1.58x, 8 requests 2.22x against 1.83x, one request alike), and
-    # Q4_0's run level with int4 (1.78x / 2.16x / 1.31x against 1.85x / 2.30x / 1.42x): `q8_0`
-    # (benchmarks/RESULTS.md, Zen 4). With AMX, and AVX-512 without BF16, the int kernels stay the
-    # default until a measurement there says otherwise.
+    # the int4 kernel's layout avoids: `q8_0`. With AVX-512 VNNI and BF16 but no AMX (Zen 4), the
+    # blocks repacked in 16-row groups (gguf_x16.cpp) outrun the int kernels: Q8_0's (the 1.1B q8_0
+    # file: prompt 2.21x llama.cpp against 1.58x, 8 requests 2.22x against 1.83x, one request alike)
+    # and Q4_0's / Q4_1's at one request (the 4-bit product alone 1.12x the int4 kernel's speed at one
+    # row, level at eight; the q4_0 file served: benchmarks/RESULTS.md, Zen 4): `blocks`. The same
+    # rule puts `--quantization int8` / `int4` in Q8_0 / Q4_1 blocks there (quant/int_blocks.py).
+    # With AMX, and AVX-512 without BF16, the int kernels stay the default until a measurement there
+    # says otherwise.
     Rule("gguf_layout", ANY, ANY, "amx", ("int", "q8_0", "blocks")),
-    Rule("gguf_layout", ANY, ANY, "bf16", ("q8_0", "int", "blocks")),
+    Rule("gguf_layout", ANY, ANY, "bf16", ("blocks", "q8_0", "int")),
     Rule("gguf_layout", ANY, ANY, "avx512", ("int", "q8_0", "blocks")),
     Rule("gguf_layout", ANY, ANY, ANY, ("q8_0", "int", "blocks")),
     # a GGUF block type's prompt product (`gguf_prompt`; the rule's dtype is the block type): `gemm`

@@ -8,9 +8,10 @@ and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
 
 - `quantization` int8 / int4 / w8a8: every projection quantized at load (CPU only), the output
   projection by `quantization_head` (`same`, or `int8` per channel); a checkpoint stored quantized
-  already refuses them. int8 with the group size unset or 32 goes by `gguf_layout` too, where the CPU
-  has AVX-512 VNNI: a layout keeping Q8_0 in blocks quantizes into Q8_0 blocks (`int8_in_blocks`,
-  quant/int8_blocks.py), `int` into tokenmill's int8 format (per channel unless a group is given).
+  already refuses them. int8 and int4 with the group size unset or 32 go by `gguf_layout` too, where
+  the CPU has AVX-512 VNNI: a layout keeping Q8_0 in blocks quantizes int8 into Q8_0 blocks, one
+  keeping Q4_0 / Q4_1 in blocks int4 into Q4_1 blocks (`in_blocks`, quant/int_blocks.py); otherwise
+  tokenmill's int8 / int4 formats.
 - `quantization` auto: a stored AWQ / GPTQ / compressed-tensors checkpoint loads as stored (CPU only;
   its output projection dense); a GGUF file's layers stay quantized on a CPU. The K-quants (Q4_K,
   Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay in the file's own blocks
@@ -40,7 +41,7 @@ from tokenmill.quant.awq_gptq import checkpoint_method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.cpu_dense import get_dense_linear_method
 from tokenmill.quant.gguf_method import GGUFBlocksMethod
-from tokenmill.quant.int8_blocks import Int8BlocksMethod
+from tokenmill.quant.int_blocks import BlocksQuantMethod
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, get_head_method, get_quant_method
 from tokenmill.quant.method import LinearMethod, Shape, UnquantizedLinearMethod
 from tokenmill.quant.quantize import QuantSpec
@@ -205,24 +206,26 @@ def quantized_methods(
     spec: QuantSpec, kernels: CpuKernels | None, layout: str = "auto"
 ) -> tuple[LinearMethod, LinearMethod | None]:
     """The projections' method and the output projection's own (None: the same) for quantizing at load
-    by `spec` on this CPU: int8 in Q8_0 blocks where `int8_in_blocks` says so (`layout`: the
+    by `spec` on this CPU: int8 / int4 in GGUF blocks where `in_blocks` says so (`layout`: the
     `gguf_layout` setting), else `spec`'s method. `tokenmill eval-quant` builds its models by this too."""
     settings = QuantSettings(spec.method, spec.group_size, spec.group_fallback, spec.head, gguf_layout=layout)
-    if kernels is not None and int8_in_blocks(settings):
-        blocks = QuantSpec("int8", GGUF_BLOCK, spec.group_fallback, spec.head)
-        return Int8BlocksMethod(blocks, kernels), get_head_method(blocks, kernels)
+    if kernels is not None and in_blocks(settings):
+        blocks = QuantSpec(spec.method, GGUF_BLOCK, spec.group_fallback, spec.head)
+        return BlocksQuantMethod(blocks, kernels), get_head_method(blocks, kernels)
     return get_quant_method(spec, kernels), get_head_method(spec, kernels)
 
 
-def int8_in_blocks(settings: QuantSettings, cpu: CpuKind | None = None) -> bool:
-    """Whether `quantization` int8 keeps its weights in Q8_0 blocks (quant/int8_blocks.py) rather than
-    tokenmill's int8 format: the group size unset or 32 (Q8_0's), and `gguf_layout` keeping a GGUF file's
-    Q8_0 in blocks on `cpu` (None: this machine's) where the blocks' 16-row form has its vector kernel
-    (AVX-512 VNNI; the blocks and int8 pair was measured there, not yet on AVX2 for int8's per-channel form)."""
-    if settings.quantization != "int8" or settings.group_size not in (None, GGUF_BLOCK):
+def in_blocks(settings: QuantSettings, cpu: CpuKind | None = None) -> bool:
+    """Whether `quantization` int8 / int4 keeps its weights in GGUF blocks (quant/int_blocks.py: Q8_0 /
+    Q4_1) rather than tokenmill's int formats: the group size unset or 32 (the blocks'), and
+    `gguf_layout` keeping a GGUF file's Q8_0 (int8) or Q4_0 / Q4_1 (int4) in blocks on `cpu` (None: this
+    machine's) where the blocks' 16-row form has its vector kernel (AVX-512 VNNI; the pairs were
+    measured there, not on AVX2)."""
+    if settings.quantization not in ("int8", "int4") or settings.group_size not in (None, GGUF_BLOCK):
         return False
     kind = cpu or CpuKind.from_flags(cpu_flags())
-    return kind.vnni and gguf_layout(settings.gguf_layout, kind) in ("blocks", "q8_0")
+    kept = ("blocks", "q8_0") if settings.quantization == "int8" else ("blocks",)
+    return kind.vnni and gguf_layout(settings.gguf_layout, kind) in kept
 
 
 def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:

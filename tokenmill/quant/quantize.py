@@ -8,8 +8,9 @@ Owns the formats the quantized linear methods (quant/int_methods.py) hold, as pl
   range in 15 steps from its minimum), W[n, k] ~ q[n, k] * scale + min, in tokenmill's packed layout;
   `Int4PackWeight` holds the same values in torch's CPU int4 layout ((q - 8) * scale + zero, zero =
   min + 8 * scale, in bfloat16), for torch's int4 kernel where tokenmill's do not build.
-- `quantize_q8_0`: int8 in GGUF's Q8_0 blocks (groups of 32, a float16 scale each), the bytes a GGUF
-  file stores, for `--quantization int8` kept in blocks (quant/int8_blocks.py).
+- `quantize_q8_0` / `quantize_q4_1`: int8 in GGUF's Q8_0 blocks (groups of 32, a float16 scale each,
+  the bytes a GGUF file stores), int4's grid in Q4_1's blocks, for `--quantization int8` / `int4` kept
+  in blocks (quant/int_blocks.py).
 Quantization rounds to nearest; the dequantized weights (`dequantize`) are the reference every kernel
 is tested against. `choose_group` applies the user's group size to one layer's input width: a group
 that does not divide it is an error naming the layer, or, with fallback, the largest power of two
@@ -167,6 +168,24 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
         block[..., :2] = d.to(torch.float16).view(torch.uint8).reshape(rows, -1, 2)
         block[..., 2:] = q.to(torch.int8).view(torch.uint8)
     return out.reshape(n, k // 32 * 34)
+
+
+def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (K a multiple of 32) -> tokenmill's int4 grid in groups of 32 (`quantize_int4`'s values:
+    a float16 scale and minimum a group) as GGUF's Q4_1 blocks [N, K / 32 * 20] uint8: the scale d and
+    the minimum m (float16, little-endian), then 16 bytes, byte j holding weight j in its low nibble and
+    weight j + 16 in its high one; W = q * d + m."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"quantize_q4_1: Q4_1 blocks hold 32 weights; a row of {k} is not a whole number of them")
+    q, scale, lo = int4_grid(w, 32)  # q [N, K] uint8, scale / lo [N, K / 32] (float16 values)
+    mins = ((lo + 8 * scale) - 8 * scale).half()  # (as `quantize_int4` keeps them)
+    runs = q.view(n, k // 32, 32)
+    out = torch.empty(n, k // 32, 20, dtype=torch.uint8)
+    out[..., 0:2] = scale.half().view(torch.uint8).reshape(n, -1, 2)
+    out[..., 2:4] = mins.view(torch.uint8).reshape(n, -1, 2)
+    out[..., 4:] = runs[..., :16] | (runs[..., 16:] << 4)
+    return out.reshape(n, k // 32 * 20)
 
 
 # rows quantized at a time: their float32 copy (8 MB at 2,048 inputs) stays in a server CPU's L3, and

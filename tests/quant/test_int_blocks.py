@@ -1,5 +1,6 @@
-"""`--quantization int8` kept in Q8_0 blocks (quant/int8_blocks.py): the quantizer writes the bytes the
-`gguf` package writes, bit for bit; a model's projections hold the blocks (repacked in 16-row groups,
+"""`--quantization int8` / `int4` kept in GGUF blocks (quant/int_blocks.py): the Q8_0 quantizer writes the
+bytes the `gguf` package writes, bit for bit, and the Q4_1 one tokenmill's int4 values; a model's
+projections hold the blocks (repacked in 16-row groups,
 forced on here so that a CPU without AVX-512 VNNI tests the scalar form) and compute what the dense
 model holding the dequantized weights does within the int8 rounding of the activations; the fused
 decode chains them to the bit; a layer no block fits is quantized per channel; the quantized-weight
@@ -21,14 +22,21 @@ from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.linear import Linear, LinearBase
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.models.loader import load_model
-from tokenmill.quant.config import QuantSettings, int8_in_blocks
+from tokenmill.quant.config import QuantSettings, in_blocks
 from tokenmill.quant.gguf_method import GGUFMatrix, dequantize
-from tokenmill.quant.int8_blocks import Int8BlocksMethod
-from tokenmill.quant.quantize import Int8Weight, QuantSpec, quantize_q8_0
+from tokenmill.quant.int_blocks import BlocksQuantMethod
+from tokenmill.quant.quantize import (
+    Int8Weight,
+    QuantSpec,
+    dequantize_int4,
+    quantize_int4,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 
 KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels did not build here")
-SPEC = QuantSpec("int8", 32)
+METHODS = {"int8": "Q8_0", "int4": "Q4_1"}  # the quantization -> its block type
 
 
 def test_the_q8_0_quantizer_writes_ggufs_bytes():
@@ -46,9 +54,19 @@ def test_the_q8_0_quantizer_writes_ggufs_bytes():
         quantize_q8_0(torch.zeros(4, 48))
 
 
-def blocks_model(folder, dtype="float32"):
+def test_the_q4_1_blocks_hold_int4s_values():
+    w = torch.randn(48, 256) * torch.rand(48, 1) * 3
+    w[2, :32] = 0.0  # a group of one value: scale 0
+    blocks = GGUFMatrix("Q4_1", quantize_q4_1(w), 256)
+    values = dequantize(blocks, None, torch.float32)  # (the `gguf` package's dequantizer)
+    assert torch.equal(values, dequantize_int4(quantize_int4(w, 32), torch.float32))
+    with pytest.raises(ValueError, match="not a whole number"):
+        quantize_q4_1(torch.zeros(4, 48))
+
+
+def blocks_model(folder, quantization, dtype="float32"):
     backend = get_attention_backend("cpu")
-    method = Int8BlocksMethod(SPEC, KERNELS, repack16=True)
+    method = BlocksQuantMethod(QuantSpec(quantization, 32), KERNELS, repack16=True)
     model = load_model(folder, dtype=dtype, backend=backend, ops=get_layer_ops("cpu"), linear_method=method)
     return model, backend, method
 
@@ -79,20 +97,24 @@ def dequantized_twin(folder, quantized, backend):
 
 
 @needs_kernels
-@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False)])
-def test_a_model_in_q8_0_blocks_computes_what_its_dequantized_weights_do(tiny_model_dir, arch, tied):
+@pytest.mark.parametrize(
+    ("arch", "tied", "quantization"), [("llama", True, "int8"), ("qwen2", False, "int8"), ("llama", True, "int4")]
+)
+def test_a_model_in_blocks_computes_what_its_dequantized_weights_do(tiny_model_dir, arch, tied, quantization):
     folder = tiny_model_dir(arch, tied)
-    model, backend, _ = blocks_model(folder)
+    model, backend, _ = blocks_model(folder, quantization)
+    type_name = METHODS[quantization]
     dense = load_model(folder, dtype="float32")
     weights = {n: p.data for n, p in dense.named_parameters()}
     weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])  # a tied head: the table's rows
     for name, layer in model.named_modules():
         if isinstance(layer, LinearBase):
             m = layer.quantized
-            assert isinstance(m, GGUFMatrix) and m.type_name == "Q8_0" and m.repacked, name
-            file_blocks = GGUFMatrix("Q8_0", quantize_q8_0(weights[f"{name}.weight"]), m.cols)
+            assert isinstance(m, GGUFMatrix) and m.type_name == type_name and m.repacked, name
+            quantize = quantize_q8_0 if type_name == "Q8_0" else quantize_q4_1
+            file_blocks = GGUFMatrix(type_name, quantize(weights[f"{name}.weight"]), m.cols)
             assert torch.equal(dequantize(m, KERNELS.ops, torch.float32), dequantize(file_blocks, None, torch.float32))
-    assert model.weight_bytes() < 0.6 * dense.weight_bytes()
+    assert model.weight_bytes() < (0.6 if quantization == "int8" else 0.45) * dense.weight_bytes()
     twin_backend = get_attention_backend("cpu")
     twin = dequantized_twin(folder, model, twin_backend)
     ids = list(range(3, 3 + 19))
@@ -109,10 +131,10 @@ def test_a_model_in_q8_0_blocks_computes_what_its_dequantized_weights_do(tiny_mo
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_stack_chains_q8_0_blocks_to_the_bit(tiny_model_dir, dtype):
+@pytest.mark.parametrize(("quantization", "dtype"), [("int8", "float32"), ("int8", "bfloat16"), ("int4", "bfloat16")])
+def test_the_fused_stack_chains_the_blocks_to_the_bit(tiny_model_dir, quantization, dtype):
     folder = tiny_model_dir("qwen2")  # q/k/v biases too
-    model, backend, method = blocks_model(folder, dtype)
+    model, backend, method = blocks_model(folder, quantization, dtype)
     assert FusedDecode.supports(model)
     prompt = list(range(5, 5 + 17))
     modules = run_steps(model, backend, prompt, 3, 3)
@@ -126,7 +148,7 @@ def test_the_fused_stack_chains_q8_0_blocks_to_the_bit(tiny_model_dir, dtype):
 
 @needs_kernels
 def test_a_layer_no_block_fits_is_quantized_per_channel():
-    method = Int8BlocksMethod(SPEC, KERNELS)
+    method = BlocksQuantMethod(QuantSpec("int8", 32), KERNELS)
     layer = Linear(48, 32, linear_method=method, bias=True)
     w = torch.randn(32, 48)
     layer.weight.data.copy_(w)
@@ -140,25 +162,27 @@ def test_a_layer_no_block_fits_is_quantized_per_channel():
     assert (rows - w[[3, 0]]).abs().max() <= w.abs().max() / 127
 
 
-def test_which_cpu_kinds_keep_int8_in_q8_0_blocks():
+def test_which_cpu_kinds_keep_int8_and_int4_in_blocks():
     zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False)
     amx = CpuKind(avx512=True, vnni=True, bf16=True, amx=True)
     avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
-    assert int8_in_blocks(QuantSettings("int8"), zen4)
-    assert int8_in_blocks(QuantSettings("int8", group_size=32), zen4)
-    assert not int8_in_blocks(QuantSettings("int8", group_size=64), zen4)  # another grid: tokenmill's int8
-    assert not int8_in_blocks(QuantSettings("int8", gguf_layout="int"), zen4)  # asked for the int formats
-    assert int8_in_blocks(QuantSettings("int8", gguf_layout="blocks"), zen4)
-    assert not int8_in_blocks(QuantSettings("int8"), amx)  # not measured there: the int8 kernels stay
-    assert not int8_in_blocks(QuantSettings("int8", gguf_layout="q8_0"), avx2)  # no 16-row vector kernel
-    assert not int8_in_blocks(QuantSettings("int4"), zen4)
+    for q in ("int8", "int4"):
+        assert in_blocks(QuantSettings(q), zen4)
+        assert in_blocks(QuantSettings(q, group_size=32), zen4)
+        assert not in_blocks(QuantSettings(q, group_size=64), zen4)  # another grid: tokenmill's format
+        assert not in_blocks(QuantSettings(q, gguf_layout="int"), zen4)  # asked for the int formats
+        assert not in_blocks(QuantSettings(q), amx)  # not measured there: the int kernels stay
+        assert not in_blocks(QuantSettings(q, gguf_layout="blocks"), avx2)  # no 16-row vector kernel
+    assert in_blocks(QuantSettings("int8", gguf_layout="q8_0"), zen4)  # q8_0: Q8_0 alone in blocks
+    assert not in_blocks(QuantSettings("int4", gguf_layout="q8_0"), zen4)
+    assert not in_blocks(QuantSettings("w8a8"), zen4)
 
 
 @needs_kernels
 def test_float16_layers_hold_blocks_and_run_them_dequantized():
     """The block kernels take float32 and bfloat16 activations: a float16 layer multiplies its
     dequantized blocks (torch's GEMM) and is not chained by the fused decode."""
-    method = Int8BlocksMethod(SPEC, KERNELS)
+    method = BlocksQuantMethod(QuantSpec("int4", 32), KERNELS)
     layer = Linear(64, 32, linear_method=method, dtype=torch.float16)
     w = torch.randn(32, 64)
     layer.weight.data.copy_(w)
