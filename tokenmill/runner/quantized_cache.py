@@ -6,13 +6,13 @@ The cache of one build is the folder `$TOKENMILL_CACHE_DIR/quantized/<key>/` (de
 of everything the quantized values depend on: the checkpoint's folder and files (names, sizes,
 modification times: a rewritten file is a new key), the dtype the weights were loaded in before
 quantizing, each quantized method (its class, its `QuantSpec`: method, group size, fallback, head;
-and whether tokenmill's native kernels are there, which picks the int4 layout; for Q8_0 blocks, the
+and whether tokenmill's native kernels are there, which picks the int4 layout; for GGUF blocks, the
 source of their 16-row layout), the quantization code's own source, and this file's `FORMAT`. It
 holds one safetensors file (never pickle): every parameter the model keeps (embedding table, norms,
 biases, a dense head) under its own name, and each quantized layer's tensors as `<layer>::<field>`
-(`Int8Weight.q`, `.scales`, `.wsums`; `Int4Weight.packed`, ...; `GGUFMatrix.data` for int8 kept in
-Q8_0 blocks), the layers' formats and plain fields (group, rows) in the file's metadata beside the
-key's text. It is written beside its place and renamed in (a second process starting at once writes
+(`Int8Weight.q`, `.scales`, `.wsums`; `Int4Weight.packed`, ...; `GGUFMatrix.data` for int8 / int4
+kept in GGUF blocks), the layers' formats and plain fields (group, rows) in the file's metadata beside
+the key's text. It is written beside its place and renamed in (a second process starting at once writes
 its own and one rename wins), streamed tensor by tensor (no second copy of the weights in memory).
 
 A cached build makes the model's modules as a load does (the quantized layers' dense weights are
