@@ -55,7 +55,8 @@ def test_the_q8_0_quantizer_writes_ggufs_bytes():
 
 
 def test_the_q4_1_blocks_hold_int4s_values():
-    w = torch.randn(48, 256) * torch.rand(48, 1) * 3
+    rng = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=rng) * torch.rand(48, 1, generator=rng) * 3
     w[2, :32] = 0.0  # a group of one value: scale 0
     blocks = GGUFMatrix("Q4_1", quantize_q4_1(w), 256)
     values = dequantize(blocks, None, torch.float32)  # (the `gguf` package's dequantizer)
@@ -150,6 +151,7 @@ def test_the_fused_stack_chains_the_blocks_to_the_bit(tiny_model_dir, quantizati
 def test_a_layer_no_block_fits_is_quantized_per_channel():
     method = BlocksQuantMethod(QuantSpec("int8", 32), KERNELS)
     layer = Linear(48, 32, linear_method=method, bias=True)
+    torch.manual_seed(0)
     w = torch.randn(32, 48)
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(torch.randn(32))
@@ -184,6 +186,7 @@ def test_float16_layers_hold_blocks_and_run_them_dequantized():
     dequantized blocks (torch's GEMM) and is not chained by the fused decode."""
     method = BlocksQuantMethod(QuantSpec("int4", 32), KERNELS)
     layer = Linear(64, 32, linear_method=method, dtype=torch.float16)
+    torch.manual_seed(1)
     w = torch.randn(32, 64)
     layer.weight.data.copy_(w)
     layer.process_weights_after_loading()
