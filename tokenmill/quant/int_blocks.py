@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels
-from tokenmill.quant.gguf_method import GGUFMatrix, dequantize, repack, repackable
+from tokenmill.quant.gguf_method import GGUFBlocksMethod, GGUFMatrix, dequantize, repack, repackable
 from tokenmill.quant.int_methods import (
     FusedTensors,
     Int4LinearMethod,
@@ -38,7 +38,6 @@ from tokenmill.quant.method import FusedKind, Layer
 from tokenmill.quant.quantize import QuantSpec, choose_group, quantize_q4_1, quantize_q8_0
 
 BLOCK = 32  # weights a Q8_0 / Q4_1 block
-MAX_DECODE_ROWS = 8  # `gguf_linear` up to this many rows, `gguf_gemm` past it (as GGUFBlocksMethod)
 # the repacked layout's definition: the quantized-weight cache holds repacked bytes, so its key reads it
 LAYOUT_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "csrc" / "gguf_x16_pack.h"
 BLOCK_TYPES = {"int8": "Q8_0", "int4": "Q4_1"}  # the quantization -> the block type it is kept in
@@ -55,7 +54,9 @@ class BlocksQuantMethod(QuantizedLinearMethod):
         super().__init__(spec, kernels)
         self.name = f"{spec.method}_blocks"
         self.type_name = BLOCK_TYPES[spec.method]
-        self.repack16 = repack16  # the 16-row groups (the AVX-512 VNNI kernel) where rows allow
+        # a GGUF file's blocks method: which native product a row count takes, the repack (the 16-row
+        # groups of the AVX-512 VNNI kernel, where rows allow)
+        self.blocks = GGUFBlocksMethod(kernels, repack=repack16)
         # layers no block fits: the int method's own format
         fallback = QuantSpec(spec.method)
         self.own: QuantizedLinearMethod = (
@@ -65,7 +66,7 @@ class BlocksQuantMethod(QuantizedLinearMethod):
     def cache_tag(self) -> str:
         """What the cache key adds for this method: the repacked form's layout source."""
         layout = hashlib.sha256(LAYOUT_SOURCE.read_bytes()).hexdigest()[:16]
-        return super().cache_tag() + f" repack16={self.repack16} {layout}"
+        return super().cache_tag() + f" repack16={self.blocks.repack} {layout}"
 
     def create_weights(
         self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
@@ -81,7 +82,7 @@ class BlocksQuantMethod(QuantizedLinearMethod):
             layer.quantized = self.own.quantize(weight, group)  # type: ignore[assignment]
         else:
             matrix = GGUFMatrix(self.type_name, QUANTIZERS[self.type_name](weight), k)
-            if self.repack16 and repackable(matrix):
+            if self.blocks.repack and repackable(matrix):
                 matrix = repack(matrix, self.ops)
             layer.quantized = matrix  # type: ignore[assignment]
         del layer.weight
@@ -94,18 +95,14 @@ class BlocksQuantMethod(QuantizedLinearMethod):
             return self.own.apply(layer, x, bias)
         return super().apply(layer, x, bias)
 
-    def kernel_for(self, shape: tuple[int, int], rows: int) -> str:
-        plan = self.plan.get(shape)
-        return plan[min(rows, len(plan) - 1)] if plan is not None else self.default_kernel
-
     def _blocks(self, w: object, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m = w if isinstance(w, GGUFMatrix) else None
-        if m is None or x.dtype not in NATIVE_DTYPES:
+        product = self.blocks.product(m.type_name, x, m.repacked) if m is not None else None
+        if m is None or product is None:
             return self._dequant(w, x, bias)
         x = x if x.stride(-1) == 1 else x.contiguous()
         out = torch.empty(x.shape[0], m.shape[0], dtype=x.dtype)  # [M, N]
-        op = self.ops.gguf_linear if x.shape[0] <= MAX_DECODE_ROWS else self.ops.gguf_gemm  # type: ignore[union-attr]
-        op(out, x, m.data, m.type_number)
+        getattr(self.ops, product)(out, x, m.data, m.type_number)
         if bias is not None:
             out += bias
         return out
@@ -127,7 +124,8 @@ class BlocksQuantMethod(QuantizedLinearMethod):
         if not isinstance(layer.quantized, GGUFMatrix):  # type: ignore[attr-defined]
             return self.own.fused_kind(layer, rows)
         shape = (layer.output_size, layer.input_size)
-        return FusedKind.GGUF if rows <= MAX_DECODE_ROWS and self.kernel_for(shape, rows) == "blocks" else None
+        chained = rows <= self.blocks.max_native_rows and self.kernel_for(shape, rows) == "blocks"
+        return FusedKind.GGUF if chained else None
 
     def fused_tensors(self, layer: Layer) -> FusedTensors:
         m = layer.quantized  # type: ignore[attr-defined]
