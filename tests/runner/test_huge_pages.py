@@ -1,6 +1,7 @@
 """Weights on 2 MB pages (runner/huge_pages.py): the memory it hands out (zeroed, aligned
-to a huge page, shaped), the model's large tensors moved with their values and their sharing kept, and
-an engine with and without it generating the same tokens."""
+to a huge page, shaped), the model's large tensors moved with their values and their sharing kept (the
+quantized layers' and GGUF blocks' held outside parameters too), and an engine with and without it
+generating the same tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import torch
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers.linear import Linear
+from tokenmill.quant.gguf_method import GGUFBlocksMethod, GGUFEmbedding, GGUFMatrix, row_bytes
+from tokenmill.quant.int_methods import Int8LinearMethod
+from tokenmill.quant.quantize import QuantSpec
 from tokenmill.runner.huge_pages import HUGE_PAGE, huge_zeros, move_to_huge_pages, place_on_huge_pages, thp_mode
 
 
@@ -51,6 +56,34 @@ def test_placing_before_the_load_gives_huge_pages_that_a_move_then_leaves_alone(
         table.copy_(values)
     assert move_to_huge_pages(model) == 0  # placed already: no second copy
     assert model[0].weight.data_ptr() == table.data_ptr() and torch.equal(model[0].weight, values)
+
+
+def test_a_quantized_layers_weights_move_and_compute_the_same():
+    torch.manual_seed(0)
+    layer = Linear(1024, 4096, linear_method=Int8LinearMethod(QuantSpec("int8"), None))
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(4096, 1024))
+    layer.process_weights_after_loading()  # the weight goes; `layer.quantized` holds int8 [4096, 1024]: 4 MiB
+    x = torch.randn(3, 1024)
+    expected, q = layer(x), layer.quantized.q
+    assert move_to_huge_pages(nn.Sequential(layer)) == 4096 * 1024  # (its scales and sums: under a huge page)
+    assert layer.quantized.q.data_ptr() % HUGE_PAGE == 0 and q.data_ptr() % HUGE_PAGE != 0
+    assert torch.equal(layer.quantized.q, q) and torch.equal(layer(x), expected)
+
+
+def test_a_gguf_table_and_its_tied_head_move_as_one_copy():
+    method = GGUFBlocksMethod(None)
+    data = torch.randint(0, 256, (4096, row_bytes("Q8_0", 1024)), dtype=torch.uint8)  # 4096 rows of 34 x 32 bytes
+    matrix = GGUFMatrix("Q8_0", data, 1024)
+    table = GGUFEmbedding(4096, 1024, method, torch.float32)
+    table.matrix = matrix
+    head = Linear(1024, 4096, linear_method=method)
+    head.gguf_parts = [(0, matrix)]  # as `finish_loading` leaves a tied pair: one matrix for both
+    model = nn.ModuleDict({"table": table, "head": head})
+    assert move_to_huge_pages(model) == data.numel()
+    moved = table.matrix.data
+    assert moved.data_ptr() % HUGE_PAGE == 0 and head.gguf_parts[0][1].data is moved
+    assert torch.equal(moved, data) and table.matrix.type_name == "Q8_0" and table.matrix.cols == 1024
 
 
 def test_thp_mode_reads_the_kernels_setting():

@@ -15,7 +15,7 @@ before moving the model (`.to()` makes new ones).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
@@ -73,6 +73,10 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
+
+    def map_held_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Each tensor the method keeps outside the parameters and buffers replaced by fn(tensor)."""
+        self.linear_method.map_held(self, fn)
 
     def extra_repr(self) -> str:
         shards = ", ".join(f"{sid}={s.size}" for sid, s in self.shards.items() if sid is not None)

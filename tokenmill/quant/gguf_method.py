@@ -26,7 +26,7 @@ the layer keeps one matrix per run of shards of one type, each product writing i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,7 @@ from tokenmill.quant.method import (
     ShardId,
     WeightLoadError,
     WeightShapeError,
+    map_tensors,
     register_bias,
     set_weight_loader,
     wait_for_pieces,
@@ -264,6 +265,10 @@ class GGUFBlocksMethod(LinearMethod):
         kinds = [first.type_number, second.type_number if second else -1, first.shape[0]]
         return first.data, torch.tensor(kinds, dtype=torch.int64), second.data if second else None, 0
 
+    def map_held(self, layer: Layer, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if hasattr(layer, "gguf_parts"):
+            layer.gguf_parts = [(start, map_tensors(m, fn)) for start, m in layer.gguf_parts]
+
     def _dequant_product(self, m: GGUFMatrix, rows: torch.Tensor, cols: torch.Tensor) -> None:
         """cols [M, n] = rows [M, K] @ W^T, W dequantized a chunk of its rows at a time into the scratch."""
         n, k = m.shape
@@ -315,6 +320,10 @@ class GGUFEmbedding(nn.Module):
         parts = getattr(tied_head, "gguf_parts", [])
         if len(parts) == 1 and parts[0][1].shape == self.shape:
             self.matrix = parts[0][1]
+
+    def map_held_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The table's blocks replaced by fn(blocks) (runner/huge_pages.py)."""
+        self.matrix = map_tensors(self.matrix, fn)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         assert self.matrix is not None, "GGUFEmbedding used before its table was loaded"

@@ -53,6 +53,7 @@ from tokenmill.quant.method import (
     Shape,
     ShardId,
     ShardLoader,
+    map_tensors,
     register_bias,
     set_weight_loader,
     wait_for_pieces,
@@ -155,6 +156,10 @@ class QuantizedLinearMethod(LinearMethod):
 
     def quantize(self, weight: torch.Tensor, group: int) -> object:
         raise NotImplementedError
+
+    def map_held(self, layer: Layer, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if hasattr(layer, "quantized"):  # (a plain attribute: the quantized form's tensors)
+            layer.quantized = map_tensors(layer.quantized, fn)
 
     def cache_tag(self) -> str:
         """What the quantized-weight cache's key holds of this method (runner/quantized_cache.py)."""

@@ -5,7 +5,9 @@ from a checkpoint, to repack them after loading and to apply them; one method in
 layer that uses it (per-layer state lives on the layer). Each method also states how the fused
 decode (`layers/fused_decode.py`, `kernels/csrc/decode_layer.cpp`) can chain its products: whether
 it can at all (`fusable`), which of the native projection kinds a product at a row count is
-(`fused_kind`), and the tensors the native layer reads (`fused_tensors`).
+(`fused_kind`), and the tensors the native layer reads (`fused_tensors`). A method that keeps a
+layer's weights outside its parameters and buffers (a quantized form, a GGUF file's blocks) hands them
+to `map_held`, so that what re-homes a model's tensors (runner/huge_pages.py) reaches them too.
 
 The weight-loader convention: every parameter a method registers carries a `weight_loader`
 attribute, called as `param.weight_loader(param, loaded, shard_id)` with one checkpoint tensor. It
@@ -17,7 +19,7 @@ and the shard's name for a fused one ("q", "k", "v" or "gate", "up" in the Llama
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Protocol, cast
 
 import torch
@@ -36,6 +38,15 @@ class FusedKind:
     """decode_layer.cpp's projection kinds: how the native layer runs one projection's product."""
 
     TORCH, NATIVE, INT8, W8A8, INT4PACK, INT4, INT8_TILED, W8A8_TILED, W8A8_AMX, INT8_AMX, INT4_AMX, GGUF = range(12)
+
+
+def map_tensors(held: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A frozen dataclass of tensors (a quantized weight, a GGUF matrix) with each tensor field
+    replaced by fn(field); anything else as it is."""
+    if not is_dataclass(held) or isinstance(held, type):
+        return held
+    changed = {f.name: fn(v) for f in fields(held) if isinstance(v := getattr(held, f.name), torch.Tensor)}
+    return replace(held, **changed) if changed else held
 
 
 class WeightLoadError(ValueError):
@@ -161,6 +172,11 @@ class LinearMethod(Protocol):
     def fused_tensors(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         """(weight, scales, wsums, group) as decode_layer.cpp takes them for this layer."""
         raise NotImplementedError
+
+    def map_held(self, layer: Layer, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace each tensor this method keeps on `layer` outside its parameters and buffers by
+        fn(tensor) (none for a method whose weights are parameters)."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):

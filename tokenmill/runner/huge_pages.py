@@ -9,17 +9,23 @@ wrote new KV blocks, while the weights are touched once, at load. Linux backs an
 with 2 MB pages where asked when its transparent huge pages are in `madvise` mode (the default of many
 distributions, and of these machines; `always` needs no asking, `never` gives none). `huge_zeros` maps
 anonymous memory, asks for huge pages (madvise MADV_HUGEPAGE) before anything touches it, and hands
-it to torch 2 MB-aligned (`torch.frombuffer`: the tensor keeps the mapping alive); `move_to_huge_pages`
-re-homes a model's large parameters and buffers there (a copy each), `place_on_huge_pages` gives a
-model's not yet loaded ones their huge pages before the load fills them (no copy: the dense weights
-of a float checkpoint, loaded as they are). Where the kernel or Python's mmap cannot, nothing changes.
+it to torch 2 MB-aligned (`torch.frombuffer`: the tensor keeps the mapping alive). `move_to_huge_pages`
+re-homes a model's large parameters and buffers there (a copy each), and the tensors its modules keep
+outside them (`HoldsTensors`: quantized layers' weights and GGUF blocks, which a decode step streams
+as it streams dense weights); `place_on_huge_pages` gives a model's not yet loaded parameters their
+huge pages before the load fills them (no copy: the dense weights of a float checkpoint, loaded as
+they are). Where the kernel or Python's mmap cannot, nothing changes.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -87,32 +93,69 @@ def on_huge_page_boundary(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % HUGE_PAGE == 0
 
 
+class HoldsTensors(Protocol):
+    """A module that keeps tensors outside its parameters and buffers (a quantized layer's weights, a
+    table kept in GGUF blocks): it replaces each by fn(tensor) when asked."""
+
+    def map_held_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+
+
 def move_to_huge_pages(model: nn.Module) -> int:
-    """Copy each contiguous CPU parameter and buffer of `model` of a huge page or more onto huge pages (a
-    parameter shared by several modules once: they keep sharing it). Returns the bytes moved."""
+    """Copy each contiguous CPU parameter, buffer and held tensor (`HoldsTensors`) of `model` of a huge
+    page or more onto huge pages (a tensor shared by several modules once: they keep sharing it).
+    Returns the bytes moved."""
     moved: dict[int, torch.Tensor] = {}  # data_ptr of the old storage -> its copy
     total = 0
+
+    def rehome(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = tensor.data_ptr()
+        if key in moved:
+            return moved[key]
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or nbytes < HUGE_PAGE
+            or not owns_storage(tensor)
+            or on_huge_page_boundary(tensor)
+        ):
+            return tensor  # (small, a view sharing its storage with others, or placed already: left as it is)
+        copy = huge_zeros(tensor.shape, tensor.dtype)
+        copy.copy_(tensor.detach())
+        moved[key] = moved[copy.data_ptr()] = copy  # (a second visit finds the copy)
+        total += nbytes
+        return copy
+
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
-                if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+                if tensor is None:
                     continue
-                nbytes = tensor.numel() * tensor.element_size()
-                key = tensor.data_ptr()
-                if key not in moved and (
-                    nbytes < HUGE_PAGE or not owns_storage(tensor) or on_huge_page_boundary(tensor)
-                ):
-                    continue  # (small, a view sharing its storage with others, or placed already: left as it is)
-                if key not in moved:
-                    copy = huge_zeros(tensor.shape, tensor.dtype)
-                    copy.copy_(tensor.detach())
-                    moved[key] = moved[copy.data_ptr()] = copy  # (a second visit finds the copy)
-                    total += nbytes
+                new = rehome(tensor)
+                if new is tensor:
+                    continue
                 if isinstance(tensor, nn.Parameter):
-                    tensor.data = moved[key]
+                    tensor.data = new
                 else:
-                    table[name] = moved[key]
+                    table[name] = new
+        if callable(getattr(module, "map_held_tensors", None)):
+            cast(HoldsTensors, module).map_held_tensors(rehome)
     return total
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; nothing elsewhere): the
+    4 KB copies a move left are freed, but glibc keeps the pages of blocks under its mmap threshold
+    (most layers' weights), and the process's memory would hold the model twice."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def owns_storage(tensor: torch.Tensor) -> bool:

@@ -151,6 +151,7 @@ def build_in(
     model = _load(config, device, source, resolved, backend, ops, placed.append if huge else None)
     if huge:
         moved = huge_pages.move_to_huge_pages(model)
+        huge_pages.trim_heap()  # (the copies moved from go back to the system)
         logger.info("weights on 2 MB pages: %.1f MiB", (sum(placed) + moved) / 2**20)
     tune = config.linear_backend == "auto"
     prepare_native(
