@@ -33,6 +33,7 @@ def test_the_models_large_tensors_move_with_their_values_and_sharing():
     model.register_buffer("table", torch.randn(1024, 1024))
     fused = torch.randn(2048, 512)
     model.register_buffer("part", fused[:1024])  # a view into a larger tensor: left where it is
+    model.register_buffer("head_rows", model.table[:16])  # a view starting where a moved tensor starts
     before = {name: t.clone() for name, t in model.state_dict().items()}
     small_ptr, part_ptr = model[1].weight.data_ptr(), model.part.data_ptr()
     moved = move_to_huge_pages(model)
@@ -40,6 +41,7 @@ def test_the_models_large_tensors_move_with_their_values_and_sharing():
     assert model[0].weight is model[2].weight and model[0].weight.data_ptr() % HUGE_PAGE == 0
     assert model.table.data_ptr() % HUGE_PAGE == 0
     assert model[1].weight.data_ptr() == small_ptr and model.part.data_ptr() == part_ptr
+    assert model.head_rows.shape == (16, 1024)  # (not taken for the whole table's copy)
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), name
 

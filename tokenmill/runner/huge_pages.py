@@ -110,8 +110,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
     def rehome(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal total
         key = tensor.data_ptr()
-        if key in moved:
-            return moved[key]
+        hit = moved.get(key)
+        if hit is not None and hit.shape == tensor.shape and hit.dtype == tensor.dtype:
+            return hit  # (the same tensor met again; a view starting where it does is not it)
         nbytes = tensor.numel() * tensor.element_size()
         if (
             tensor.device.type != "cpu"
