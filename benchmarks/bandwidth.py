@@ -56,15 +56,19 @@ def time_reads(read: Callable[[], object], nbytes: int, repeats: int) -> dict[st
     return {"median": statistics.median(rates), "min": min(rates), "max": max(rates)}
 
 
-def measure(gib: float, repeats: int) -> dict[str, object]:
-    nbytes = max(int(gib * (1 << 30)), 16 * l3_bytes())
+def readers_4kb(nbytes: int, repeats: int) -> dict[str, dict[str, float]]:
+    """The two readers over a buffer torch allocates (4 KB pages); the buffer goes on return."""
     f32 = torch.ones(nbytes // 4, dtype=torch.float32)  # [n] (written once: every page is resident)
     i8 = f32.view(torch.int8)  # the same bytes, read as int8
-    readers = {
+    return {
         "float32_sum": time_reads(lambda: f32.sum(), nbytes, repeats),
         "int8_amax": time_reads(lambda: i8.amax(), nbytes, repeats),
     }
-    f32.resize_(0)  # (its pages freed before the next buffer is made)
+
+
+def measure(gib: float, repeats: int) -> dict[str, object]:
+    nbytes = max(int(gib * (1 << 30)), 16 * l3_bytes())
+    readers = readers_4kb(nbytes, repeats)
     if huge_pages.available():
         huge = huge_pages.huge_zeros((nbytes // 4,), torch.float32)
         huge.fill_(1.0)

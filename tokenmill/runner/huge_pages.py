@@ -19,8 +19,6 @@ they are). Where the kernel or Python's mmap cannot, nothing changes.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import mmap
 from collections.abc import Callable
@@ -143,20 +141,6 @@ def move_to_huge_pages(model: nn.Module) -> int:
         if callable(getattr(module, "map_held_tensors", None)):
             cast(HoldsTensors, module).map_held_tensors(rehome)
     return total
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; nothing elsewhere): the
-    4 KB copies a move left are freed, but glibc keeps the pages of blocks under its mmap threshold
-    (most layers' weights), and the process's memory would hold the model twice."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
 
 
 def owns_storage(tensor: torch.Tensor) -> bool:

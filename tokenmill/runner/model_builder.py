@@ -44,6 +44,7 @@ from tokenmill.quant.cpu_dense import CpuLinearMethod, dense_weight_shapes, tune
 from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.tuning import tune_quantized, weights_by_shape
 from tokenmill.runner import huge_pages
+from tokenmill.runner.cpu_memory import trim_heap
 from tokenmill.runner.cpu_threads import torch_threads
 from tokenmill.runner.dtype_choice import CANDIDATES, fastest_dtype, log_report
 from tokenmill.runner.quantized_cache import CacheMismatch, cache_for
@@ -151,7 +152,7 @@ def build_in(
     model = _load(config, device, source, resolved, backend, ops, placed.append if huge else None)
     if huge:
         moved = huge_pages.move_to_huge_pages(model)
-        huge_pages.trim_heap()  # (the copies moved from go back to the system)
+        trim_heap()  # the 4 KB copies moved from go back to the system (glibc keeps them: cpu_memory.py)
         logger.info("weights on 2 MB pages: %.1f MiB", (sum(placed) + moved) / 2**20)
     tune = config.linear_backend == "auto"
     prepare_native(
