@@ -9,6 +9,12 @@ compiler, torch's version, the flags and the sources. A build made on a CPU with
 If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why once
 per call and returns None; callers then run the torch reference ops. The cache lives in
 `$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`).
+
+`TOKENMILL_MAX_ISA` caps the instructions tokenmill uses, as if the CPU had no more: `avx2` (x86-64-v3:
+AVX2, FMA, F16C; no AVX-512, AVX-VNNI or AMX) or `avx512` (no AMX). The build and every default that goes
+by the CPU's flags (`cpu_flags`) see the capped set, so a machine of one kind runs and measures another
+kind's code paths (docs/native-kernels.md). torch's own kernels take their caps from `ATEN_CPU_CAPABILITY`
+and `ONEDNN_MAX_CPU_ISA`, read before torch starts.
 """
 
 from __future__ import annotations
@@ -56,7 +62,13 @@ HEADERS = (
     "ops.h",
 )
 # no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
-CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
+CFLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
+MAX_ISA_ENV = "TOKENMILL_MAX_ISA"
+# a cap -> (the target flags it compiles with, the prefixes of /proc/cpuinfo flags it takes away)
+ISA_CAPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("-march=x86-64-v3", "-mtune=native"), ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")),
+    "avx512": (("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"), ("amx",)),
+}
 LIBRARY = "tokenmill_cpu"
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what every native kernel runs
 
@@ -69,14 +81,36 @@ class CpuKernels:
     build_dir: Path
 
 
+def max_isa() -> str | None:
+    """The cap `TOKENMILL_MAX_ISA` sets (`avx2`, `avx512`), None when unset or empty; another value is a
+    ValueError naming the variable."""
+    cap = os.environ.get(MAX_ISA_ENV, "").strip().lower()
+    if cap and cap not in ISA_CAPS:
+        raise ValueError(f"{MAX_ISA_ENV}: expected one of {', '.join(ISA_CAPS)} (or unset), got {cap!r}")
+    return cap or None
+
+
 def cpu_flags() -> str:
-    """The CPU's instruction-set flags (Linux: /proc/cpuinfo), or the best description there is."""
+    """The CPU's instruction-set flags (Linux: /proc/cpuinfo) less what `TOKENMILL_MAX_ISA` takes away,
+    or the best description there is."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
+                return capped_flags(line.split(":", 1)[1], max_isa())
     return f"{platform.machine()} {platform.processor()}"
+
+
+def capped_flags(flags: str, cap: str | None) -> str:
+    """`flags` (space-separated) sorted, less those the cap takes away."""
+    dropped = ISA_CAPS[cap][1] if cap else ()
+    return " ".join(sorted(f for f in flags.split() if not f.startswith(dropped)))
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler's flags: CFLAGS and the target, the CPU at hand (`-march=native`) or the cap's."""
+    cap = max_isa()
+    return CFLAGS + (ISA_CAPS[cap][0] if cap else ("-march=native",))
 
 
 def _compiler_version() -> str:
@@ -97,7 +131,7 @@ def sources_hash(csrc: Path | None = None) -> str:
 def build_key(csrc: Path) -> str:
     """Hash of what the binary depends on; a different CPU, compiler, torch or source gets a new build."""
     h = hashlib.sha256()
-    for part in (cpu_flags(), _compiler_version(), torch.__version__, " ".join(CFLAGS), sources_hash(csrc)):
+    for part in (cpu_flags(), _compiler_version(), torch.__version__, " ".join(compile_flags()), sources_hash(csrc)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -179,7 +213,7 @@ def _build(csrc: Path, build_dir: Path) -> None:
     cpp_extension.load(
         name=LIBRARY,
         sources=[str(csrc / name) for name in SOURCES],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=list(compile_flags()),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(csrc)],
         build_directory=str(build_dir),
