@@ -37,7 +37,7 @@ from typing import Any
 
 from common import RESULTS, ROOT
 
-from tokenmill.kernels.cpu_build import cpu_flags
+from tokenmill.kernels.cpu_build import cpu_flags, max_isa
 
 SHARED = ROOT.parent.parent / "shared" / "peers"
 DEFAULT_ENGINES = "hf_fp32 hf_bf16 cpp_f32 cpp_f16 cpp_q8_0 vllm_bf16 vllm_fp32 tokenmill_fp32 tokenmill_bf16"
@@ -126,6 +126,20 @@ def print_table(table: dict[str, dict[int, dict[str, float]]], rows: dict[str, d
         print(f"{name:24}{cells}{ready if ready is not None else '-':>9}")
 
 
+def isa_cap(peers: Path) -> dict[str, object]:
+    """Under TOKENMILL_MAX_ISA (docs/native-kernels.md): the caps the run had, the CPU's own SIMD flags,
+    and the llama.cpp build the rows ran (bench.sh takes PEERS_DIR/llamacpp-build/bin)."""
+    if not max_isa():
+        return {}
+    own = set(cpu_flags(capped=False).split())
+    caps = {v: os.environ.get(v) for v in ("TOKENMILL_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    return {
+        "isa_cap": caps,
+        "simd_uncapped": [f for f in SIMD if f in own],
+        "llama_bin": str((peers / "llamacpp-build" / "bin").resolve()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR"), required="PEERS_DIR" not in os.environ)
@@ -156,6 +170,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "simd": [f for f in SIMD if f in flags],
+        **isa_cap(peers),
         "tm_args": args.tm_args,
         "results_file": str(results),
         "rows": {

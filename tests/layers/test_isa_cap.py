@@ -42,6 +42,10 @@ def test_the_cap_sets_the_target_and_its_own_build(monkeypatch):
     assert max_isa() == "avx2"
     assert "-march=x86-64-v3" in compile_flags() and "-march=native" not in compile_flags()
     assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags().split())
+    assert set(cpu_flags().split()) <= set(cpu_flags(capped=False).split())
+    monkeypatch.delenv("TOKENMILL_MAX_ISA")
+    assert cpu_flags(capped=False) == cpu_flags()
+    monkeypatch.setenv("TOKENMILL_MAX_ISA", "avx2")
     assert build_key(csrc) != native_key
     monkeypatch.setenv("TOKENMILL_MAX_ISA", "avx512")
     assert "-mno-amx-tile" in compile_flags()

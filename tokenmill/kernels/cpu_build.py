@@ -90,14 +90,14 @@ def max_isa() -> str | None:
     return cap or None
 
 
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags (Linux: /proc/cpuinfo) less what `TOKENMILL_MAX_ISA` takes away,
-    or the best description there is."""
+def cpu_flags(capped: bool = True) -> str:
+    """The CPU's instruction-set flags (Linux: /proc/cpuinfo), less what `TOKENMILL_MAX_ISA` takes away
+    unless `capped` is False, or the best description there is."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return capped_flags(line.split(":", 1)[1], max_isa())
+                return capped_flags(line.split(":", 1)[1], max_isa() if capped else None)
     return f"{platform.machine()} {platform.processor()}"
 
 
