@@ -1,6 +1,6 @@
 """`TOKENMILL_MAX_ISA`: the flags the defaults see and the build's target under a cap, a bad value named,
 and (slow) a whole build under the AVX2 cap: no AVX-512 instruction in it, its products equal to the
-torch reference."""
+torch reference, and the kernels' and GGUF blocks' tests passing on it."""
 
 from __future__ import annotations
 
@@ -87,3 +87,15 @@ def test_a_build_under_the_avx2_cap_has_no_avx512_and_computes_right(tmp_path):
     library = Path(done.stdout.strip().splitlines()[-1]) / "tokenmill_cpu.so"
     text = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
     assert "vpdpbusd" not in text and "%zmm" not in text and "%ymm" in text
+    # the kernels' and GGUF blocks' own tests on that build, as an AVX2-only machine runs them
+    root = Path(__file__).resolve().parents[2]
+    suites = [
+        "tests/layers/test_cpu_kernels.py",
+        "tests/quant/test_gguf_blocks.py",
+        "tests/quant/test_gguf_kquant_models.py",
+    ]
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert tests.returncode == 0, tests.stdout[-3000:]
