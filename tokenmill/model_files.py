@@ -26,7 +26,7 @@ def cache_dir(room: str) -> Path:
     own = os.environ.get(f"TOKENMILL_{room.upper()}_CACHE_DIR")
     if own:
         return Path(own)
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill")) / room
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / room
 
 
 def file_key(path: str | Path, *parts: str, head: int = 0) -> tuple[str, str]:

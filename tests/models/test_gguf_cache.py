@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import gguf
 import pytest
@@ -123,3 +124,15 @@ def test_the_caches_go_where_the_environment_says(tmp_path, monkeypatch):
     assert cache_dir("gguf") == tmp_path / "all" / "gguf"
     monkeypatch.setenv("TOKENMILL_GGUF_CACHE_DIR", str(tmp_path / "own"))
     assert cache_dir("gguf") == tmp_path / "own"
+
+
+def test_an_empty_cache_variable_means_the_default_not_the_working_folder(monkeypatch):
+    from tokenmill.kernels.autotune import default_cache_path
+    from tokenmill.kernels.cpu_build import cache_root
+
+    home = Path.home() / ".cache" / "tokenmill"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", "")
+    monkeypatch.setenv("TOKENMILL_GGUF_CACHE_DIR", "")
+    assert cache_dir("gguf") == home / "gguf"
+    assert cache_root() == home / "kernels"
+    assert default_cache_path() == home / "autotune.json"

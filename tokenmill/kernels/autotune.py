@@ -68,7 +68,7 @@ class Choice:
 
 
 def default_cache_path() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill")) / "autotune.json"
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "autotune.json"
 
 
 def machine_key(device: torch.device) -> str:

@@ -137,7 +137,7 @@ def build_key(csrc: Path) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill")) / "kernels"
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "kernels"
 
 
 def _ops_loaded() -> bool:
