@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.kernels import cpu_build
-from tokenmill.kernels.cpu_build import build_key, capped_flags, compile_flags, cpu_flags, max_isa
+from tokenmill.kernels.cpu_build import build_key, capped_flags, compile_flags, cpu_flags, load_cpu_kernels, max_isa
 from tokenmill.kernels.defaults import CpuKind
 
 AMX_FLAGS = "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8 avx_vnni"
@@ -55,6 +55,8 @@ def test_an_unknown_cap_is_an_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv("TOKENMILL_MAX_ISA", "sse2")
     with pytest.raises(ValueError, match=r"TOKENMILL_MAX_ISA: expected one of avx2, avx512 .* got 'sse2'"):
         cpu_flags()
+    with pytest.raises(ValueError, match="TOKENMILL_MAX_ISA"):
+        load_cpu_kernels()
 
 
 CHECK = textwrap.dedent(

@@ -147,6 +147,7 @@ def _ops_loaded() -> bool:
 def load_cpu_kernels() -> CpuKernels | None:
     """The native CPU kernels for this CPU, built on first use; None (logged) when they cannot be built."""
     csrc = Path(__file__).with_name("csrc")
+    max_isa()  # a bad TOKENMILL_MAX_ISA is an error to see, not a reason to run the reference ops
     try:
         build_dir = cache_root() / build_key(csrc)
         if _ops_loaded():  # registered once per process; the registry is torch's, not ours
