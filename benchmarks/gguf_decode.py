@@ -191,14 +191,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from bandwidth import measure as bandwidth
 
+    from tokenmill.kernels.cpu_build import isa_cap_settings
+
     threads = args.threads or torch.get_num_threads()
     report: dict[str, object] = {"benchmark": "gguf_decode", "uptime_before": _uptime(), "repeats": args.repeats}
     report["bandwidth_gb_s"] = bandwidth(0.5, 5)["read_gb_s"]
     report["llama_bin"] = str(args.llama_bin.resolve())
-    caps = {
-        v: os.environ[v] for v in ("TOKENMILL_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if v in os.environ
-    }
-    if caps:  # (docs/native-kernels.md: another CPU kind's code paths)
+    if caps := isa_cap_settings():  # (docs/native-kernels.md: another CPU kind's code paths)
         report["isa_cap"] = caps
     files: list[dict[str, object]] = []
     report["files"] = files

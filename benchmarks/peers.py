@@ -37,7 +37,7 @@ from typing import Any
 
 from common import RESULTS, ROOT
 
-from tokenmill.kernels.cpu_build import cpu_flags, max_isa
+from tokenmill.kernels.cpu_build import cpu_flags, isa_cap_settings, max_isa
 
 SHARED = ROOT.parent.parent / "shared" / "peers"
 DEFAULT_ENGINES = "hf_fp32 hf_bf16 cpp_f32 cpp_f16 cpp_q8_0 vllm_bf16 vllm_fp32 tokenmill_fp32 tokenmill_bf16"
@@ -132,9 +132,8 @@ def isa_cap(peers: Path) -> dict[str, object]:
     if not max_isa():
         return {}
     own = set(cpu_flags(capped=False).split())
-    caps = {v: os.environ.get(v) for v in ("TOKENMILL_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     return {
-        "isa_cap": caps,
+        "isa_cap": isa_cap_settings(),
         "simd_uncapped": [f for f in SIMD if f in own],
         "llama_bin": str((peers / "llamacpp-build" / "bin").resolve()),
     }

@@ -27,7 +27,7 @@ RANK: dict[str, int] = {
     "outputs": 2,
     "kernels": 2,
     "config": 2,
-    "model_files": 2,
+    "model_files": 1,
     "sched": 3,
     "text": 3,
     "quant": 3,

@@ -19,6 +19,12 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
+def cache_home() -> Path:
+    """Where tokenmill's caches live: `$TOKENMILL_CACHE_DIR`, or `~/.cache/tokenmill` where it is unset or
+    empty (an empty value is not the working folder)."""
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+
+
 def cache_dir(room: str) -> Path:
     """The folder of one of tokenmill's caches (`room`: `quantized`, `gguf`): `$TOKENMILL_<ROOM>_CACHE_DIR`
     where set (that cache elsewhere: another disk, a test's folder), else `$TOKENMILL_CACHE_DIR/<room>`
@@ -26,7 +32,7 @@ def cache_dir(room: str) -> Path:
     own = os.environ.get(f"TOKENMILL_{room.upper()}_CACHE_DIR")
     if own:
         return Path(own)
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / room
+    return cache_home() / room
 
 
 def file_key(path: str | Path, *parts: str, head: int = 0) -> tuple[str, str]:

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from tokenmill.kernels import cpu_build
-from tokenmill.kernels.cpu_build import build_key, capped_flags, compile_flags, cpu_flags, load_cpu_kernels, max_isa
+from tokenmill.kernels.cpu_build import (
+    build_key,
+    capped_flags,
+    compile_flags,
+    cpu_flags,
+    isa_cap_settings,
+    load_cpu_kernels,
+    max_isa,
+)
 from tokenmill.kernels.defaults import CpuKind
 
 AMX_FLAGS = "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8 avx_vnni"
@@ -39,7 +47,7 @@ def test_the_cap_sets_the_target_and_its_own_build(monkeypatch):
     csrc = Path(cpu_build.__file__).with_name("csrc")
     native_key = build_key(csrc)
     monkeypatch.setenv("TOKENMILL_MAX_ISA", "AVX2")
-    assert max_isa() == "avx2"
+    assert max_isa() == "avx2" and isa_cap_settings()["TOKENMILL_MAX_ISA"] == "AVX2"
     assert "-march=x86-64-v3" in compile_flags() and "-march=native" not in compile_flags()
     assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags().split())
     assert set(cpu_flags().split()) <= set(cpu_flags(capped=False).split())

@@ -36,6 +36,7 @@ import torch
 
 from tokenmill.kernels.cpu_build import cpu_flags, sources_hash
 from tokenmill.kernels.defaults import CpuKind
+from tokenmill.model_files import cache_home
 
 logger = logging.getLogger("tokenmill")
 
@@ -68,7 +69,7 @@ class Choice:
 
 
 def default_cache_path() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "autotune.json"
+    return cache_home() / "autotune.json"
 
 
 def machine_key(device: torch.device) -> str:

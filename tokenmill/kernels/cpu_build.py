@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tokenmill.model_files import cache_home
+
 logger = logging.getLogger("tokenmill")
 
 SOURCES = (
@@ -64,6 +66,7 @@ HEADERS = (
 # no FP exceptions or errno to honour: lets comparisons and conversions vectorize (NaN and inf still IEEE)
 CFLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++20")
 MAX_ISA_ENV = "TOKENMILL_MAX_ISA"
+TORCH_ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # torch's own caps, read when torch starts
 # a cap -> (the target flags it compiles with, the prefixes of /proc/cpuinfo flags it takes away)
 ISA_CAPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("-march=x86-64-v3", "-mtune=native"), ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")),
@@ -88,6 +91,11 @@ def max_isa() -> str | None:
     if cap and cap not in ISA_CAPS:
         raise ValueError(f"{MAX_ISA_ENV}: expected one of {', '.join(ISA_CAPS)} (or unset), got {cap!r}")
     return cap or None
+
+
+def isa_cap_settings() -> dict[str, str]:
+    """The ISA caps this process runs under, tokenmill's and torch's (the variables set), for a record."""
+    return {v: os.environ[v] for v in (MAX_ISA_ENV, *TORCH_ISA_ENV) if v in os.environ}
 
 
 def cpu_flags(capped: bool = True) -> str:
@@ -137,7 +145,7 @@ def build_key(csrc: Path) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "kernels"
+    return cache_home() / "kernels"
 
 
 def _ops_loaded() -> bool:
