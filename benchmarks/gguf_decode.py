@@ -14,7 +14,8 @@ llama.cpp: c = 1 is `llama-bench -p 0 -n 32` (tg32: 32 tokens after a warm-up), 
 `--threads` threads (default: torch's thread count, the cores).
 
 With `--layouts` (e.g. `int,blocks`: the `gguf_layout` setting, how Q8_0 / Q4_0 / Q4_1 matrices are
-kept) one child per layout is loaded, each measured in turn.
+kept) one child per layout is loaded, each measured in turn; `LAYOUT/REPACK` sets `gguf_repack` too
+(e.g. `auto/file,auto/x16`: the blocks as the file stores them against repacked in 16-row groups).
 
 Per file, each repeat runs tokenmill c=1 (each layout), llama.cpp c=1, tokenmill c=8, llama.cpp c=8 in
 turn, so the machine's other load falls on all alike. Reported: tok/s median [min-max] over the repeats, the ratio
@@ -43,8 +44,8 @@ PROMPT, NEW = 128, 33  # prompt tokens, new tokens a request (32 decode steps af
 
 
 def child(path: str, layout: str) -> None:
-    """(The tokenmill child) load `path` with `gguf_layout` `layout`, then per stdin line `c`: one run of
-    c requests, its decode rate as a JSON line on stdout."""
+    """(The tokenmill child) load `path` with `gguf_layout` `layout` (LAYOUT/REPACK: `gguf_repack` too),
+    then per stdin line `c`: one run of c requests, its decode rate as a JSON line on stdout."""
     import random
 
     import torch
@@ -52,7 +53,8 @@ def child(path: str, layout: str) -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.outputs import OutputKind
 
-    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout)
+    layout, _, repack = layout.partition("/")
+    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout, gguf_repack=repack or "auto")
     engine = llm.engine
     rng = random.Random(0)
     count = 0
@@ -180,7 +182,11 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, default=PEERS / "llamacpp-build" / "bin")
     ap.add_argument("--threads", type=int, default=0, help="llama.cpp's threads (0: torch's default)")
     ap.add_argument("--concurrency", default="1,8", help="the request counts measured")
-    ap.add_argument("--layouts", default="auto", help="gguf_layout values, one tokenmill child each (auto,blocks,int)")
+    ap.add_argument(
+        "--layouts",
+        default="auto",
+        help="gguf_layout values, one tokenmill child each (auto,blocks,int; auto/file: gguf_repack too)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_decode.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

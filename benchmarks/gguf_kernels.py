@@ -12,7 +12,10 @@ repeats, and the fraction of the same repeats' bandwidth figure. The load (`upti
 is written beside. Writes benchmarks/results/gguf_kernels.json (or `--out`).
 
 Usage: python benchmarks/gguf_kernels.py --tree before=/path/to/main --tree after=. [--repeats 5]
-       [--types Q4_K,Q6_K] [--seconds 0.15] [--threads N]
+       [--types Q4_K,Q6_K] [--seconds 0.15] [--threads N] [--forms file,x16]
+
+`--forms file,x16` measures each matrix as the file's blocks and repacked into 16-row groups (the form
+`gguf_repack` chooses per CPU kind, kernels/defaults.py), one after the other in the same child.
 
 On a machine shared with other jobs, a product split over every core waits for its slowest thread
 whenever another process holds a core; `--threads 1` measures the kernels alone (against one
@@ -49,9 +52,10 @@ def pool_blocks(type_name: str, nbytes: int, block: int):  # -> uint8 tensor [nb
     return torch.from_numpy(raw)
 
 
-def measure_tree(types: list[str], seconds: float, threads: int) -> dict[str, object]:
+def measure_tree(types: list[str], seconds: float, threads: int, forms: list[str]) -> dict[str, object]:
     """(In the child process) bandwidth, then GB/s of every case once, on `threads` threads (0: torch's
-    default)."""
+    default), each form of the matrices in turn (`file`: the file's blocks; `x16`: repacked into 16-row
+    groups, kernels/csrc/gguf_x16.cpp; the rate counts the file's bytes either way)."""
     import torch
 
     if threads:
@@ -62,7 +66,7 @@ def measure_tree(types: list[str], seconds: float, threads: int) -> dict[str, ob
     from bandwidth import measure as bandwidth
 
     from tokenmill.kernels.cpu_build import load_cpu_kernels
-    from tokenmill.quant.gguf_method import BLOCKS
+    from tokenmill.quant.gguf_method import BLOCKS, REPACKED_TYPES
 
     kernels = load_cpu_kernels()
     assert kernels is not None, "the native kernels did not build"
@@ -75,19 +79,26 @@ def measure_tree(types: list[str], seconds: float, threads: int) -> dict[str, ob
         for n, k in SHAPES:
             row = k // weights * size
             copies = pool.numel() // (n * row)  # (the pool holds at least one of every shape)
-            mats = [pool[i * n * row : (i + 1) * n * row].view(n, row) for i in range(copies)]
-            for m in ROWS:
-                x = torch.randn(m, k, dtype=torch.bfloat16)
-                out = torch.empty(m, n, dtype=torch.bfloat16)
-                for mat in mats[:2]:  # warm the code path
-                    kernels.ops.gguf_linear(out, x, mat, code)
-                calls, start = 0, time.perf_counter()
-                while time.perf_counter() - start < seconds or calls < 2 * len(mats[:8]):
-                    kernels.ops.gguf_linear(out, x, mats[calls % len(mats)], code)
-                    calls += 1
-                elapsed = time.perf_counter() - start
-                cases[f"{type_name} {n}x{k} m={m}"] = calls * n * row / elapsed / 1e9
-        del pool, mats
+            file = [pool[i * n * row : (i + 1) * n * row].view(n, row) for i in range(copies)]
+            for form in forms:
+                x16 = form == "x16"
+                if x16 and type_name not in REPACKED_TYPES:
+                    continue
+                mats = [kernels.ops.gguf_repack16(mat, code) for mat in file] if x16 else file
+                form_code = code + 100 if x16 else code
+                for m in ROWS:
+                    x = torch.randn(m, k, dtype=torch.bfloat16)
+                    out = torch.empty(m, n, dtype=torch.bfloat16)
+                    for mat in mats[:2]:  # warm the code path
+                        kernels.ops.gguf_linear(out, x, mat, form_code)
+                    calls, start = 0, time.perf_counter()
+                    while time.perf_counter() - start < seconds or calls < 2 * len(mats[:8]):
+                        kernels.ops.gguf_linear(out, x, mats[calls % len(mats)], form_code)
+                        calls += 1
+                    elapsed = time.perf_counter() - start
+                    cases[f"{type_name}{' x16' if x16 else ''} {n}x{k} m={m}"] = calls * n * row / elapsed / 1e9
+                del mats
+        del pool, file
     return {"bandwidth_gb_s": band["read_gb_s"], "threads": torch.get_num_threads(), "cases": cases}
 
 
@@ -106,13 +117,16 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--seconds", type=float, default=0.15, help="timed seconds per case and repeat")
     ap.add_argument("--threads", type=int, default=0, help="threads (0: torch's default, every core)")
+    ap.add_argument("--forms", default="file", help="the matrices' forms measured: file, x16 (repacked) or both")
     ap.add_argument("--out", default=str(RESULTS / "gguf_kernels.json"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     types = args.types.split(",")
     if args.child:
-        print(json.dumps(measure_tree(types, args.seconds, args.threads)))
+        print(json.dumps(measure_tree(types, args.seconds, args.threads, args.forms.split(","))))
         return
+    from tokenmill.kernels.cpu_build import isa_cap_settings
+
     trees = dict(t.split("=", 1) for t in (args.tree or ["after=" + str(Path(__file__).resolve().parent.parent)]))
     runs: dict[str, list[dict[str, object]]] = {label: [] for label in trees}
     load_before = uptime()
@@ -120,7 +134,7 @@ def main() -> None:
         for label, path in trees.items():
             env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()))
             cmd = [sys.executable, __file__, "--child", "--types", args.types, "--seconds", str(args.seconds)]
-            cmd += ["--threads", str(args.threads)]
+            cmd += ["--threads", str(args.threads), "--forms", args.forms]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[label].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"repeat {r + 1}/{args.repeats} {label}: bandwidth {runs[label][-1]['bandwidth_gb_s']:.1f} GB/s")
@@ -131,6 +145,8 @@ def main() -> None:
         "repeats": args.repeats,
         "trees": trees,
         "threads": runs[next(iter(trees))][0]["threads"],
+        "forms": args.forms.split(","),
+        "isa_cap": isa_cap_settings(),  # (TOKENMILL_MAX_ISA and torch's caps, where set)
         "results": {},
     }
     for label, reps in runs.items():

@@ -31,6 +31,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "int8")
 QUANTIZATION_HEADS = ("same", "int8")
 GGUF_LAYOUTS = ("auto", "blocks", "q8_0", "int")
+GGUF_REPACKS = ("auto", "x16", "file")
 SCHEDULING = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fastest")
 TASKS = ("auto", "generate", "embed", "rerank")
@@ -216,6 +217,13 @@ class EngineConfig:
         "quantization int8 / int4 keep their weights (int8 in Q8_0 blocks under blocks or q8_0, int4 in Q4_1 "
         "blocks under blocks, else tokenmill's formats)",
         choices=GGUF_LAYOUTS,
+    )
+    gguf_repack: str = setting(
+        "auto",
+        "GGUF blocks kept as stored (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0): x16 (repacked at load into groups of 16 "
+        "rows, products without horizontal sums), file (as the file stores them, as llama.cpp's --no-repack), or "
+        "auto (the CPU kind's rule: every type with AVX-512 VNNI, all but Q8_0 on AVX2)",
+        choices=GGUF_REPACKS,
     )
     speculative_config: str | None = setting(
         None,

@@ -135,6 +135,7 @@ def test_each_flag_sets_its_field():
         "quantization_group_fallback": True,
         "quantization_head": "int8",
         "gguf_layout": "int",
+        "gguf_repack": "file",
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
         "task": "embed",
         "pooling": "mean",

@@ -103,6 +103,7 @@ def test_a_build_under_the_avx2_cap_has_no_avx512_and_computes_right(tmp_path):
         "tests/layers/test_cpu_kernels.py",
         "tests/quant/test_gguf_blocks.py",
         "tests/quant/test_gguf_kquant_models.py",
+        "tests/quant/test_gguf_x16.py",  # (the 16-row products' AVX2 form, gguf_x16_avx2.h)
     ]
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites],

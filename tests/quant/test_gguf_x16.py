@@ -3,7 +3,8 @@ same values as the file's blocks (dequantized rows bit for bit); the K-quants' p
 blocks' own bit for bit at every row count (the same integer sums and float steps), the 32-weight types' the
 per-32 int8-rounded x times the weights within float32 summation, the same at every row count; and a
 model served either way gives the same logits, holding the table of a tied head once. Forced on here,
-so that a CPU without AVX-512 VNNI (whose loaders do not repack) tests the scalar form."""
+so that every type is tested in the form the build has: AVX-512 VNNI's, AVX2's (gguf_x16_avx2.h; a
+TOKENMILL_MAX_ISA=avx2 build runs this file in tests/layers/test_isa_cap.py) or the scalar one."""
 
 from __future__ import annotations
 

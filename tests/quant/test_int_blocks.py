@@ -174,7 +174,7 @@ def test_which_cpu_kinds_keep_int8_and_int4_in_blocks():
         assert not in_blocks(QuantSettings(q, group_size=64), zen4)  # another grid: tokenmill's format
         assert not in_blocks(QuantSettings(q, gguf_layout="int"), zen4)  # asked for the int formats
         assert not in_blocks(QuantSettings(q), amx)  # not measured there: the int kernels stay
-        assert not in_blocks(QuantSettings(q, gguf_layout="blocks"), avx2)  # no 16-row vector kernel
+        assert not in_blocks(QuantSettings(q, gguf_layout="blocks"), avx2)  # (not measured there: int kernels)
     assert in_blocks(QuantSettings("int8", gguf_layout="q8_0"), zen4)  # q8_0: Q8_0 alone in blocks
     assert not in_blocks(QuantSettings("int4", gguf_layout="q8_0"), zen4)
     assert not in_blocks(QuantSettings("w8a8"), zen4)

@@ -17,13 +17,15 @@ from tokenmill.quant.compressed import CompressedInt4Method
 from tokenmill.quant.config import (
     GGUF_EMBEDDING,
     GGUF_LAYOUTS,
+    GGUF_REPACKS,
     GGUF_TABLE,
     QuantConfig,
     QuantSettings,
     build_quant_config,
     gguf_layout,
+    gguf_repack,
 )
-from tokenmill.quant.gguf_method import GGUFBlocksMethod
+from tokenmill.quant.gguf_method import REPACKED_TYPES, GGUFBlocksMethod, GGUFMatrix
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, W8A8LinearMethod
 from tokenmill.quant.method import UnquantizedLinearMethod
 
@@ -184,6 +186,29 @@ def test_uniform_and_the_checkpoint_default():
     stored = QuantConfig.for_checkpoint(CheckpointQuantization("gptq", 8, 64))
     assert isinstance(stored.layers, CheckpointInt8Method) and type(stored.head) is UnquantizedLinearMethod
     assert type(QuantConfig.for_checkpoint(None).layers) is UnquantizedLinearMethod
+
+
+def test_each_cpu_kind_repacks_the_block_types_its_rule_chose():
+    """`gguf_repack`: AVX-512 VNNI puts every type with a 16-row form into it; AVX2 all but Q8_0 (whose
+    16-row form lost to its file blocks at one request there); a CPU without AVX2 none (no vector form
+    there). `repack` given (the setting's x16 / file): all or none, whatever the CPU."""
+    kernels = SimpleNamespace(ops=object(), build_dir=None)
+    avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False, avx2=True)
+    zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False, avx2=True)
+    older = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
+    assert GGUFBlocksMethod(kernels, cpu=zen4).repack_types == set(REPACKED_TYPES)  # type: ignore[arg-type]
+    assert GGUFBlocksMethod(kernels, cpu=avx2).repack_types == set(REPACKED_TYPES) - {"Q8_0"}  # type: ignore[arg-type]
+    assert not GGUFBlocksMethod(kernels, cpu=older).repack_types  # type: ignore[arg-type]
+    assert GGUFBlocksMethod(kernels, cpu=older, repack=True).repack_types == set(REPACKED_TYPES)  # type: ignore[arg-type]
+    assert not GGUFBlocksMethod(kernels, cpu=zen4, repack=False).repack_types  # type: ignore[arg-type]
+    assert (gguf_repack("auto"), gguf_repack("x16"), gguf_repack("file")) == (None, True, False)  # the setting
+    assert GGUF_REPACKS == engine_config.GGUF_REPACKS
+    with pytest.raises(ValueError, match="gguf_repack: expected one of auto, x16, file, got 'yes'"):
+        gguf_repack("yes")
+    on_avx2 = GGUFBlocksMethod(kernels, cpu=avx2)  # type: ignore[arg-type]
+    assert on_avx2.repacks(GGUFMatrix("Q4_K", torch.zeros(32, 144, dtype=torch.uint8), 256))
+    assert not on_avx2.repacks(GGUFMatrix("Q8_0", torch.zeros(32, 272, dtype=torch.uint8), 256))
+    assert not on_avx2.repacks(GGUFMatrix("Q4_K", torch.zeros(24, 144, dtype=torch.uint8), 256))  # (24 rows)
 
 
 def test_each_block_type_takes_its_cpu_kinds_prompt_product():

@@ -42,6 +42,7 @@ def test_cpu_kinds_from_their_flags():
     assert (ICELAKE.vnni, ICELAKE.bf16) == (True, False)
     assert AMX.amx and AMX.bf16
     assert not CpuKind.from_flags("avx512f amx_tile").amx  # tiles without a tile dtype: not usable
+    assert AVX2.avx2 and ZEN4.avx2 and not CpuKind.from_flags("sse4_2 avx avx2").avx2  # (AVX2 with FMA)
 
 
 @pytest.mark.parametrize(

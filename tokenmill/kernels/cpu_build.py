@@ -56,6 +56,7 @@ HEADERS = (
     "gguf_formats.h",
     "gguf_kdot.h",
     "gguf_x16.h",
+    "gguf_x16_avx2.h",
     "gguf_x16_pack.h",
     "int_dot.h",
     "linear_amx.h",

@@ -56,6 +56,7 @@ class CpuKind:
     vnni: bool
     bf16: bool
     amx: bool
+    avx2: bool = False  # AVX2 with FMA (the kernels' x86-64-v3 vector forms)
 
     @classmethod
     def from_flags(cls, flags: str) -> CpuKind:
@@ -67,6 +68,7 @@ class CpuKind:
             vnni="avx512_vnni" in have or "avx512vnni" in have,
             bf16="avx512_bf16" in have or "amx_bf16" in have,
             amx=amx,
+            avx2="avx2" in have and "fma" in have,
         )
 
     @property
@@ -156,6 +158,19 @@ RULES: tuple[Rule, ...] = (
     # rule puts `--quantization int8` / `int4` in Q8_0 / Q4_1 blocks there (quant/int_blocks.py).
     # With AMX, and AVX-512 without BF16, the int kernels stay the default until a measurement there
     # says otherwise.
+    # a GGUF block type's form in memory (`gguf_repack`; the rule's dtype is the block type): `x16`, the
+    # file's blocks repacked at load into groups of 16 rows (gguf_x16.cpp), or `file`, as stored. With
+    # AVX-512 VNNI every type's x16 product runs on vpdpbusd. On AVX2 (gguf_x16_avx2.h, vpmaddubsw) the
+    # x16 products of all types ran 1.5-2.6x the file blocks' at 8 x rows; at one x row Q4_K's and
+    # Q5_K's about level with them (0.92-1.14x), Q6_K's and Q8_0's behind (0.83-0.86x), and one request's
+    # decode goes by that row (benchmarks/gguf_kernels.py under TOKENMILL_MAX_ISA=avx2, Zen 4).
+    Rule("gguf_repack", ANY, ANY, "vnni", ("x16", "file")),
+    Rule("gguf_repack", ANY, "Q4_K", "avx2", ("x16", "file")),
+    Rule("gguf_repack", ANY, "Q5_K", "avx2", ("x16", "file")),
+    Rule("gguf_repack", ANY, "Q6_K", "avx2", ("x16", "file")),
+    Rule("gguf_repack", ANY, "Q4_0", "avx2", ("x16", "file")),
+    Rule("gguf_repack", ANY, "Q4_1", "avx2", ("x16", "file")),
+    Rule("gguf_repack", ANY, ANY, ANY, ("file", "x16")),
     Rule("gguf_layout", ANY, ANY, "amx", ("int", "q8_0", "blocks")),
     Rule("gguf_layout", ANY, ANY, "bf16", ("blocks", "q8_0", "int")),
     Rule("gguf_layout", ANY, ANY, "avx512", ("int", "q8_0", "blocks")),

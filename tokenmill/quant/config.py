@@ -49,6 +49,7 @@ from tokenmill.quant.quantize import QuantSpec
 GGUF_BLOCK = 32  # the group of GGUF's Q8_0 / Q4_0 / Q4_1 blocks
 GGUF_INT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the block types `gguf_layout` may load into the int formats
 GGUF_LAYOUTS = ("auto", "blocks", "q8_0", "int")
+GGUF_REPACKS = ("auto", "x16", "file")  # auto: the `gguf_repack` rule per block type (kernels/defaults.py)
 HEAD = "lm_head"  # the output projection's prefix
 GGUF_TABLE = "embed_tokens"  # `gguf_types` key of a tied output projection's table
 GGUF_EMBEDDING = "model.embed_tokens"  # `gguf_types` key of the embedding table's type (tied or not)
@@ -64,6 +65,7 @@ class QuantSettings:
     head: str = "same"  # same, int8
     linear_backend: str = "auto"  # the kernels' switch: torch keeps the quantized methods off the native kernels
     gguf_layout: str = "auto"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices: auto, blocks, q8_0, int
+    gguf_repack: str = "auto"  # the blocks kept as stored: auto, x16 (repacked in 16-row groups), file
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ def build_quant_config(
             return QuantConfig(checkpoint_method(stored, kernels()), dense, name=stored.method)  # (the head: dense)
         if quantization == "none" or gguf_types is None or device.type != "cpu":
             return QuantConfig(dense, name="none")
-        return _gguf_config(dense, gguf_types, kernels(), gguf_layout(settings.gguf_layout))
+        repack = gguf_repack(settings.gguf_repack)
+        return _gguf_config(dense, gguf_types, kernels(), gguf_layout(settings.gguf_layout), repack)
     if stored is not None:
         raise ValueError(
             f"quantization: this checkpoint is {stored.method.upper()}-quantized already; "
@@ -198,20 +201,21 @@ def build_quant_config(
     if device.type != "cpu":
         raise ValueError(f"quantization: {quantization} runs on a CPU device, not {device}")
     spec = QuantSpec(quantization, settings.group_size, settings.group_fallback, settings.head)
-    layers, head = quantized_methods(spec, kernels(), settings.gguf_layout)
+    layers, head = quantized_methods(spec, kernels(), settings.gguf_layout, gguf_repack(settings.gguf_repack))
     return QuantConfig(layers, head, name=quantization)
 
 
 def quantized_methods(
-    spec: QuantSpec, kernels: CpuKernels | None, layout: str = "auto"
+    spec: QuantSpec, kernels: CpuKernels | None, layout: str = "auto", repack: bool | None = None
 ) -> tuple[LinearMethod, LinearMethod | None]:
     """The projections' method and the output projection's own (None: the same) for quantizing at load
     by `spec` on this CPU: int8 / int4 in GGUF blocks where `in_blocks` says so (`layout`: the
-    `gguf_layout` setting), else `spec`'s method. `tokenmill eval-quant` builds its models by this too."""
+    `gguf_layout` setting; `repack`: `gguf_repack`'s), else `spec`'s method. `tokenmill eval-quant` builds
+    its models by this too."""
     settings = QuantSettings(spec.method, spec.group_size, spec.group_fallback, spec.head, gguf_layout=layout)
     if kernels is not None and in_blocks(settings):
         blocks = QuantSpec(spec.method, GGUF_BLOCK, spec.group_fallback, spec.head)
-        return BlocksQuantMethod(blocks, kernels), get_head_method(blocks, kernels)
+        return BlocksQuantMethod(blocks, kernels, repack), get_head_method(blocks, kernels)
     return get_quant_method(spec, kernels), get_head_method(spec, kernels)
 
 
@@ -238,12 +242,22 @@ def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:
     return default_choice("gguf_layout", ANY, ANY, cpu or CpuKind.from_flags(cpu_flags()), GGUF_LAYOUTS[1:])
 
 
-def gguf_methods(kernels: CpuKernels | None, layout: str = "int") -> dict[str, LinearMethod]:
+def gguf_repack(setting: str) -> bool | None:
+    """`GGUFBlocksMethod`'s `repack` for the `gguf_repack` setting: None (auto: the CPU kind's rule per
+    block type), True (x16: every type with the 16-row form) or False (file: none)."""
+    if setting not in GGUF_REPACKS:
+        raise ValueError(f"gguf_repack: expected one of {', '.join(GGUF_REPACKS)}, got {setting!r}")
+    return None if setting == "auto" else setting == "x16"
+
+
+def gguf_methods(
+    kernels: CpuKernels | None, layout: str = "int", repack: bool | None = None
+) -> dict[str, LinearMethod]:
     """A GGUF tensor type -> the method that keeps such matrices as stored: the K-quants and Q5_0 /
     Q5_1 in their own blocks (which also take layers mixing block types, and embedding tables); Q8_0,
     Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of them Q8_0 in
-    int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids)."""
-    blocks = GGUFBlocksMethod(kernels)
+    int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids). `repack`: `gguf_repack`'s."""
+    blocks = GGUFBlocksMethod(kernels, repack=repack)
     kept: dict[str, LinearMethod] = {t: blocks for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
     int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)
     int4 = Int4LinearMethod(QuantSpec("int4", GGUF_BLOCK), kernels, prequantized=True)
@@ -253,8 +267,8 @@ def gguf_methods(kernels: CpuKernels | None, layout: str = "int") -> dict[str, L
 
 
 def _gguf_config(
-    dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None, layout: str
+    dense: LinearMethod, gguf_types: Mapping[str, str], kernels: CpuKernels | None, layout: str, repack: bool | None
 ) -> QuantConfig:
     # a tied head over a Q8_0 table: int8 quantized from the table at load (`int`), else its blocks
     tied = None if layout in ("blocks", "q8_0") else Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels)
-    return QuantConfig(dense, None, gguf_methods(kernels, layout), dict(gguf_types), tied, name="none")
+    return QuantConfig(dense, None, gguf_methods(kernels, layout, repack), dict(gguf_types), tied, name="none")

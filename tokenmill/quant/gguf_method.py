@@ -13,12 +13,13 @@ the `gguf` package's, bit for bit. Without the native kernels (no compiler, floa
 products dequantize a chunk of weight rows at a time (the `gguf` package's own dequantizer) into a
 scratch buffer the method reuses, then take torch's GEMM.
 
-Where the CPU has AVX-512 VNNI, a layer's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices (rows a
-multiple of 16) are repacked once at load into groups of 16 rows (`GGUFMatrix.repacked`,
-kernels/csrc/gguf_x16.cpp: the same bytes moved, 148 a row's block for Q4_K's 144 and 180 for Q5_K's
-176, the others' sizes unchanged), whose products need no horizontal sums; `gguf_dequant` gives back
-the file's rows, and the K-quants' products are the file blocks' bit for bit (the 32-weight types' x
-is rounded per 32 with integer sums, not float ones).
+A layer's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices (rows a multiple of 16) may be repacked once at
+load into groups of 16 rows (`GGUFMatrix.repacked`, kernels/csrc/gguf_x16.cpp: the same bytes moved, 148
+a row's block for Q4_K's 144 and 180 for Q5_K's 176, the others' sizes unchanged), whose products need
+no horizontal sums: every type where the CPU has AVX-512 VNNI, Q4_K and Q5_K on AVX2 (the rule
+`gguf_repack`, kernels/defaults.py). `gguf_dequant` gives back the file's rows, and the K-quants'
+products are the file blocks' bit for bit (the 32-weight types' x is rounded per 32 with integer sums,
+not float ones).
 
 A fused layer (q/k/v, gate/up) may mix types (Q4_K_M stores some v and down projections in Q6_K):
 the layer keeps one matrix per run of shards of one type, each product writing its columns.
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, cpu_flags
-from tokenmill.kernels.defaults import PROMPT, CpuKind, default_choice
+from tokenmill.kernels.defaults import DECODE, PROMPT, CpuKind, default_choice
 from tokenmill.quant.method import (
     FusedKind,
     Layer,
@@ -62,6 +63,7 @@ BLOCKS = {
 }
 BLOCK_TYPES = tuple(BLOCKS)
 REPACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the types with a 16-row form (gguf_x16.cpp)
+REPACK_FORMS = ("x16", "file")  # a repackable type's forms in memory (kernels/defaults.py `gguf_repack`)
 REPACK_ROWS = 16
 PROMPT_KERNELS = ("auto", "gemm", "widened", "dequant")  # GGUFBlocksMethod's products for many rows
 MAX_NATIVE_ROWS = 8  # the decode product's rows at most; more take the prompt product (`gguf_gemm`)
@@ -187,9 +189,13 @@ class GGUFBlocksMethod(LinearMethod):
         self.prompt_kernel = prompt_kernel
         kind = cpu or CpuKind.from_flags(cpu_flags())
         self.type_prompt = {t: default_choice("gguf_prompt", PROMPT, t, kind, PROMPT_KERNELS[1:3]) for t in BLOCKS}
-        # REPACKED_TYPES into 16-row groups at load: where the CPU has AVX-512 VNNI (the form's vector
-        # kernel; elsewhere it runs a scalar reference), unless told
-        self.repack = repack if repack is not None else kind.vnni
+        # the REPACKED_TYPES put into 16-row groups at load: those the CPU kind's rule prefers so
+        # (kernels/defaults.py `gguf_repack`), unless told (True: all of them; False: none)
+        if repack is None:
+            prefer = {t: default_choice("gguf_repack", DECODE, t, kind, REPACK_FORMS) for t in REPACKED_TYPES}
+            self.repack_types = frozenset(t for t, form in prefer.items() if form == "x16")
+        else:
+            self.repack_types = frozenset(REPACKED_TYPES if repack else ())
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
 
     def create_weights(
@@ -215,12 +221,16 @@ class GGUFBlocksMethod(LinearMethod):
         for run in runs:
             data = run[0].data if len(run) == 1 else torch.cat([p.data for p in run])
             matrix = GGUFMatrix(run[0].type_name, data, layer.input_size)
-            if self.repack and native and repackable(matrix):
+            if native and self.repacks(matrix):
                 matrix = repack(matrix, self.ops)
             parts.append((start, matrix))
             start += int(data.shape[0])
         layer.gguf_parts = parts
         del layer.gguf_pieces, layer.weight
+
+    def repacks(self, m: GGUFMatrix) -> bool:
+        """Whether `m` is put into 16-row groups at load (its type chosen, its rows allowing)."""
+        return m.type_name in self.repack_types and repackable(m)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, in]

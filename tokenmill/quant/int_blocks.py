@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels
-from tokenmill.quant.gguf_method import GGUFBlocksMethod, GGUFMatrix, dequantize, repack, repackable
+from tokenmill.quant.gguf_method import GGUFBlocksMethod, GGUFMatrix, dequantize, repack
 from tokenmill.quant.int_methods import (
     FusedTensors,
     Int4LinearMethod,
@@ -50,12 +50,12 @@ class BlocksQuantMethod(QuantizedLinearMethod):
     default_kernel = "blocks"
     format = GGUFMatrix
 
-    def __init__(self, spec: QuantSpec, kernels: CpuKernels, repack16: bool = True) -> None:
+    def __init__(self, spec: QuantSpec, kernels: CpuKernels, repack16: bool | None = None) -> None:
         super().__init__(spec, kernels)
         self.name = f"{spec.method}_blocks"
         self.type_name = BLOCK_TYPES[spec.method]
-        # a GGUF file's blocks method: which native product a row count takes, the repack (the 16-row
-        # groups of the AVX-512 VNNI kernel, where rows allow)
+        # a GGUF file's blocks method: which native product a row count takes, the repack into 16-row
+        # groups (None: the CPU kind's rule, `gguf_repack`; rows allowing)
         self.blocks = GGUFBlocksMethod(kernels, repack=repack16)
         # layers no block fits: the int method's own format
         fallback = QuantSpec(spec.method)
@@ -66,7 +66,7 @@ class BlocksQuantMethod(QuantizedLinearMethod):
     def cache_tag(self) -> str:
         """What the cache key adds for this method: the repacked form's layout source."""
         layout = hashlib.sha256(LAYOUT_SOURCE.read_bytes()).hexdigest()[:16]
-        return super().cache_tag() + f" repack16={self.blocks.repack} {layout}"
+        return super().cache_tag() + f" repack16={','.join(sorted(self.blocks.repack_types))} {layout}"
 
     def create_weights(
         self, layer: Layer, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
@@ -82,7 +82,7 @@ class BlocksQuantMethod(QuantizedLinearMethod):
             layer.quantized = self.own.quantize(weight, group)  # type: ignore[assignment]
         else:
             matrix = GGUFMatrix(self.type_name, QUANTIZERS[self.type_name](weight), k)
-            if self.blocks.repack and repackable(matrix):
+            if self.blocks.repacks(matrix):
                 matrix = repack(matrix, self.ops)
             layer.quantized = matrix  # type: ignore[assignment]
         del layer.weight

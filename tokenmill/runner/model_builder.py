@@ -128,6 +128,7 @@ def resolve(config: EngineConfig, device: torch.device, source: Source, dtype: t
         config.quantization_head,
         config.linear_backend,
         config.gguf_layout,
+        config.gguf_repack,
     )
     gguf = gguf_layer_types(source) if isinstance(source, GGUFCheckpoint) else None
     quant = build_quant_config(

@@ -63,6 +63,14 @@ struct KX {
   }
 };
 
+// x rounded per 32 (Q4_0, Q4_1, Q8_0: gguf_x16.cpp): q [M, K] int8, d [M, K / 32] (|q| <= 127, q * d ~ x), s [M, K / 32] (sums of q)
+struct X32 {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+  int64_t K = 0;
+};
+
 // KX's groups, from its rows (after every row is rounded)
 inline void group_rows(KX& x, int64_t M) {
   const int64_t NB = x.K / QK, G = (M + XG - 1) / XG;

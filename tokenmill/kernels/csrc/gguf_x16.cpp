@@ -13,8 +13,8 @@
 // W, a block at a time: acc = fma(dot, d * xd, acc), then (Q4_K, Q5_K) acc = fma(mins, -dmin * xd, acc),
 // the same for any number of x rows. The 32-weight types round x per 32, with the integer sums of each
 // 32 (Q4_0's offset 8, Q8_0's 128 as stored; Q4_1's m times them in float), and take acc = fma(dot, d *
-// xd, acc) a block. Without AVX-512 VNNI the same sums in scalar form (tests; loaders repack only where
-// the CPU has it).
+// xd, acc) a block. With AVX2 alone the same sums by vpmaddubsw, 8 rows a register (gguf_x16_avx2.h);
+// without AVX2, in scalar form (tests; loaders repack only where a rule chose the form).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,6 +31,7 @@
 #include "convert.h"
 #include "gguf_formats.h"
 #include "gguf_x16.h"
+#include "gguf_x16_avx2.h"
 #include "gguf_x16_pack.h"
 #include "int_dot.h"
 
@@ -44,14 +45,6 @@ constexpr int XROWS = 8;                       // x rows a pass over a group's b
 constexpr int64_t TILE_BYTES = int64_t{96} << 10;  // weight bytes a thread's tile (in L2 across x passes)
 
 constexpr int64_t PF_BYTES = 4736;  // how far ahead of a group's reads they are prefetched (few x rows wait on memory)
-
-// x rounded per 32 (Q4_0, Q8_0): q [M, K] int8, d [M, K / 32] (|q| <= 127, q * d ~ x), s [M, K / 32] (sums of q)
-struct X32 {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> s;
-  int64_t K = 0;
-};
 
 // ---- the product: MM x rows (from m0) . a group's 16 rows, all its blocks -> out[m * 16 + r] ----
 // The scalar forms are kept out of GCC's vectorizer: GCC 12 at -march=native with AVX-512 VNNI turns a
@@ -264,6 +257,8 @@ template <int TYPE, int MM>
 inline void group_dot(const uint8_t* g, const X32& x, int64_t m0, float* out) {
 #if defined(TM_X16_VNNI)
   q32_group<TYPE, MM>(g, x, m0, out);
+#elif defined(TM_X16_AVX2)
+  group_avx2<TYPE, MM>(g, x, m0, out);
 #else
   group_scalar<TYPE, MM>(g, x, m0, out);
 #endif
@@ -276,6 +271,8 @@ inline void group_dot(const uint8_t* g, const KX& x, int64_t m0, float* out) {
     q4k_group<TYPE, MM>(g, x, m0, out);
   else
     q6k_group<MM>(g, x, m0, out);
+#elif defined(TM_X16_AVX2)
+  group_avx2<TYPE, MM>(g, x, m0, out);
 #else
   group_scalar<TYPE, MM>(g, x, m0, out);
 #endif
