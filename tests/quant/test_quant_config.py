@@ -161,7 +161,8 @@ def test_gguf_layout_auto_is_the_cpu_kinds_rule():
     avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
     zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False)
     amx = CpuKind(avx512=True, vnni=True, bf16=True, amx=True)
-    assert gguf_layout("auto", avx2) == "q8_0"
+    assert gguf_layout("auto", avx2) == "q8_0"  # (no AVX2 flag: no vector form of the blocks)
+    assert gguf_layout("auto", CpuKind(avx512=False, vnni=False, bf16=False, amx=False, avx2=True)) == "blocks"
     icx = CpuKind(avx512=True, vnni=True, bf16=False, amx=False)  # (AVX-512 VNNI alone: not measured, int)
     assert gguf_layout("auto", zen4) == "blocks" and gguf_layout("auto", amx) == gguf_layout("auto", icx) == "int"
     assert gguf_layout("int", avx2) == "int" and gguf_layout("blocks", amx) == "blocks"

@@ -157,7 +157,10 @@ RULES: tuple[Rule, ...] = (
     # row, level at eight; the q4_0 file served: benchmarks/RESULTS.md, Zen 4): `blocks`. The same
     # rule puts `--quantization int8` / `int4` in Q8_0 / Q4_1 blocks there (quant/int_blocks.py).
     # With AMX, and AVX-512 without BF16, the int kernels stay the default until a measurement there
-    # says otherwise.
+    # says otherwise. On AVX2, Q4_0 / Q4_1 blocks repacked in 16-row groups (gguf_x16_avx2.h) outran
+    # int4 (the q4_0 file: one request 1.09x, eight 1.33x, benchmarks/gguf_decode.py under
+    # TOKENMILL_MAX_ISA=avx2 on Zen 4) and Q8_0 stays in its file blocks there (`gguf_repack`): `blocks`.
+    # Without AVX2 (no vector form of either): `q8_0`.
     # a GGUF block type's form in memory (`gguf_repack`; the rule's dtype is the block type): `x16`, the
     # file's blocks repacked at load into groups of 16 rows (gguf_x16.cpp), or `file`, as stored. With
     # AVX-512 VNNI every type's x16 product runs on vpdpbusd. On AVX2 (gguf_x16_avx2.h, vpmaddubsw) the
@@ -174,6 +177,7 @@ RULES: tuple[Rule, ...] = (
     Rule("gguf_layout", ANY, ANY, "amx", ("int", "q8_0", "blocks")),
     Rule("gguf_layout", ANY, ANY, "bf16", ("blocks", "q8_0", "int")),
     Rule("gguf_layout", ANY, ANY, "avx512", ("int", "q8_0", "blocks")),
+    Rule("gguf_layout", ANY, ANY, "avx2", ("blocks", "q8_0", "int")),
     Rule("gguf_layout", ANY, ANY, ANY, ("q8_0", "int", "blocks")),
     # a GGUF block type's prompt product (`gguf_prompt`; the rule's dtype is the block type): `gemm`
     # (int8 activations, integer sums: quant/gguf_method.py) or `widened` (each tile of 6 weight rows
