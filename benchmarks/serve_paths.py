@@ -16,7 +16,11 @@ of 8,192, not 49,152: a smaller output projection), its matrices Q4_1 and its ta
 real file, by the tests' GGUF writer (tests/gguf_files.py). Speed depends on the shapes and types,
 not on the weights' values.
 
-Usage: python benchmarks/serve_paths.py [--repeats 3] [--gguf FILE]
+The paths: the file kept quantized as `auto` serves it (`--gguf-layout auto`: Q4_1 in its blocks where the
+CPU kind's rule says so), the same in bfloat16, its Q4_1 matrices read into int4 instead (`--gguf-layout
+q8_0`), dequantized to bfloat16 at load, and the float32 folder.
+
+Usage: python benchmarks/serve_paths.py [--repeats 3] [--gguf FILE] [--out JSON]
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pathlib import Path
 from common import RESULTS, ROOT
 from common import bench as run_bench
 from startup import fresh_cache, start_once
+
+from tokenmill.kernels.cpu_build import isa_cap_settings
 
 REPO = ROOT.parent
 REAL = REPO / "models" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,6 +93,7 @@ def paths(gguf: Path) -> dict[str, tuple[Path, list[str]]]:
     return {
         "Q4_1 kept (auto dtype)": (gguf, []),
         "Q4_1 kept, bfloat16": (gguf, ["--dtype", "bfloat16"]),
+        "Q4_1 as int4 (q8_0 layout)": (gguf, ["--gguf-layout", "q8_0"]),
         "dequantized to bfloat16": (gguf, ["--dtype", "bfloat16", "--quantization", "none"]),
         "float32 folder": (float32_folder(gguf), ["--dtype", "float32"]),
     }
@@ -106,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gguf", default=None, help="the Q4_1 file (default: SmolLM2's where set up, else a stand-in)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve_paths.json")
     args = parser.parse_args()
     gguf = Path(args.gguf) if args.gguf else REAL if REAL.is_file() else stand_in()
     runs: dict[str, dict[str, list[float]]] = {}
@@ -129,6 +137,7 @@ def main() -> None:
         "what": "SmolLM2-135M-Instruct's serving paths: output tok/s at c=1 and c=8 (128-token prompts, "
         "64 new tokens), seconds to /health 200; median of the repeats, interleaved",
         "model": gguf.name,
+        "isa_cap": isa_cap_settings(),
         "stand_in": gguf.parent == STAND_IN,
         "load_average": os.getloadavg(),
         "repeats": args.repeats,
@@ -136,7 +145,7 @@ def main() -> None:
         "runs": runs,
         "fastest_at_c1": fastest,
     }
-    (RESULTS / "serve_paths.json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'path':28} {'c=1 tok/s':>10} {'c=8 tok/s':>10} {'ready s':>8}")
     for label, m in median.items():
         print(f"{label:28} {m['c1_tok_s']:10.1f} {m['c8_tok_s']:10.1f} {m['ready_s']:8.1f}")

@@ -212,10 +212,10 @@ class EngineConfig:
         "auto",
         "a GGUF file's Q8_0, Q4_0 and Q4_1 matrices under quantization auto: blocks (the file's own blocks, "
         "products on int8 activations, prompts through an integer GEMM), q8_0 (Q8_0 so, Q4_0 / Q4_1 as int), int "
-        "(read into tokenmill's int8 / int4 formats and their kernels), or auto (the CPU kind's default: q8_0 "
-        "without AVX-512, blocks with AVX-512 BF16 but no AMX, int otherwise); with AVX-512 VNNI it also says how "
-        "quantization int8 / int4 keep their weights (int8 in Q8_0 blocks under blocks or q8_0, int4 in Q4_1 "
-        "blocks under blocks, else tokenmill's formats)",
+        "(read into tokenmill's int8 / int4 formats and their kernels), or auto (the CPU kind's default: blocks on "
+        "AVX2 and with AVX-512 BF16 but no AMX, int with AMX or AVX-512 without BF16, q8_0 without AVX2); with "
+        "AVX-512 VNNI it also says how quantization int8 / int4 keep their weights (int8 in Q8_0 blocks under "
+        "blocks or q8_0, int4 in Q4_1 blocks under blocks, else tokenmill's formats)",
         choices=GGUF_LAYOUTS,
     )
     gguf_repack: str = setting(

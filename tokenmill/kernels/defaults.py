@@ -164,9 +164,10 @@ RULES: tuple[Rule, ...] = (
     # a GGUF block type's form in memory (`gguf_repack`; the rule's dtype is the block type): `x16`, the
     # file's blocks repacked at load into groups of 16 rows (gguf_x16.cpp), or `file`, as stored. With
     # AVX-512 VNNI every type's x16 product runs on vpdpbusd. On AVX2 (gguf_x16_avx2.h, vpmaddubsw) the
-    # x16 products of all types ran 1.5-2.6x the file blocks' at 8 x rows; at one x row Q4_K's and
-    # Q5_K's about level with them (0.92-1.14x), Q6_K's and Q8_0's behind (0.83-0.86x), and one request's
-    # decode goes by that row (benchmarks/gguf_kernels.py under TOKENMILL_MAX_ISA=avx2, Zen 4).
+    # x16 products beat the file blocks' from memory at one x row and at eight for every type but Q8_0
+    # (the 1.1B shapes: Q4_K 1.13-1.31x at one row, Q6_K 1.17-1.31x, Q4_0 1.38-2.13x); Q8_0's lost at
+    # one row (0.65-0.99x; 1.28-1.76x at eight), and one request's decode goes by it. benchmarks/gguf_kernels.py
+    # --forms file,x16 under TOKENMILL_MAX_ISA=avx2 on Zen 4: results/gguf_kernels_x16_avx2cap_zen4.json.
     Rule("gguf_repack", ANY, ANY, "vnni", ("x16", "file")),
     Rule("gguf_repack", ANY, "Q4_K", "avx2", ("x16", "file")),
     Rule("gguf_repack", ANY, "Q5_K", "avx2", ("x16", "file")),
