@@ -46,12 +46,11 @@ def kept(native: bool, max_native_rows: int = 64, layout: str = "int") -> QuantC
     """The engine's GGUF methods (Q8_0 / Q4_x by `layout`); `native` False: every product through the
     dequantizing paths (the int methods pinned to theirs, the blocks method with no native rows)."""
     kernels = load_cpu_kernels()
-    methods = gguf_methods(kernels, layout)
+    methods = gguf_methods(kernels, layout, repack=None if native else False)  # (file blocks: the reference)
     for m in methods.values():
         if isinstance(m, GGUFBlocksMethod):
             m.max_native_rows = max_native_rows if native else 0
             m.prompt_kernel = "gemm" if native else "dequant"
-            m.repack = m.repack and native  # (the file's blocks, for the dequantizing reference)
         elif not native:
             m.default_kernel = "dequant"  # type: ignore[attr-defined]
     return QuantConfig(UnquantizedLinearMethod(), gguf=methods)

@@ -123,10 +123,9 @@ def tied_file(tmp_path_factory):
 
 
 def served(path, repacked: bool, dtype: str):
-    methods = gguf_methods(load_cpu_kernels(), "int")
+    methods = gguf_methods(load_cpu_kernels(), "int", repack=repacked)
     for m in methods.values():
         if isinstance(m, GGUFBlocksMethod):
-            m.repack = repacked
             m.prompt_kernel = "gemm"
     return load_model(path, dtype=dtype, quant=QuantConfig(UnquantizedLinearMethod(), gguf=methods))
 
