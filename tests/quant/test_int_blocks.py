@@ -167,14 +167,19 @@ def test_a_layer_no_block_fits_is_quantized_per_channel():
 def test_which_cpu_kinds_keep_int8_and_int4_in_blocks():
     zen4 = CpuKind(avx512=True, vnni=True, bf16=True, amx=False)
     amx = CpuKind(avx512=True, vnni=True, bf16=True, amx=True)
-    avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
+    avx2 = CpuKind(avx512=False, vnni=False, bf16=False, amx=False, avx2=True)
+    older = CpuKind(avx512=False, vnni=False, bf16=False, amx=False)
     for q in ("int8", "int4"):
         assert in_blocks(QuantSettings(q), zen4)
         assert in_blocks(QuantSettings(q, group_size=32), zen4)
         assert not in_blocks(QuantSettings(q, group_size=64), zen4)  # another grid: tokenmill's format
         assert not in_blocks(QuantSettings(q, gguf_layout="int"), zen4)  # asked for the int formats
         assert not in_blocks(QuantSettings(q), amx)  # not measured there: the int kernels stay
-        assert not in_blocks(QuantSettings(q, gguf_layout="blocks"), avx2)  # (not measured there: int kernels)
+        assert not in_blocks(QuantSettings(q, gguf_layout="blocks"), older)  # no vector form of the blocks
+    # AVX2: int4 in Q4_1 blocks (16-row groups) under auto (`blocks` there); int8 keeps its int kernels
+    assert in_blocks(QuantSettings("int4"), avx2) and not in_blocks(QuantSettings("int4", gguf_layout="int"), avx2)
+    assert not in_blocks(QuantSettings("int8"), avx2)
+    assert not in_blocks(QuantSettings("int8", gguf_layout="blocks"), avx2)
     assert in_blocks(QuantSettings("int8", gguf_layout="q8_0"), zen4)  # q8_0: Q8_0 alone in blocks
     assert not in_blocks(QuantSettings("int4", gguf_layout="q8_0"), zen4)
     assert not in_blocks(QuantSettings("w8a8"), zen4)

@@ -223,13 +223,16 @@ def in_blocks(settings: QuantSettings, cpu: CpuKind | None = None) -> bool:
     """Whether `quantization` int8 / int4 keeps its weights in GGUF blocks (quant/int_blocks.py: Q8_0 /
     Q4_1) rather than tokenmill's int formats: the group size unset or 32 (the blocks'), and
     `gguf_layout` keeping a GGUF file's Q8_0 (int8) or Q4_0 / Q4_1 (int4) in blocks on `cpu` (None: this
-    machine's) where the blocks' 16-row form has its vector kernel (AVX-512 VNNI; the pairs were
-    measured there, not on AVX2)."""
+    machine's), where the blocks ran ahead of the int kernels: both with AVX-512 VNNI (their 16-row form on
+    vpdpbusd), int4 alone on AVX2 (Q4_1 in 16-row groups, gguf_x16_avx2.h: the 1.1B model's prefill 1.28x
+    the int4 kernels', eight requests 1.27x, one alike; int8's Q8_0 blocks there lost at eight requests,
+    0.82x, benchmarks/RESULTS.md)."""
     if settings.quantization not in ("int8", "int4") or settings.group_size not in (None, GGUF_BLOCK):
         return False
     kind = cpu or CpuKind.from_flags(cpu_flags())
     kept = ("blocks", "q8_0") if settings.quantization == "int8" else ("blocks",)
-    return kind.vnni and gguf_layout(settings.gguf_layout, kind) in kept
+    repacked = kind.vnni or (kind.avx2 and settings.quantization == "int4")
+    return repacked and gguf_layout(settings.gguf_layout, kind) in kept
 
 
 def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:

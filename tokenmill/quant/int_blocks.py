@@ -1,11 +1,11 @@
 """`--quantization int8` and `int4` kept in GGUF's blocks: `BlocksQuantMethod`.
 
 Where a CPU kind runs GGUF's 32-weight blocks faster than tokenmill's int formats (the `gguf_layout`
-rule of kernels/defaults.py, on a CPU with AVX-512 VNNI, where the blocks are repacked in 16-row
-groups: kernels/csrc/gguf_x16.cpp), a float checkpoint's projections are quantized at load into
-blocks and then kept and multiplied as a GGUF file's matrices are (quant/gguf_method.py): decode rows
-by `gguf_linear`, prompt chunks by `gguf_gemm`, both with int8 activations in runs of 32 and integer
-sums, and the fused decode's GGUF projection kind.
+rule of kernels/defaults.py, and quant/config.py `in_blocks`: int8 and int4 with AVX-512 VNNI, int4 on
+AVX2, the blocks repacked in 16-row groups: kernels/csrc/gguf_x16.cpp), a float checkpoint's
+projections are quantized at load into blocks and then kept and multiplied as a GGUF file's matrices
+are (quant/gguf_method.py): decode rows by `gguf_linear`, prompt chunks by `gguf_gemm`, both with int8
+activations in runs of 32 and integer sums, and the fused decode's GGUF projection kind.
 
 - int8 -> Q8_0 (`quantize.quantize_q8_0`): int8 in groups of 32 with a float16 scale, the bytes
   llama.cpp's q8_0 file holds for the same weights.
