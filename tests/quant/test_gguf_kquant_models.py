@@ -121,6 +121,7 @@ def test_the_engine_serves_a_q4_k_m_file_kept_quantized(files, dtype, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         kept_llm = LLM(path, **kwargs)
     assert "GGUF matrices kept quantized: 20 Q4_K, 9 Q6_K; dequantized at load" in caplog.text
+    assert "GGUF blocks in 16-row groups: " in caplog.text  # (which: the CPU kind's rule, next test)
     dense_llm = LLM(path, quantization="none", **kwargs)
     assert kept_llm.stats().weight_bytes * 2.5 < dense_llm.stats().weight_bytes  # (4.5 and 6.6 bits a weight)
     outs = kept_llm.generate(prompts, params, use_tqdm=False), dense_llm.generate(prompts, params, use_tqdm=False)
@@ -161,3 +162,13 @@ def test_the_fused_decode_runs_the_blocks_as_the_modules_do(files, name, layout)
     assert counting.calls == 4  # every decode step in one call; the prompt ran the modules
     for a, b in zip(modules, fused, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("repack", ["x16", "file"])
+def test_the_start_up_log_says_which_blocks_were_repacked(files, repack, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        LLM(str(files["demo-q4_k_m"]), gguf_repack=repack, kv_cache_memory=16 * 2**20, max_num_seqs=2)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF blocks in 16-row"))
+    repacked, stored = (part.split(": ")[1] for part in line.split("; "))
+    assert (repacked == "none") == (repack == "file") and (stored == "none") == (repack == "x16"), line
+    assert "Q4_K" in (repacked if repack == "x16" else stored) and "Q6_K" in line

@@ -35,7 +35,7 @@ from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
 from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.models.llama import LlamaForCausalLM, WeightTarget, layer_prefix
 from tokenmill.quant.config import GGUF_EMBEDDING, GGUF_TABLE, QuantConfig
-from tokenmill.quant.gguf_method import GGUFEmbedding, GGUFMatrix
+from tokenmill.quant.gguf_method import GGUFEmbedding, GGUFMatrix, held_matrices
 from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.method import LinearMethod, WeightLoadError, WeightShapeError
 from tokenmill.quant.quantize import Int4Weight, Int8Weight
@@ -313,8 +313,26 @@ def load_model(
         load_weights(model, folder)
     _finish(model, cfg, device, workers)
     if checkpoint:
+        log_block_forms(model)
         release_freed_memory()
     return model.eval()
+
+
+def log_block_forms(model: LlamaForCausalLM) -> None:
+    """Log the forms the GGUF matrices kept in their blocks took at load: repacked into 16-row groups
+    (`--gguf-repack`) or as the file stores them; a fused layer's run of one type counts once."""
+    matrices = held_matrices(model.modules())
+    if not matrices:
+        return
+    forms = {True: Counter[str](), False: Counter[str]()}
+    for m in matrices:
+        forms[m.repacked][m.type_name] += 1
+
+    def listed(counts: Counter[str]) -> str:
+        return ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "none"
+
+    repacked, stored = listed(forms[True]), listed(forms[False])
+    logger.info("GGUF blocks in 16-row groups: %s; as the file stores them: %s", repacked, stored)
 
 
 def release_freed_memory() -> None:
