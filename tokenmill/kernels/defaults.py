@@ -144,23 +144,6 @@ RULES: tuple[Rule, ...] = (
     Rule("int4", PROMPT, ANY, ANY, ("gemm", "widened", "dequant32", "dequant", "int4pack", "amx")),
     # the greedy head
     Rule("greedy_head", ANY, ANY, ANY, ("logits", "head")),
-    # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices (`gguf_layout`, every row class): `blocks` (all three
-    # in the file's own blocks, quant/gguf_method.py), `q8_0` (Q8_0 in its blocks, Q4_0 / Q4_1 in int4)
-    # or `int` (tokenmill's int8 / int4 formats and their kernels). Without AVX-512 the blocks kernel
-    # multiplies a Q8_0 block's bytes as stored (vpmaddubsw on int8 activations in runs of 32) over
-    # several weight streams a thread at one x row, where the int8 kernel widens each weight to 16 bits
-    # over one stream a thread; Q4_0's blocks pay a nibble unpack and sign step per 32 weights that
-    # the int4 kernel's layout avoids: `q8_0`. With AVX-512 VNNI and BF16 but no AMX (Zen 4), the
-    # blocks repacked in 16-row groups (gguf_x16.cpp) outrun the int kernels: Q8_0's (the 1.1B q8_0
-    # file: prompt 2.21x llama.cpp against 1.58x, 8 requests 2.22x against 1.83x, one request alike)
-    # and Q4_0's / Q4_1's at one request (the 4-bit product alone 1.12x the int4 kernel's speed at one
-    # row, level at eight; the q4_0 file served: benchmarks/RESULTS.md, Zen 4): `blocks`. The same
-    # rule puts `--quantization int8` / `int4` in Q8_0 / Q4_1 blocks there (quant/int_blocks.py).
-    # With AMX, and AVX-512 without BF16, the int kernels stay the default until a measurement there
-    # says otherwise. On AVX2, Q4_0 / Q4_1 blocks repacked in 16-row groups (gguf_x16_avx2.h) outran
-    # int4 (the q4_0 file: one request 1.09x, eight 1.33x, benchmarks/gguf_decode.py under
-    # TOKENMILL_MAX_ISA=avx2 on Zen 4) and Q8_0 stays in its file blocks there (`gguf_repack`): `blocks`.
-    # Without AVX2 (no vector form of either): `q8_0`.
     # a GGUF block type's form in memory (`gguf_repack`; the rule's dtype is the block type): `x16`, the
     # file's blocks repacked at load into groups of 16 rows (gguf_x16.cpp), or `file`, as stored. With
     # AVX-512 VNNI every type's x16 product runs on vpdpbusd. On AVX2 (gguf_x16_avx2.h, vpmaddubsw) the
@@ -175,6 +158,23 @@ RULES: tuple[Rule, ...] = (
     Rule("gguf_repack", ANY, "Q4_0", "avx2", ("x16", "file")),
     Rule("gguf_repack", ANY, "Q4_1", "avx2", ("x16", "file")),
     Rule("gguf_repack", ANY, ANY, ANY, ("file", "x16")),
+    # a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices (`gguf_layout`, every row class): `blocks` (all three
+    # in the file's own blocks, quant/gguf_method.py), `q8_0` (Q8_0 in its blocks, Q4_0 / Q4_1 in int4)
+    # or `int` (tokenmill's int8 / int4 formats and their kernels). On AVX2 the file's blocks kernel
+    # multiplies a Q8_0 block's bytes as stored (vpmaddubsw on int8 activations in runs of 32) over
+    # several weight streams a thread at one x row, where the int8 kernel widens each weight to 16 bits
+    # over one stream a thread; Q4_0's file blocks pay a nibble unpack and sign step per 32 weights that
+    # the int4 kernel's layout avoids, their 16-row form not (below). With AVX-512 VNNI and BF16 but
+    # no AMX (Zen 4), the blocks repacked in 16-row groups (gguf_x16.cpp) outrun the int kernels: Q8_0's (the 1.1B q8_0
+    # file: prompt 2.21x llama.cpp against 1.58x, 8 requests 2.22x against 1.83x, one request alike)
+    # and Q4_0's / Q4_1's at one request (the 4-bit product alone 1.12x the int4 kernel's speed at one
+    # row, level at eight; the q4_0 file served: benchmarks/RESULTS.md, Zen 4): `blocks`. The same
+    # rule puts `--quantization int8` / `int4` in Q8_0 / Q4_1 blocks there (quant/int_blocks.py).
+    # With AMX, and AVX-512 without BF16, the int kernels stay the default until a measurement there
+    # says otherwise. On AVX2, Q4_0 / Q4_1 blocks repacked in 16-row groups (gguf_x16_avx2.h) outran
+    # int4 (the q4_0 file: one request 1.09x, eight 1.33x, benchmarks/gguf_decode.py under
+    # TOKENMILL_MAX_ISA=avx2 on Zen 4), and Q8_0 stays in its file blocks there (`gguf_repack`):
+    # `blocks`. Without AVX2 (no vector form of the blocks): `q8_0`, as AVX2 had before that form.
     Rule("gguf_layout", ANY, ANY, "amx", ("int", "q8_0", "blocks")),
     Rule("gguf_layout", ANY, ANY, "bf16", ("blocks", "q8_0", "int")),
     Rule("gguf_layout", ANY, ANY, "avx512", ("int", "q8_0", "blocks")),
