@@ -40,8 +40,8 @@ from tokenmill.kernels.defaults import ANY, CpuKind, default_choice
 from tokenmill.quant.awq_gptq import checkpoint_method
 from tokenmill.quant.checkpoint import CheckpointQuantization
 from tokenmill.quant.cpu_dense import get_dense_linear_method
-from tokenmill.quant.gguf_method import GGUFBlocksMethod
-from tokenmill.quant.int_blocks import BlocksQuantMethod
+from tokenmill.quant.gguf_method import GGUFBlocksMethod, repacks_on
+from tokenmill.quant.int_blocks import BLOCK_TYPES, BlocksQuantMethod
 from tokenmill.quant.int_methods import Int4LinearMethod, Int8LinearMethod, get_head_method, get_quant_method
 from tokenmill.quant.method import LinearMethod, Shape, UnquantizedLinearMethod
 from tokenmill.quant.quantize import QuantSpec
@@ -223,16 +223,15 @@ def in_blocks(settings: QuantSettings, cpu: CpuKind | None = None) -> bool:
     """Whether `quantization` int8 / int4 keeps its weights in GGUF blocks (quant/int_blocks.py: Q8_0 /
     Q4_1) rather than tokenmill's int formats: the group size unset or 32 (the blocks'), and
     `gguf_layout` keeping a GGUF file's Q8_0 (int8) or Q4_0 / Q4_1 (int4) in blocks on `cpu` (None: this
-    machine's), where the blocks ran ahead of the int kernels: both with AVX-512 VNNI (their 16-row form on
-    vpdpbusd), int4 alone on AVX2 (Q4_1 in 16-row groups, gguf_x16_avx2.h: the 1.1B model's prefill 1.28x
-    the int4 kernels', eight requests 1.27x, one alike; int8's Q8_0 blocks there lost at eight requests,
-    0.82x, benchmarks/RESULTS.md)."""
+    machine's), where its block type is repacked in 16-row groups there (`gguf_repack`): both with AVX-512
+    VNNI, int4's Q4_1 alone on AVX2 (gguf_x16_avx2.h: the 1.1B model's prefill 1.28x the int4 kernels',
+    eight requests 1.27x, one alike; int8 in Q8_0's file blocks lost there at eight requests, 0.82x,
+    benchmarks/RESULTS.md)."""
     if settings.quantization not in ("int8", "int4") or settings.group_size not in (None, GGUF_BLOCK):
         return False
     kind = cpu or CpuKind.from_flags(cpu_flags())
     kept = ("blocks", "q8_0") if settings.quantization == "int8" else ("blocks",)
-    repacked = kind.vnni or (kind.avx2 and settings.quantization == "int4")
-    return repacked and gguf_layout(settings.gguf_layout, kind) in kept
+    return repacks_on(kind, BLOCK_TYPES[settings.quantization]) and gguf_layout(settings.gguf_layout, kind) in kept
 
 
 def gguf_layout(setting: str, cpu: CpuKind | None = None) -> str:

@@ -16,8 +16,8 @@ scratch buffer the method reuses, then take torch's GEMM.
 A layer's Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 matrices (rows a multiple of 16) may be repacked once at
 load into groups of 16 rows (`GGUFMatrix.repacked`, kernels/csrc/gguf_x16.cpp: the same bytes moved, 148
 a row's block for Q4_K's 144 and 180 for Q5_K's 176, the others' sizes unchanged), whose products need
-no horizontal sums: every type where the CPU has AVX-512 VNNI, Q4_K and Q5_K on AVX2 (the rule
-`gguf_repack`, kernels/defaults.py). `gguf_dequant` gives back the file's rows, and the K-quants'
+no horizontal sums: every type where the CPU has AVX-512 VNNI, all but Q8_0 on AVX2 (the rule
+`gguf_repack`, kernels/defaults.py; `repacks_on`). `gguf_dequant` gives back the file's rows, and the K-quants'
 products are the file blocks' bit for bit (the 32-weight types' x is rounded per 32 with integer sums,
 not float ones).
 
@@ -112,6 +112,11 @@ def repackable(m: GGUFMatrix) -> bool:
     return not m.repacked and m.type_name in REPACKED_TYPES and m.shape[0] % REPACK_ROWS == 0 and m.shape[0] > 0
 
 
+def repacks_on(kind: CpuKind, type_name: str) -> bool:
+    """Whether the `gguf_repack` rule puts `type_name`'s matrices into 16-row groups on a CPU of `kind`."""
+    return type_name in REPACKED_TYPES and default_choice("gguf_repack", DECODE, type_name, kind, REPACK_FORMS) == "x16"
+
+
 def repack(m: GGUFMatrix, ops: object) -> GGUFMatrix:
     """`m` in the 16-row form (kernels/csrc/gguf_x16.cpp), its file blocks' values bit for bit."""
     data = ops.gguf_repack16(m.data.contiguous(), BLOCKS[m.type_name][0])  # type: ignore[attr-defined]
@@ -192,8 +197,7 @@ class GGUFBlocksMethod(LinearMethod):
         # the REPACKED_TYPES put into 16-row groups at load: those the CPU kind's rule prefers so
         # (kernels/defaults.py `gguf_repack`), unless told (True: all of them; False: none)
         if repack is None:
-            prefer = {t: default_choice("gguf_repack", DECODE, t, kind, REPACK_FORMS) for t in REPACKED_TYPES}
-            self.repack_types = frozenset(t for t, form in prefer.items() if form == "x16")
+            self.repack_types = frozenset(t for t in REPACKED_TYPES if repacks_on(kind, t))
         else:
             self.repack_types = frozenset(REPACKED_TYPES if repack else ())
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # reused by prompt products (one at a time)
