@@ -16,7 +16,7 @@ from tokenmill.kernels import cpu_build
 from tokenmill.kernels.cpu_build import build_key, cpu_flags, load_cpu_kernels
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
-from tokenmill.layers.backends.cpu_paged import MAX_KERNEL_QUERY
+from tokenmill.layers.backends.cpu_paged import MAX_KERNEL_QUERY, CpuPagedBackend
 from tokenmill.layers.ops import get_layer_ops
 from tokenmill.layers.rotary import RopeConfig, RotaryEmbedding
 
@@ -24,12 +24,13 @@ KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the native CPU kernels did not build here")
 
 
-def run_two_steps(heads, kv_heads, dim, block_size, window, dtype):
+def run_two_steps(heads, kv_heads, dim, block_size, window, dtype, prompt_attention="native"):
     """Prompt chunks, then a step of decodes and short multi-token queries, through both backends
-    on their own caches (same shuffled block tables); both steps' outputs, reference then cpu."""
+    on their own caches (same shuffled block tables); both steps' outputs, reference then cpu.
+    With `prompt_attention` = `sdpa`, the chunks of 20 and 17 take the SDPA path beside the kernel."""
     rng = random.Random(block_size * 31 + dim)
     history = [1, 9, 33, 60, 100, 5, 2]
-    new = [1, 3, 1, 20, 1, 5, MAX_KERNEL_QUERY + 1]  # 20 and 17 take the SDPA path beside the kernel
+    new = [1, 3, 1, 20, 1, 5, MAX_KERNEL_QUERY + 1]
     seq_lens = [h + n for h, n in zip(history, new, strict=True)]
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     order = list(range(num_blocks))
@@ -39,7 +40,7 @@ def run_two_steps(heads, kv_heads, dim, block_size, window, dtype):
         n = -(-s // block_size)
         tables.append([*order[used : used + n], order[-1]])  # one spare block past what is needed
         used += n
-    backends = [get_attention_backend("torch"), get_attention_backend("cpu")]
+    backends = [get_attention_backend("torch"), CpuPagedBackend(KERNELS, prompt_attention)]
     caches = [allocate_kv_cache(b, 1, num_blocks, block_size, kv_heads, dim, dtype)[0] for b in backends]
     gen = torch.Generator().manual_seed(dim)
     steps = []
@@ -54,12 +55,13 @@ def run_two_steps(heads, kv_heads, dim, block_size, window, dtype):
     return steps
 
 
+@pytest.mark.parametrize("prompt_attention", ["native", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(8, 2, 64, 16), (6, 3, 40, 5), (4, 1, 32, 32)])
-def test_paged_kernel_equals_the_reference(heads, kv_heads, dim, block_size, window, dtype):
+def test_paged_kernel_equals_the_reference(heads, kv_heads, dim, block_size, window, dtype, prompt_attention):
     tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output apart at most
-    for ref, cpu in run_two_steps(heads, kv_heads, dim, block_size, window, dtype):
+    for ref, cpu in run_two_steps(heads, kv_heads, dim, block_size, window, dtype, prompt_attention):
         torch.testing.assert_close(cpu.float(), ref.float(), atol=tol, rtol=tol)
 
 

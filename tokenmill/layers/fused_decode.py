@@ -1,4 +1,5 @@
-"""Every decoder layer as one native call, for steps without prompt chunks on the CPU kernels.
+"""Every decoder layer as one native call, for steps the CPU kernels run whole (decodes, and prompt
+chunks where the paged kernel attends them).
 
 `FusedDecode` runs the model's `DecoderLayer`s through `kernels/csrc/decode_layer.cpp`, which chains
 the same native ops the layers' modules call one by one (norms, projections, rotary, KV write, paged
@@ -81,7 +82,7 @@ class FusedDecode:
 
     def plan(self, x: torch.Tensor, metadata: AttentionMetadata) -> list[int] | None:
         """For a step: each projection's kernel (a decode_layer.cpp kind) at the step's row count, the
-        same for every layer; None when the step has a prompt chunk or padding, or a projection's
+        same for every layer; None when the step has a prompt chunk for SDPA or padding, or a projection's
         kernel at this row count is not one the native layers chain (the modules run it)."""
         md = metadata
         if not isinstance(md, CpuMetadata) or md.prefills or md.num_actual_tokens != x.shape[0]:

@@ -33,7 +33,25 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kTile = 16;  // keys scored at once: one 16-lane float vector
-constexpr int64_t kQueries = 4;  // queries sharing each loaded key and value (a GQA group, or query tokens)
+// Queries sharing each loaded key and value (a GQA group, or query tokens): 4, or 8 where there are
+// 32 vector registers and 8 queries to fill them (16 registers hold 8 queries' scores against a tile).
+constexpr int64_t kQueries = 4;
+#if defined(__AVX512F__)
+constexpr int64_t kWideQueries = 8;
+#else
+constexpr int64_t kWideQueries = 4;
+#endif
+constexpr int64_t kBatch = 4;  // tiles of keys per softmax update (its max, rescaling and exp batched)
+constexpr int64_t kSliceRows = 64;  // query rows (positions x the heads sharing a KV head) a work item
+
+// A work item: KV head kv_head of sequence seq, for its query positions [first, last) (0 = its first
+// new token).
+struct Slice {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t first;
+  int64_t last;
+};
 
 // Up to kTile keys and values of one (block, KV head) chunk, as float32, head_dim padded with zeros
 // to `width` (a multiple of kTile). keys: [width, kTile] with row stride key_stride; values: `count`
@@ -47,27 +65,25 @@ struct Tile {
   int64_t count;
 };
 
-// Two ranges (the next block's K and V chunks) requested one 64-byte line per call of next(), spread
-// through the arithmetic: a burst of a hundred prefetches would stall on the core's miss buffers.
+// The next batch's K and V chunks (up to kBatch blocks), requested one 64-byte line per call of
+// next(), spread through the arithmetic: a burst of a hundred prefetches would stall on the core's
+// miss buffers.
 struct Prefetch {
-  const char* k = nullptr;
-  const char* k_end = nullptr;
-  const char* v = nullptr;
-  const char* v_end = nullptr;
-  Prefetch() = default;
+  const char* from[2 * kBatch] = {};
+  const char* to[2 * kBatch] = {};
+  int64_t ranges = 0;
+  int64_t at = 0;
   template <typename T>
-  Prefetch(const T* k_chunk, const T* v_chunk, int64_t n)
-      : k(reinterpret_cast<const char*>(k_chunk)),
-        k_end(k + n * static_cast<int64_t>(sizeof(T))),
-        v(reinterpret_cast<const char*>(v_chunk)),
-        v_end(v + n * static_cast<int64_t>(sizeof(T))) {}
+  void add(const T* chunk, int64_t n) {
+    from[ranges] = reinterpret_cast<const char*>(chunk);
+    to[ranges] = from[ranges] + n * static_cast<int64_t>(sizeof(T));
+    ++ranges;
+  }
   inline void next() {
-    if (k < k_end) {
-      __builtin_prefetch(k);
-      k += 64;
-    } else if (v < v_end) {
-      __builtin_prefetch(v);
-      v += 64;
+    while (at < ranges && from[at] >= to[at]) ++at;
+    if (at < ranges) {
+      __builtin_prefetch(from[at]);
+      from[at] += 64;
     }
   }
 };
@@ -118,67 +134,104 @@ Tile load_tile_int8(const int8_t* k_chunk, const int8_t* v_chunk, const float* k
   return {kbuf, kTile, vbuf, width, count};
 }
 
-// The online softmax of kQueries queries [kQueries, dim] (dim: the padded width) over one tile:
-// scores, then running max/sum and the accumulators [kQueries, dim] rescaled and advanced by P x V.
-// visible[j] = [lo, hi) within the tile.
+// 2^x for x <= 0, vectorizable: x = n + f with n = round(x), |f| <= 1/2, 2^f by a degree-6
+// polynomial (its Taylor terms in f ln 2: relative error under 1e-7 on that range), 2^n from the
+// exponent bits. Below -126 (and for -inf) it returns ~1e-38 instead of underflowing to 0. Scores
+// are kept in base 2 (the queries scaled by log2(e) beside 1 / sqrt(d)), so no multiply goes first.
+__attribute__((always_inline)) inline float exp2_nonpositive(float x) {
+  x = std::max(x, -126.f);
+  const float n = __builtin_rintf(x);
+  const float f = x - n;
+  float p = 1.5403530393e-4f;
+  p = p * f + 1.3333558146e-3f;
+  p = p * f + 9.6181291076e-3f;
+  p = p * f + 5.5504108665e-2f;
+  p = p * f + 2.4022650696e-1f;
+  p = p * f + 6.9314718056e-1f;
+  p = p * f + 1.f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// The online softmax of kQ queries [kQ, dim] (dim: the padded width) over up to kBatch
+// tiles of keys: scores, one max and one rescaling of the accumulators [kQ, dim] for them all,
+// then P x V. visible[j][i] = [lo, hi) of query j within tile i. run_sum keeps each query's sum
+// lane by lane ([kQ, kTile]: added up once, at the end) so no tile pays a horizontal sum.
 // kDim: the padded head size when it is one the compiler should specialize for (64, 128), else 0
 // and `padded` says it at run time.
-template <int64_t kDim>
-void attend_tile(const Tile& tile, const float* qs, int64_t padded, const int64_t (*visible)[2], float* run_max,
-                 float* run_sum, float* acc, Prefetch& ahead) {
+template <int64_t kDim, int64_t kQ>
+void attend_tiles(const Tile* tiles, int64_t n, const float* qs, int64_t padded,
+                  const int64_t (*visible)[kBatch][2], float* run_max, float* run_sum, float* acc,
+                  Prefetch& ahead) {
   const int64_t dim = kDim > 0 ? kDim : padded;
-  float s[kQueries][kTile] = {};
-  for (int64_t d = 0; d < dim; ++d) {
-    ahead.next();
-    const float* kd = tile.keys + d * tile.key_stride;
-    for (int64_t j = 0; j < kQueries; ++j) {
-      const float qd = qs[j * dim + d];
+  float s[kQ][kBatch * kTile];
+  for (int64_t i = 0; i < n; ++i) {
+    float si[kQ][kTile] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      ahead.next();
+      const float* kd = tiles[i].keys + d * tiles[i].key_stride;
+      for (int64_t j = 0; j < kQ; ++j) {
+        const float qd = qs[j * dim + d];
 #pragma omp simd
-      for (int64_t t = 0; t < kTile; ++t) s[j][t] += qd * kd[t];
+        for (int64_t t = 0; t < kTile; ++t) si[j][t] += qd * kd[t];
+      }
+    }
+    for (int64_t j = 0; j < kQ; ++j) {
+      const int32_t from = static_cast<int32_t>(visible[j][i][0]), to = static_cast<int32_t>(visible[j][i][1]);
+      if (from == 0 && to == kTile) {  // the usual case: every key seen
+#pragma omp simd
+        for (int32_t t = 0; t < kTile; ++t) s[j][i * kTile + t] = si[j][t];
+      } else {  // hidden keys score -inf (32-bit lane indices, like the floats')
+#pragma omp simd
+        for (int32_t t = 0; t < kTile; ++t) s[j][i * kTile + t] = (t >= from && t < to) ? si[j][t] : kNegInf;
+      }
     }
   }
-  float p[kQueries][kTile];
-  float correction[kQueries];
-  for (int64_t j = 0; j < kQueries; ++j) {
-    const int64_t lo = visible[j][0], hi = visible[j][1];
-    float tile_max = kNegInf;
-    for (int64_t t = lo; t < hi; ++t) tile_max = std::max(tile_max, s[j][t]);
-    if (lo >= hi) {  // nothing visible to this query here
+  for (int64_t j = 0; j < kQ; ++j)  // the batch's missing tiles: hidden keys
+    for (int64_t t = n * kTile; t < kBatch * kTile; ++t) s[j][t] = kNegInf;
+  constexpr int64_t keys = kBatch * kTile;
+  float p[kQ][kBatch * kTile];
+  float correction[kQ];
+  for (int64_t j = 0; j < kQ; ++j) {
+    float batch_max = kNegInf;
+#pragma omp simd reduction(max : batch_max)
+    for (int64_t t = 0; t < keys; ++t) batch_max = std::max(batch_max, s[j][t]);
+    if (batch_max == kNegInf) {  // nothing visible to this query here
       correction[j] = 1.f;
-      for (int64_t t = 0; t < kTile; ++t) p[j][t] = 0.f;
+      for (int64_t t = 0; t < keys; ++t) p[j][t] = 0.f;
       continue;
     }
-    const float new_max = std::max(run_max[j], tile_max);
-    correction[j] = exp_nonpositive(run_max[j] - new_max);  // ~0 on the first visible tile (acc is 0 then)
-    // three simple loops, each one vector wide: exp, the visibility mask (32-bit lanes like the
-    // floats'), the sum (one loop doing all three stayed scalar)
-    const int32_t from = static_cast<int32_t>(lo), to = static_cast<int32_t>(hi);
-#pragma omp simd
-    for (int32_t t = 0; t < kTile; ++t) p[j][t] = exp_nonpositive(s[j][t] - new_max);
-#pragma omp simd
-    for (int32_t t = 0; t < kTile; ++t) p[j][t] = (t >= from && t < to) ? p[j][t] : 0.f;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int32_t t = 0; t < kTile; ++t) sum += p[j][t];
+    const float new_max = std::max(run_max[j], batch_max);
+    correction[j] = exp2_nonpositive(run_max[j] - new_max);  // ~0 on the first visible batch (acc is 0 then)
     run_max[j] = new_max;
-    run_sum[j] = run_sum[j] * correction[j] + sum;
+    // hidden keys: exp2_nonpositive(-inf) is ~1e-38, nothing beside the max's 1
+#pragma omp simd
+    for (int64_t t = 0; t < keys; ++t) p[j][t] = exp2_nonpositive(s[j][t] - new_max);
+    float* sum = run_sum + j * kTile;
+#pragma omp simd
+    for (int64_t t = 0; t < kTile; ++t) sum[t] *= correction[j];
+    for (int64_t i = 0; i < kBatch; ++i) {
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t) sum[t] += p[j][i * kTile + t];
+    }
   }
   for (int64_t d0 = 0; d0 < dim; d0 += kTile) {  // dim is a multiple of kTile
-    float a[kQueries][kTile];
-    for (int64_t j = 0; j < kQueries; ++j) {
+    float a[kQ][kTile];
+    for (int64_t j = 0; j < kQ; ++j) {
 #pragma omp simd
       for (int64_t e = 0; e < kTile; ++e) a[j][e] = acc[j * dim + d0 + e] * correction[j];
     }
-    for (int64_t t = 0; t < tile.count; ++t) {
-      ahead.next();
-      const float* vt = tile.values + t * tile.value_stride + d0;
-      for (int64_t j = 0; j < kQueries; ++j) {
-        const float pj = p[j][t];
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t t = 0; t < tiles[i].count; ++t) {
+        ahead.next();
+        const float* vt = tiles[i].values + t * tiles[i].value_stride + d0;
+        for (int64_t j = 0; j < kQ; ++j) {
+          const float pj = p[j][i * kTile + t];
 #pragma omp simd
-        for (int64_t e = 0; e < kTile; ++e) a[j][e] += pj * vt[e];
+          for (int64_t e = 0; e < kTile; ++e) a[j][e] += pj * vt[e];
+        }
       }
     }
-    for (int64_t j = 0; j < kQueries; ++j) {
+    for (int64_t j = 0; j < kQ; ++j) {
 #pragma omp simd
       for (int64_t e = 0; e < kTile; ++e) acc[j * dim + d0 + e] = a[j][e];
     }
@@ -206,75 +259,105 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   T* op = out.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale) * 1.44269504088896341f;  // scores in base 2: log2(e) / sqrt(d)
 
-  // One item per sequence, its KV heads inside the block loop: a block's K chunks for all heads are
-  // one contiguous run (and its V chunks another), which the prefetcher streams. Items differ in
-  // length (contexts of 500 and 2,000 tokens side by side), so they go one at a time to whichever
-  // thread is free, on torch's thread count and OpenMP runtime.
-  // one work item per (sequence, KV head): a lone decoding sequence still keeps every thread busy
-  const int64_t items = num_seqs * kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  // Work items: (sequence, KV head, a slice of its query positions). A decode's slice is its one
+  // token; a prompt chunk's queries are cut into slices of about kSliceRows query rows, so that a
+  // long chunk keeps every thread busy, and a slice's queries and accumulators stay in L1 while the
+  // cache's keys and values stream past them (each tile widened once for all the slice's rows).
+  // Later slices see more keys: items go, last slice first, to whichever thread is free.
+  std::vector<Slice> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t per = std::max<int64_t>(1, kSliceRows / group);  // positions a slice
+    for (int64_t hi = qlens[b]; hi > 0; hi -= per)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, h, std::max<int64_t>(0, hi - per), hi});
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t width = (dim + kTile - 1) / kTile * kTile;  // head_dim padded to whole vectors
-    const auto tile_fn = width == 64 ? &attend_tile<64> : width == 128 ? &attend_tile<128> : &attend_tile<0>;
-    std::vector<float> qs, acc, run_max, run_sum, kbuf(width * kTile), vbuf(kTile * width);
+    const auto pick = [width]<int64_t kQ>() {
+      return width == 64 ? &attend_tiles<64, kQ> : width == 128 ? &attend_tiles<128, kQ> : &attend_tiles<0, kQ>;
+    };
+    const auto tiles_fn = pick.template operator()<kQueries>();
+    const auto wide_fn = pick.template operator()<kWideQueries>();
+    std::vector<float> qs, acc, run_max, run_sum, kbuf(kBatch * width * kTile), vbuf(kBatch * kTile * width);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t first_row = starts[b], qlen = qlens[b], len = lens[b];
-      const int64_t nq = qlen * group;  // the queries sharing KV head h: query_len tokens x group heads
+    for (int64_t item = 0; item < num_items; ++item) {
+      const Slice& it = items[item];
+      const int64_t b = it.seq, h = it.kv_head;
+      const int64_t first_row = starts[b] + it.first, qlen = qlens[b], len = lens[b];
+      const int64_t nq = (it.last - it.first) * group;  // the slice's queries: its positions x group heads
       const int64_t padded = (nq + kQueries - 1) / kQueries * kQueries;
       qs.assign(padded * width, 0.f);
       acc.assign(padded * width, 0.f);
       run_max.assign(padded, kNegInf);
-      run_sum.assign(padded, 0.f);
+      run_sum.assign(padded * kTile, 0.f);
       for (int64_t j = 0; j < nq; ++j) {
         const T* src = qp + (first_row + j / group) * q_row + (h * group + j % group) * q_head;
         float* dst = qs.data() + j * width;
         to_float(src, dst, dim);
         for (int64_t d = 0; d < dim; ++d) dst[d] *= sc;
       }
-      const int64_t first_pos = len - qlen;  // position of the first query
+      const int64_t first_pos = len - qlen + it.first;  // position of the slice's first query
+      const int64_t end = len - qlen + it.last;  // keys at positions < end are visible to some query
       const int64_t lo = window ? std::max<int64_t>(0, first_pos - *window + 1) : 0;
-      for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
-        const int64_t at_chunk = (static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads + h) * chunk;
-        Prefetch ahead;  // the next block sits on other pages: fetched a line at a time meanwhile
-        if ((blk + 1) * block_size < len) {
-          const int64_t next = (static_cast<int64_t>(tables[b * table_row + blk + 1]) * kv_heads + h) * chunk;
-          ahead = Prefetch(kp + next, vp + next, chunk);
-        }
-        const int64_t in_block = std::min(block_size, len - blk * block_size);
-        for (int64_t first = 0; first < in_block; first += kTile) {
-          const int64_t t0 = blk * block_size + first;  // position of the tile's first key
+      const auto chunk_at = [&](int64_t blk) {
+        return (static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads + h) * chunk;
+      };
+      // the keys in tiles of up to kTile (a block's, or a part of one), kBatch tiles at a time
+      int64_t blk = lo / block_size, first = 0;
+      while (blk * block_size < end) {
+        Tile tiles[kBatch];
+        int64_t t0[kBatch], n = 0;
+        for (; n < kBatch && blk * block_size < end; ++n) {
+          const int64_t at_chunk = chunk_at(blk), in_block = std::min(block_size, end - blk * block_size);
           const int64_t count = std::min(kTile, in_block - first);
-          Tile tile;
+          float* kb = kbuf.data() + n * width * kTile;
+          float* vb = vbuf.data() + n * kTile * width;
+          t0[n] = blk * block_size + first;
           if constexpr (std::is_same_v<C, int8_t>) {
             const int64_t at_scales = at_chunk / dim;  // the chunk's [block_size] scales
-            tile = load_tile_int8(kp + at_chunk, vp + at_chunk, k_scales + at_scales, v_scales + at_scales, block_size,
-                                  first, count, dim, width, kbuf.data(), vbuf.data());
+            tiles[n] = load_tile_int8(kp + at_chunk, vp + at_chunk, k_scales + at_scales, v_scales + at_scales,
+                                      block_size, first, count, dim, width, kb, vb);
           } else {
-            tile = load_tile(kp + at_chunk, vp + at_chunk, block_size, first, count, dim, width, kbuf.data(),
-                             vbuf.data());
+            tiles[n] = load_tile(kp + at_chunk, vp + at_chunk, block_size, first, count, dim, width, kb, vb);
           }
-          for (int64_t j0 = 0; j0 < padded; j0 += kQueries) {
-            int64_t visible[kQueries][2];
-            for (int64_t j = 0; j < kQueries; ++j) {
-              const int64_t pos = first_pos + (j0 + j) / group;
-              const int64_t from = window ? std::max<int64_t>(0, pos - *window + 1 - t0) : 0;
-              const int64_t to = j0 + j < nq ? std::min(tile.count, pos - t0 + 1) : 0;  // padding sees nothing
-              visible[j][0] = from;
-              visible[j][1] = to;
+          first += count;
+          if (first >= in_block) first = 0, ++blk;
+        }
+        Prefetch ahead;  // the next batch's blocks sit on other pages: fetched a line at a time meanwhile
+        for (int64_t next = blk; next < blk + kBatch && next * block_size < end; ++next) {
+          ahead.add(kp + chunk_at(next), chunk);
+          ahead.add(vp + chunk_at(next), chunk);
+        }
+        for (int64_t j0 = 0; j0 < padded;) {
+          const int64_t step = nq - j0 >= kWideQueries ? kWideQueries : kQueries;
+          int64_t visible[kWideQueries][kBatch][2];
+          bool any = false;
+          for (int64_t j = 0; j < step; ++j) {
+            const int64_t pos = first_pos + (j0 + j) / group;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t from = window ? std::max<int64_t>(0, pos - *window + 1 - t0[i]) : 0;
+              const int64_t to = j0 + j < nq ? std::min(tiles[i].count, pos - t0[i] + 1) : 0;  // padding: none
+              visible[j][i][0] = from;
+              visible[j][i][1] = std::max(from, to);
+              any = any || from < to;
             }
-            tile_fn(tile, qs.data() + j0 * width, width, visible, run_max.data() + j0, run_sum.data() + j0,
-                    acc.data() + j0 * width, ahead);
           }
+          if (any)  // else every key of the batch is after (or, windowed, too far before) these queries
+            (step == kWideQueries ? wide_fn : tiles_fn)(tiles, n, qs.data() + j0 * width, width, visible,
+                                                        run_max.data() + j0, run_sum.data() + j0 * kTile,
+                                                        acc.data() + j0 * width, ahead);
+          j0 += step;
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
         T* dst = op + (first_row + j / group) * o_row + (h * group + j % group) * o_head;
-        const float inv = 1.f / run_sum[j];
+        float sum = 0.f;
+        for (int64_t t = 0; t < kTile; ++t) sum += run_sum[j * kTile + t];
+        const float inv = 1.f / sum;
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(acc[j * width + d] * inv);
       }
     }

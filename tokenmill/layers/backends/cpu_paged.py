@@ -1,11 +1,13 @@
 """The `cpu` attention backend: a native kernel that attends over the paged KV cache in place.
 
-Sequences with up to `MAX_KERNEL_QUERY` new tokens (decodes, speculative verification) go to
-`torch.ops.tokenmill_cpu.paged_attention` (kernels/csrc/attention.cpp): one pass per sequence over
-its own blocks (every KV head of a block in turn), no gather into a contiguous tensor, no padding to
-the longest context, no conversion of the whole context to float32. Longer prompt chunks, where the work is a
-matrix product, go through the reference backend's SDPA path (`attend_chunks`). The new tokens' K/V
-are written by one native call per layer.
+Every sequence goes to `torch.ops.tokenmill_cpu.paged_attention` (kernels/csrc/attention.cpp): one
+pass per (sequence, KV head, slice of its queries) over its own blocks, no gather into a contiguous
+tensor, no padding to the longest context, no conversion of the whole context to float32; a prompt
+chunk's slices skip the keys after their last query (the causal half torch's SDPA computes and masks
+when a chunk has keys cached before it). Where the CPU kind's rule says so (`prompt_attention` in
+kernels/defaults.py: AMX, whose bfloat16 tiles torch's SDPA may use, until measured there), prompt
+chunks longer than `MAX_KERNEL_QUERY` go through the reference backend's SDPA path
+(`attend_chunks`) instead. The new tokens' K/V are written by one native call per layer.
 
 Cache layout, per layer: K and V of [num_blocks, num_kv_heads, block_size * head_dim], one
 contiguous chunk per (block, KV head); K's chunk is [head_dim, block_size] (keys side by side: a
@@ -19,13 +21,14 @@ from functools import partial
 
 import torch
 
-from tokenmill.kernels.cpu_build import CpuKernels
+from tokenmill.kernels.cpu_build import CpuKernels, cpu_flags
+from tokenmill.kernels.defaults import ANY, PROMPT, CpuKind, default_choice
 from tokenmill.layers.attention import KVCache, check_batch
 from tokenmill.layers.backends.torch_ref import PrefillSequence, attend_chunks
 
-# Sequences with at most this many new tokens run through the native kernel; longer chunks through
-# SDPA (a matrix product wins once a sequence brings many queries for the same keys).
+# Where prompt chunks go to SDPA (`prompt_attention` = `sdpa`): sequences with more new tokens than this.
 MAX_KERNEL_QUERY = 16
+PROMPT_ATTENTION = ("native", "sdpa")
 
 
 @dataclass
@@ -38,14 +41,22 @@ class CpuMetadata:
     seq_lens: torch.Tensor  # [S]
     query_starts: torch.Tensor  # [S]: first row of each sequence's queries in the flat batch
     query_lens: torch.Tensor  # [S]
-    prefills: list[PrefillSequence]  # sequences with more new tokens: SDPA, one call each
+    prefills: list[PrefillSequence]  # (`prompt_attention` = `sdpa`) longer prompt chunks: SDPA, one call each
 
 
 class CpuPagedBackend:
     name = "cpu"
 
-    def __init__(self, kernels: CpuKernels) -> None:
+    def __init__(self, kernels: CpuKernels, prompt_attention: str | None = None) -> None:
+        """`prompt_attention`: `native` or `sdpa` for prompt chunks (default: the CPU kind's rule)."""
         self.ops = kernels.ops
+        kind = CpuKind.from_flags(cpu_flags())
+        self.prompt_attention = prompt_attention or default_choice(
+            "prompt_attention", PROMPT, ANY, kind, PROMPT_ATTENTION
+        )
+        if self.prompt_attention not in PROMPT_ATTENTION:
+            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, not {self.prompt_attention!r}")
+        self.longest_kernel_query = MAX_KERNEL_QUERY if self.prompt_attention == "sdpa" else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size * head_dim)
@@ -68,7 +79,7 @@ class CpuPagedBackend:
         start = 0
         for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s - q, s))
-            if q <= MAX_KERNEL_QUERY:
+            if self.longest_kernel_query is None or q <= self.longest_kernel_query:
                 kernel.append(b)
             else:
                 blocks = torch.tensor(table[: -(-s // block_size)], dtype=torch.int64, device=device)
