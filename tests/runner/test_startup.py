@@ -105,6 +105,10 @@ def test_cpu_kinds_from_their_flags():
         (ZEN4, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
         (AMX, "int4", PROMPT, "bfloat16", ("dequant", "gemm", "amx"), "dequant"),  # AMX: unmeasured, kept
         (AVX2, "greedy_head", DECODE, "float32", ("head", "logits"), "logits"),
+        # a prompt chunk's attention: the paged kernel, but on AMX (unmeasured there) torch's SDPA
+        (AVX2, "prompt_attention", PROMPT, "bfloat16", ("native", "sdpa"), "native"),
+        (ZEN4, "prompt_attention", PROMPT, "bfloat16", ("native", "sdpa"), "native"),
+        (AMX, "prompt_attention", PROMPT, "bfloat16", ("native", "sdpa"), "sdpa"),
         (AVX2, "an op with no rule", DECODE, "float32", ("b", "a"), "b"),  # the first candidate
     ],
 )
@@ -162,7 +166,7 @@ def test_tune_measures_the_defaults_once_and_a_start_reads_them(tiny_model_dir, 
 
     def torch_wins(candidates, repeats, sync):
         measured.append(sorted(candidates))
-        return {name: 1.0 if name in ("torch", "logits") else 2.0 for name in candidates}
+        return {name: 1.0 if name in ("torch", "logits", "sdpa") else 2.0 for name in candidates}
 
     config = config_for(tiny_model_dir("llama"), dtype="float32")
     start = Autotuner(CPU, path, measure=False, timer=never)
@@ -176,3 +180,4 @@ def test_tune_measures_the_defaults_once_and_a_start_reads_them(tiny_model_dir, 
     built = build_model(config, CPU, later)
     assert later.counts == {"cache": defaults}
     assert not any(any(table) for table in built.model.dense.native.values())  # the measured choice: torch
+    assert built.backend.prompt_attention == "sdpa"  # (the measured one, on every CPU kind)

@@ -32,6 +32,7 @@ from tokenmill.kernels.cpu_build import NATIVE_DTYPES, load_cpu_kernels
 from tokenmill.kernels.defaults import DECODE, default_choice
 from tokenmill.layers.attention import AttentionBackend
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.backends.cpu_paged import CpuPagedBackend, prompt_candidates
 from tokenmill.layers.fused_decode import FusedDecode
 from tokenmill.layers.ops import LayerOps, get_layer_ops
 from tokenmill.model_files import is_gguf
@@ -223,6 +224,7 @@ def build_model(config: EngineConfig, device: torch.device, tuner: Autotuner | N
         built.greedy_head = greedy_head_is_faster(built, config.max_num_seqs, tuner)
     else:
         built.greedy_head = config.greedy_head == "head"
+    choose_prompt_attention(built, config.max_num_batched_tokens, tuner)
     _log(config, built, tuner)
     return built
 
@@ -356,10 +358,28 @@ def greedy_head_is_faster(built: BuiltModel, rows: int, tuner: Autotuner) -> boo
     return choice.name == "head"
 
 
+def choose_prompt_attention(built: BuiltModel, chunk: int, tuner: Autotuner) -> None:
+    """Which path the `cpu` backend's prompt chunks take (`prompt_attention`: its paged kernel or
+    torch's SDPA), for this model's heads in its dtype at `chunk` tokens a chunk: through the autotune
+    cache (not measuring: its cached choice, else the CPU kind's rule, kernels/defaults.py)."""
+    backend = built.backend
+    if not isinstance(backend, CpuPagedBackend):
+        return
+    cfg = built.model.config
+    dtype = str(built.dtype).removeprefix("torch.")
+    shape = f"{chunk} tokens after {chunk} in {dtype}, {cfg.num_heads} heads on {cfg.num_kv_heads} x {cfg.head_dim}"
+    candidates = prompt_candidates(backend.kernels, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, built.dtype, chunk)
+    choice = tuner.choose("prompt_attention", shape, candidates, repeats=3, default=backend.prompt_attention)
+    backend.use_for_prompts(choice.name)
+    timings = ", ".join(f"{n} {t:.1f} ms" for n, t in choice.timings_ms.items()) or "by default"
+    logger.info("prompt attention: %s (%s)", "the paged kernel" if choice.name == "native" else "SDPA", timings)
+
+
 def refine(built: BuiltModel, config: EngineConfig, tuner: Autotuner) -> None:
     """The kernel choices of a built model made again through `tuner` (measuring, for `tokenmill
-    tune`): the kernel plans and the greedy head, as `build_model` made them."""
+    tune`): the kernel plans, the greedy head and the prompt attention, as `build_model` made them."""
     if config.linear_backend == "auto":
         plan_kernels(built.model, tuner, config.max_num_seqs, config.max_num_batched_tokens)
     if config.greedy_head == "auto":
         built.greedy_head = greedy_head_is_faster(built, config.max_num_seqs, tuner)
+    choose_prompt_attention(built, config.max_num_batched_tokens, tuner)

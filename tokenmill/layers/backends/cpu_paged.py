@@ -16,19 +16,21 @@ query's scores against a block are vector FMAs), V's is [block_size, head_dim] (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 
 from tokenmill.kernels.cpu_build import CpuKernels, cpu_flags
 from tokenmill.kernels.defaults import ANY, PROMPT, CpuKind, default_choice
-from tokenmill.layers.attention import KVCache, check_batch
+from tokenmill.layers.attention import KVCache, allocate_kv_cache, check_batch
 from tokenmill.layers.backends.torch_ref import PrefillSequence, attend_chunks
 
 # Where prompt chunks go to SDPA (`prompt_attention` = `sdpa`): sequences with more new tokens than this.
 MAX_KERNEL_QUERY = 16
 PROMPT_ATTENTION = ("native", "sdpa")
+PROBE_BLOCK = 16  # the block size `prompt_candidates` times with
 
 
 @dataclass
@@ -49,14 +51,19 @@ class CpuPagedBackend:
 
     def __init__(self, kernels: CpuKernels, prompt_attention: str | None = None) -> None:
         """`prompt_attention`: `native` or `sdpa` for prompt chunks (default: the CPU kind's rule)."""
+        self.kernels = kernels
         self.ops = kernels.ops
         kind = CpuKind.from_flags(cpu_flags())
-        self.prompt_attention = prompt_attention or default_choice(
-            "prompt_attention", PROMPT, ANY, kind, PROMPT_ATTENTION
+        self.use_for_prompts(
+            prompt_attention or default_choice("prompt_attention", PROMPT, ANY, kind, PROMPT_ATTENTION)
         )
-        if self.prompt_attention not in PROMPT_ATTENTION:
-            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, not {self.prompt_attention!r}")
-        self.longest_kernel_query = MAX_KERNEL_QUERY if self.prompt_attention == "sdpa" else None
+
+    def use_for_prompts(self, name: str) -> None:
+        """Prompt chunks longer than MAX_KERNEL_QUERY through `name`: `native` (the paged kernel) or `sdpa`."""
+        if name not in PROMPT_ATTENTION:
+            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, not {name!r}")
+        self.prompt_attention = name
+        self.longest_kernel_query = MAX_KERNEL_QUERY if name == "sdpa" else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size * head_dim)
@@ -149,3 +156,33 @@ class CpuPagedBackend:
             k = k.float() * cache.k_scale.index_select(0, seq.block_table).transpose(1, 2)[..., None]
             v = v.float() * cache.v_scale.index_select(0, seq.block_table).transpose(1, 2)[..., None]
         return k.reshape(-1, kv_heads, dim)[: seq.seq_len], v.reshape(-1, kv_heads, dim)[: seq.seq_len]
+
+
+def prompt_candidates(
+    kernels: CpuKernels, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, chunk: int
+) -> dict[str, Callable[[], object]]:
+    """A long prompt's second chunk (`chunk` new tokens after as many cached: the chunk that pays for
+    the keys before it) through each `prompt_attention` path, for the autotuner. The inputs are made
+    on the first call (a start-up that reads the choice back makes none)."""
+    blocks = -(-2 * chunk // PROBE_BLOCK)
+
+    @cache
+    def inputs() -> tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        native = CpuPagedBackend(kernels, "native")
+        kv_cache = allocate_kv_cache(native, 1, blocks, PROBE_BLOCK, kv_heads, dim, dtype)[0]
+        q = torch.randn(chunk, heads, dim, generator=gen).to(dtype)
+        k, v = torch.randn(2, chunk, kv_heads, dim, generator=gen).to(dtype)
+        return kv_cache, q, k, v
+
+    def path(name: str) -> Callable[[], object]:
+        backend = CpuPagedBackend(kernels, name)
+
+        def run() -> torch.Tensor:
+            kv_cache, q, k, v = inputs()
+            md = backend.build_metadata([chunk], [2 * chunk], [list(range(blocks))], PROBE_BLOCK)
+            return backend.forward(q, k, v, kv_cache, md, dim**-0.5, None)
+
+        return run
+
+    return {name: path(name) for name in PROMPT_ATTENTION}
