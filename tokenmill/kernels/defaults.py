@@ -192,10 +192,10 @@ RULES: tuple[Rule, ...] = (
     Rule("gguf_prompt", PROMPT, "Q4_0", ANY, ("widened", "gemm")),
     # a prompt chunk's attention in the `cpu` backend (`prompt_attention`): `native`, the paged kernel
     # (attention.cpp: float32 FMAs, the keys after a slice's last query skipped), or `sdpa`, torch's
-    # flash kernel over the chunk's gathered keys. On Zen 4, natively and under TOKENMILL_MAX_ISA=avx2,
-    # the kernel ran the 1.1B model's 1,017-token prompt's two chunks in 0.6x SDPA's time
-    # (benchmarks/prompt_attention.py). AMX keeps SDPA, whose bfloat16 products may run on its tiles,
-    # until measured there.
+    # flash kernel over the chunk's gathered keys. On Zen 4 the kernel ran the 1.1B model's 1,017-token
+    # prompt's two chunks in 0.53x SDPA's time (0.61x under TOKENMILL_MAX_ISA=avx2; 0.67x / 0.78x at
+    # 4,096 tokens: benchmarks/prompt_attention.py). AMX keeps SDPA, whose bfloat16 products may run on
+    # its tiles, until measured there (`tokenmill tune` times both).
     Rule("prompt_attention", PROMPT, ANY, "amx", ("sdpa", "native")),
     Rule("prompt_attention", PROMPT, ANY, ANY, ("native", "sdpa")),
 )
