@@ -14,6 +14,7 @@ from tokenmill import LLM
 from tokenmill.kernels.cpu_build import load_cpu_kernels
 from tokenmill.layers.attention import allocate_kv_cache
 from tokenmill.layers.backends import get_attention_backend
+from tokenmill.layers.backends.torch_ref import attend_chunk
 from tokenmill.quant.quantize import int8_rows_symmetric
 
 BACKENDS = ["torch"] + (["cpu"] if load_cpu_kernels() is not None else [])
@@ -47,13 +48,13 @@ def test_int8_kv_rounds_each_row_to_its_own_grid():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_both_backends_attend_over_the_same_int8_cache(dtype):
-    """The same tokens written by each backend, then decodes and a chunk attended: the native kernel
-    against the reference, and both against float attention over the dequantized values."""
+    """The same tokens written by each backend as two prompts (each attended over its own int8 keys
+    and values), then decodes and a short chunk attended: the native kernel against the reference."""
     if "cpu" not in BACKENDS:
         pytest.skip("native CPU kernels did not build here")
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, ctx = 4, 2, 64, 37
-    outs = {}
+    outs, prompts = {}, {}
     for name in ("torch", "cpu"):
         backend = get_attention_backend(name)
         cache = allocate_kv_cache(backend, 1, 8, BLOCK, kv_heads, dim, torch.int8)[0]
@@ -64,11 +65,21 @@ def test_both_backends_attend_over_the_same_int8_cache(dtype):
         v = torch.randn(2 * ctx, kv_heads, dim, generator=g).to(dtype)
         q = torch.randn(2 * ctx, heads, dim, generator=g).to(dtype)
         md = backend.build_metadata([ctx, ctx], [ctx, ctx], tables, BLOCK)  # two prompts: written
-        backend.forward(q, k, v, cache, md, 0.125, None)
+        prompts[name] = backend.forward(q, k, v, cache, md, 0.125, None).float()
         md = backend.build_metadata([1, 3], [ctx + 1, ctx + 3], tables, BLOCK)  # decodes, a short chunk
         qd, kd, vd = q[:4] * 0.5, k[:4] * 0.5, v[:4] * 0.5
         outs[name] = backend.forward(qd, kd, vd, cache, md, 0.125, None).float()
-    assert (outs["cpu"] - outs["torch"]).abs().max() < (1e-4 if dtype == torch.float32 else 2e-2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (outs["cpu"] - outs["torch"]).abs().max() < tol
+    # The prompts: the reference attends a prompt with nothing cached before it over its fresh keys
+    # and values, the native kernel over the cache it just wrote: each against causal attention over
+    # those, the fresh ones and the int8 ones dequantized.
+    (kq, ks), (vq, vs) = int8_rows_symmetric(k), int8_rows_symmetric(v)
+    cached = ((kq.float() * ks[..., None]).to(dtype), (vq.float() * vs[..., None]).to(dtype))
+    for name, (keys, values) in (("torch", (k, v)), ("cpu", cached)):
+        for rows in (slice(0, ctx), slice(ctx, 2 * ctx)):
+            want = attend_chunk(q[rows], keys[rows], values[rows], 0.125, None).float()
+            assert (prompts[name][rows] - want).abs().max() < tol, name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

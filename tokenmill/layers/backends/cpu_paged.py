@@ -7,7 +7,10 @@ chunk's slices skip the keys after their last query (the causal half torch's SDP
 when a chunk has keys cached before it). Where the CPU kind's rule says so (`prompt_attention` in
 kernels/defaults.py: AMX, whose bfloat16 tiles torch's SDPA may use, until measured there), prompt
 chunks longer than `MAX_KERNEL_QUERY` go through the reference backend's SDPA path
-(`attend_chunks`) instead. The new tokens' K/V are written by one native call per layer.
+(`attend_chunks`) instead. The new tokens' K/V are written by one native call per layer, before
+anything is attended: so with an int8 cache every query, a prompt's first chunk's included, attends
+over the cache's dequantized keys and values (SDPA's path and the reference attend a chunk with
+nothing cached before it over its fresh ones).
 
 Cache layout, per layer: K and V of [num_blocks, num_kv_heads, block_size * head_dim], one
 contiguous chunk per (block, KV head); K's chunk is [head_dim, block_size] (keys side by side: a
