@@ -101,6 +101,7 @@ def test_a_build_under_the_avx2_cap_has_no_avx512_and_computes_right(tmp_path):
     root = Path(__file__).resolve().parents[2]
     suites = [
         "tests/layers/test_cpu_kernels.py",
+        "tests/layers/test_kv_int8.py",  # (the paged kernel on an int8 cache, prompts included)
         "tests/quant/test_gguf_blocks.py",
         "tests/quant/test_gguf_kquant_models.py",
         "tests/quant/test_gguf_x16.py",  # (the 16-row products' AVX2 form, gguf_x16_avx2.h)

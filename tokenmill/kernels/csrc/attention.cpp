@@ -238,29 +238,106 @@ void attend_tiles(const Tile* tiles, int64_t n, const float* qs, int64_t padded,
   }
 }
 
+// What every work item of a call reads of the cache: the K and V chunks (C: the model's dtype, or
+// int8 with per-token scales [num_blocks, kv_heads, block_size]) and the block tables.
+template <typename C>
+struct Pages {
+  const C* k;
+  const C* v;
+  const float* k_scales;  // (int8 only)
+  const float* v_scales;
+  const int32_t* tables;
+  int64_t table_row, kv_heads, block_size, dim, width;  // width: head_dim padded to whole vectors
+  int64_t chunk_at(int64_t seq, int64_t h, int64_t blk) const {  // (block, KV head) chunk's first element
+    return (static_cast<int64_t>(tables[seq * table_row + blk]) * kv_heads + h) * block_size * dim;
+  }
+};
+
+// Up to kBatch consecutive tiles of keys; t0: each tile's first key position.
+struct Batch {
+  Tile tiles[kBatch];
+  int64_t t0[kBatch];
+  int64_t n = 0;
+};
+
+// The next batch of seq's KV head h from the key at (blk, first), up to position end (the cursor
+// advanced past it), widened into kbuf / vbuf; `ahead` set to the batch after it.
+template <typename C>
+void load_batch(const Pages<C>& pg, int64_t seq, int64_t h, int64_t end, int64_t& blk, int64_t& first, float* kbuf,
+                float* vbuf, Batch& batch, Prefetch& ahead) {
+  const int64_t bs = pg.block_size, width = pg.width;
+  for (batch.n = 0; batch.n < kBatch && blk * bs < end; ++batch.n) {
+    const int64_t at = pg.chunk_at(seq, h, blk), in_block = std::min(bs, end - blk * bs);
+    const int64_t count = std::min(kTile, in_block - first);
+    float* kb = kbuf + batch.n * width * kTile;
+    float* vb = vbuf + batch.n * kTile * width;
+    batch.t0[batch.n] = blk * bs + first;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const int64_t at_scales = at / pg.dim;  // the chunk's [block_size] scales
+      batch.tiles[batch.n] = load_tile_int8(pg.k + at, pg.v + at, pg.k_scales + at_scales, pg.v_scales + at_scales, bs,
+                                            first, count, pg.dim, width, kb, vb);
+    } else {
+      batch.tiles[batch.n] = load_tile(pg.k + at, pg.v + at, bs, first, count, pg.dim, width, kb, vb);
+    }
+    first += count;
+    if (first >= in_block) first = 0, ++blk;
+  }
+  ahead = Prefetch();  // the next batch's blocks sit on other pages: fetched a line at a time meanwhile
+  for (int64_t next = blk; next < blk + kBatch && next * bs < end; ++next) {
+    ahead.add(pg.k + pg.chunk_at(seq, h, next), bs * pg.dim);
+    ahead.add(pg.v + pg.chunk_at(seq, h, next), bs * pg.dim);
+  }
+}
+
+// A work item's queries: `nq` rows (positions x the heads sharing the KV head, `group` a position)
+// padded to whole groups of kQueries, each with its running max, lane sums and accumulators.
+struct Queries {
+  std::vector<float> qs, acc, run_max, run_sum;
+  int64_t nq = 0, padded = 0, group = 1, first_pos = 0;
+  std::optional<int64_t> window;
+};
+
+using TilesFn = void (*)(const Tile*, int64_t, const float*, int64_t, const int64_t (*)[kBatch][2], float*, float*,
+                         float*, Prefetch&);
+
+// Every query group of `qs` against one batch: kWideQueries at a time while there are as many, then
+// kQueries; a group none of whose queries sees a key of the batch is skipped.
+void attend_batch(const Batch& batch, Queries& qs, int64_t width, TilesFn narrow, TilesFn wide, Prefetch& ahead) {
+  for (int64_t j0 = 0; j0 < qs.padded;) {
+    const int64_t step = qs.nq - j0 >= kWideQueries ? kWideQueries : kQueries;
+    int64_t visible[kWideQueries][kBatch][2];
+    bool any = false;
+    for (int64_t j = 0; j < step; ++j) {
+      const int64_t pos = qs.first_pos + (j0 + j) / qs.group;
+      for (int64_t i = 0; i < batch.n; ++i) {
+        const int64_t t0 = batch.t0[i];
+        const int64_t from = qs.window ? std::max<int64_t>(0, pos - *qs.window + 1 - t0) : 0;
+        const int64_t to = j0 + j < qs.nq ? std::min(batch.tiles[i].count, pos - t0 + 1) : 0;  // padding: none
+        visible[j][i][0] = from;
+        visible[j][i][1] = std::max(from, to);
+        any = any || from < to;
+      }
+    }
+    if (any)  // else every key of the batch is after (or, windowed, too far before) these queries
+      (step == kWideQueries ? wide : narrow)(batch.tiles, batch.n, qs.qs.data() + j0 * width, width, visible,
+                                             qs.run_max.data() + j0, qs.run_sum.data() + j0 * kTile,
+                                             qs.acc.data() + j0 * width, ahead);
+    j0 += step;
+  }
+}
+
 // T: q and out; C: the cache (T itself, or int8 with per-token scales [num_blocks, kv_heads, block_size])
 template <typename T, typename C>
-void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const float* k_scales, const float* v_scales, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-            const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t block_size, double scale,
-            std::optional<int64_t> window) {
-  const int64_t num_seqs = seq_lens.size(0);
-  const int64_t heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(1), chunk = block_size * dim;
-  const int64_t group = heads / kv_heads;
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t table_row = block_tables.stride(0);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
+void attend(at::Tensor& out, const at::Tensor& q, const Pages<C>& pg, const at::Tensor& seq_lens,
+            const at::Tensor& query_starts, const at::Tensor& query_lens, double scale, std::optional<int64_t> window) {
+  const int64_t num_seqs = seq_lens.size(0), heads = q.size(1), dim = pg.dim, width = pg.width;
+  const int64_t group = heads / pg.kv_heads;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* qlens = query_lens.data_ptr<int32_t>();
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
   const float sc = static_cast<float>(scale) * 1.44269504088896341f;  // scores in base 2: log2(e) / sqrt(d)
-
   // Work items: (sequence, KV head, a slice of its query positions). A decode's slice is its one
   // token; a prompt chunk's queries are cut into slices of about kSliceRows query rows, so that a
   // long chunk keeps every thread busy, and a slice's queries and accumulators stay in L1 while the
@@ -270,95 +347,49 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t per = std::max<int64_t>(1, kSliceRows / group);  // positions a slice
     for (int64_t hi = qlens[b]; hi > 0; hi -= per)
-      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, h, std::max<int64_t>(0, hi - per), hi});
+      for (int64_t h = 0; h < pg.kv_heads; ++h) items.push_back({b, h, std::max<int64_t>(0, hi - per), hi});
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)));
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t width = (dim + kTile - 1) / kTile * kTile;  // head_dim padded to whole vectors
-    const auto pick = [width]<int64_t kQ>() {
+    const auto pick = [width]<int64_t kQ>() -> TilesFn {
       return width == 64 ? &attend_tiles<64, kQ> : width == 128 ? &attend_tiles<128, kQ> : &attend_tiles<0, kQ>;
     };
-    const auto tiles_fn = pick.template operator()<kQueries>();
-    const auto wide_fn = pick.template operator()<kWideQueries>();
-    std::vector<float> qs, acc, run_max, run_sum, kbuf(kBatch * width * kTile), vbuf(kBatch * kTile * width);
+    const TilesFn narrow = pick.template operator()<kQueries>(), wide = pick.template operator()<kWideQueries>();
+    std::vector<float> kbuf(kBatch * width * kTile), vbuf(kBatch * kTile * width);
+    Queries qs;
+    qs.group = group;
+    qs.window = window;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const Slice& it = items[item];
-      const int64_t b = it.seq, h = it.kv_head;
-      const int64_t first_row = starts[b] + it.first, qlen = qlens[b], len = lens[b];
-      const int64_t nq = (it.last - it.first) * group;  // the slice's queries: its positions x group heads
-      const int64_t padded = (nq + kQueries - 1) / kQueries * kQueries;
-      qs.assign(padded * width, 0.f);
-      acc.assign(padded * width, 0.f);
-      run_max.assign(padded, kNegInf);
-      run_sum.assign(padded * kTile, 0.f);
-      for (int64_t j = 0; j < nq; ++j) {
-        const T* src = qp + (first_row + j / group) * q_row + (h * group + j % group) * q_head;
-        float* dst = qs.data() + j * width;
-        to_float(src, dst, dim);
+      const int64_t b = it.seq, h = it.kv_head, first_row = starts[b] + it.first;
+      qs.nq = (it.last - it.first) * group;  // the slice's queries: its positions x group heads
+      qs.padded = (qs.nq + kQueries - 1) / kQueries * kQueries;
+      qs.qs.assign(qs.padded * width, 0.f);
+      qs.acc.assign(qs.padded * width, 0.f);
+      qs.run_max.assign(qs.padded, kNegInf);
+      qs.run_sum.assign(qs.padded * kTile, 0.f);
+      for (int64_t j = 0; j < qs.nq; ++j) {
+        float* dst = qs.qs.data() + j * width;
+        to_float(qp + (first_row + j / group) * q.stride(0) + (h * group + j % group) * q.stride(1), dst, dim);
         for (int64_t d = 0; d < dim; ++d) dst[d] *= sc;
       }
-      const int64_t first_pos = len - qlen + it.first;  // position of the slice's first query
-      const int64_t end = len - qlen + it.last;  // keys at positions < end are visible to some query
-      const int64_t lo = window ? std::max<int64_t>(0, first_pos - *window + 1) : 0;
-      const auto chunk_at = [&](int64_t blk) {
-        return (static_cast<int64_t>(tables[b * table_row + blk]) * kv_heads + h) * chunk;
-      };
-      // the keys in tiles of up to kTile (a block's, or a part of one), kBatch tiles at a time
-      int64_t blk = lo / block_size, first = 0;
-      while (blk * block_size < end) {
-        Tile tiles[kBatch];
-        int64_t t0[kBatch], n = 0;
-        for (; n < kBatch && blk * block_size < end; ++n) {
-          const int64_t at_chunk = chunk_at(blk), in_block = std::min(block_size, end - blk * block_size);
-          const int64_t count = std::min(kTile, in_block - first);
-          float* kb = kbuf.data() + n * width * kTile;
-          float* vb = vbuf.data() + n * kTile * width;
-          t0[n] = blk * block_size + first;
-          if constexpr (std::is_same_v<C, int8_t>) {
-            const int64_t at_scales = at_chunk / dim;  // the chunk's [block_size] scales
-            tiles[n] = load_tile_int8(kp + at_chunk, vp + at_chunk, k_scales + at_scales, v_scales + at_scales,
-                                      block_size, first, count, dim, width, kb, vb);
-          } else {
-            tiles[n] = load_tile(kp + at_chunk, vp + at_chunk, block_size, first, count, dim, width, kb, vb);
-          }
-          first += count;
-          if (first >= in_block) first = 0, ++blk;
-        }
-        Prefetch ahead;  // the next batch's blocks sit on other pages: fetched a line at a time meanwhile
-        for (int64_t next = blk; next < blk + kBatch && next * block_size < end; ++next) {
-          ahead.add(kp + chunk_at(next), chunk);
-          ahead.add(vp + chunk_at(next), chunk);
-        }
-        for (int64_t j0 = 0; j0 < padded;) {
-          const int64_t step = nq - j0 >= kWideQueries ? kWideQueries : kQueries;
-          int64_t visible[kWideQueries][kBatch][2];
-          bool any = false;
-          for (int64_t j = 0; j < step; ++j) {
-            const int64_t pos = first_pos + (j0 + j) / group;
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t from = window ? std::max<int64_t>(0, pos - *window + 1 - t0[i]) : 0;
-              const int64_t to = j0 + j < nq ? std::min(tiles[i].count, pos - t0[i] + 1) : 0;  // padding: none
-              visible[j][i][0] = from;
-              visible[j][i][1] = std::max(from, to);
-              any = any || from < to;
-            }
-          }
-          if (any)  // else every key of the batch is after (or, windowed, too far before) these queries
-            (step == kWideQueries ? wide_fn : tiles_fn)(tiles, n, qs.data() + j0 * width, width, visible,
-                                                        run_max.data() + j0, run_sum.data() + j0 * kTile,
-                                                        acc.data() + j0 * width, ahead);
-          j0 += step;
-        }
+      qs.first_pos = lens[b] - qlens[b] + it.first;  // position of the slice's first query
+      const int64_t end = lens[b] - qlens[b] + it.last;  // keys at positions < end are visible to some query
+      int64_t blk = (window ? std::max<int64_t>(0, qs.first_pos - *window + 1) : 0) / pg.block_size, first = 0;
+      Batch batch;
+      Prefetch ahead;
+      while (blk * pg.block_size < end) {
+        load_batch(pg, b, h, end, blk, first, kbuf.data(), vbuf.data(), batch, ahead);
+        attend_batch(batch, qs, width, narrow, wide, ahead);
       }
-      for (int64_t j = 0; j < nq; ++j) {
-        T* dst = op + (first_row + j / group) * o_row + (h * group + j % group) * o_head;
+      for (int64_t j = 0; j < qs.nq; ++j) {
+        T* dst = op + (first_row + j / group) * out.stride(0) + (h * group + j % group) * out.stride(1);
         float sum = 0.f;
-        for (int64_t t = 0; t < kTile; ++t) sum += run_sum[j * kTile + t];
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(acc[j * width + d] * inv);
+        for (int64_t t = 0; t < kTile; ++t) sum += qs.run_sum[j * kTile + t];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(qs.acc[j * width + d] / sum);
       }
     }
   }
@@ -407,13 +438,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
               "block_tables, seq_lens, query_starts and query_lens need one entry per sequence");
   const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t dim = q.size(2), width = (dim + kTile - 1) / kTile * kTile;
   const auto run = [&]<typename T>() {
+    const auto pages = [&]<typename C>() {
+      return Pages<C>{k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), ks, vs, block_tables.data_ptr<int32_t>(),
+                      block_tables.stride(0), k_cache.size(1), block_size, dim, width};
+    };
     if (int8)
-      attend<T, int8_t>(out, q, k_cache, v_cache, ks, vs, block_tables, seq_lens, query_starts, query_lens, block_size,
-                        scale, window);
+      attend<T, int8_t>(out, q, pages.template operator()<int8_t>(), seq_lens, query_starts, query_lens, scale, window);
     else
-      attend<T, T>(out, q, k_cache, v_cache, ks, vs, block_tables, seq_lens, query_starts, query_lens, block_size,
-                   scale, window);
+      attend<T, T>(out, q, pages.template operator()<T>(), seq_lens, query_starts, query_lens, scale, window);
   };
   if (q.scalar_type() == at::kFloat) {
     run.template operator()<float>();
