@@ -39,6 +39,7 @@ logger = logging.getLogger("tokenmill")
 
 SOURCES = (
     "attention.cpp",
+    "kv_write.cpp",
     "layer_ops.cpp",
     "linear.cpp",
     "linear_int4.cpp",

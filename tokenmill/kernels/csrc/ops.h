@@ -14,6 +14,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, int64_t block_size, double scale, std::optional<int64_t> window);
+// The caches' shapes and dtypes checked (attention.cpp), for paged_attention and write_kv alike.
+void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size, int64_t dim,
+                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
               const at::Tensor& slots, int64_t block_size);
