@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "convert.h"
 #include "ops.h"
 
@@ -154,18 +155,66 @@ __attribute__((always_inline)) inline float exp2_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
-// The online softmax of kQ queries [kQ, dim] (dim: the padded width) over up to kBatch
-// tiles of keys: scores, one max and one rescaling of the accumulators [kQ, dim] for them all,
-// then P x V. visible[j][i] = [lo, hi) of query j within tile i. run_sum keeps each query's sum
-// lane by lane ([kQ, kTile]: added up once, at the end) so no tile pays a horizontal sum.
-// kDim: the padded head size when it is one the compiler should specialize for (64, 128), else 0
-// and `padded` says it at run time.
+constexpr int64_t kKeys = kBatch * kTile;  // keys a softmax step
+
+// The scores of tile i, si[j][t], into row i of s[j] with its hidden keys at -inf (visible[j][i] =
+// [lo, hi): query j's keys within tile i).
+template <int64_t kQ>
+inline void place_scores(const float (*si)[kTile], int64_t i, const int64_t (*visible)[kBatch][2], float (*s)[kKeys]) {
+  for (int64_t j = 0; j < kQ; ++j) {
+    const int32_t from = static_cast<int32_t>(visible[j][i][0]), to = static_cast<int32_t>(visible[j][i][1]);
+    if (from == 0 && to == kTile) {  // the usual case: every key seen
+#pragma omp simd
+      for (int32_t t = 0; t < kTile; ++t) s[j][i * kTile + t] = si[j][t];
+    } else {  // hidden keys score -inf (32-bit lane indices, like the floats')
+#pragma omp simd
+      for (int32_t t = 0; t < kTile; ++t) s[j][i * kTile + t] = (t >= from && t < to) ? si[j][t] : kNegInf;
+    }
+  }
+}
+
+// One online-softmax step of kQ queries over a batch of n tiles' scores s (in base 2): the batch's
+// max, each query's correction of what it summed before, p = 2^(s - max), the lane-wise sums
+// (run_sum [kQ, kTile]: added up once, at the end, so no step pays a horizontal sum).
+template <int64_t kQ>
+inline void softmax_step(float (*s)[kKeys], int64_t n, float* run_max, float* run_sum, float (*p)[kKeys],
+                         float* correction) {
+  for (int64_t j = 0; j < kQ; ++j)  // the batch's missing tiles: hidden keys
+    for (int64_t t = n * kTile; t < kKeys; ++t) s[j][t] = kNegInf;
+  for (int64_t j = 0; j < kQ; ++j) {
+    float batch_max = kNegInf;
+#pragma omp simd reduction(max : batch_max)
+    for (int64_t t = 0; t < kKeys; ++t) batch_max = std::max(batch_max, s[j][t]);
+    if (batch_max == kNegInf) {  // nothing visible to this query here
+      correction[j] = 1.f;
+      for (int64_t t = 0; t < kKeys; ++t) p[j][t] = 0.f;
+      continue;
+    }
+    const float new_max = std::max(run_max[j], batch_max);
+    correction[j] = exp2_nonpositive(run_max[j] - new_max);  // ~0 on the first visible batch (acc is 0 then)
+    run_max[j] = new_max;
+    // hidden keys: exp2_nonpositive(-inf) is ~1e-38, nothing beside the max's 1
+#pragma omp simd
+    for (int64_t t = 0; t < kKeys; ++t) p[j][t] = exp2_nonpositive(s[j][t] - new_max);
+    float* sum = run_sum + j * kTile;
+#pragma omp simd
+    for (int64_t t = 0; t < kTile; ++t) sum[t] *= correction[j];
+    for (int64_t i = 0; i < kBatch; ++i) {
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t) sum[t] += p[j][i * kTile + t];
+    }
+  }
+}
+
+// kQ queries [kQ, dim] (float32, scaled; dim: the padded width) over up to kBatch tiles of keys:
+// scores, one softmax step for them all, then the accumulators [kQ, dim] rescaled and advanced by
+// P x V. kDim: the padded head size when it is one the compiler should specialize for (64, 128),
+// else 0 and `padded` says it at run time.
 template <int64_t kDim, int64_t kQ>
-void attend_tiles(const Tile* tiles, int64_t n, const float* qs, int64_t padded,
-                  const int64_t (*visible)[kBatch][2], float* run_max, float* run_sum, float* acc,
-                  Prefetch& ahead) {
+void attend_tiles(const Tile* tiles, int64_t n, const float* qs, int64_t padded, float /*scale: in qs*/,
+                  const int64_t (*visible)[kBatch][2], float* run_max, float* run_sum, float* acc, Prefetch& ahead) {
   const int64_t dim = kDim > 0 ? kDim : padded;
-  float s[kQ][kBatch * kTile];
+  float s[kQ][kKeys];
   for (int64_t i = 0; i < n; ++i) {
     float si[kQ][kTile] = {};
     for (int64_t d = 0; d < dim; ++d) {
@@ -177,45 +226,11 @@ void attend_tiles(const Tile* tiles, int64_t n, const float* qs, int64_t padded,
         for (int64_t t = 0; t < kTile; ++t) si[j][t] += qd * kd[t];
       }
     }
-    for (int64_t j = 0; j < kQ; ++j) {
-      const int32_t from = static_cast<int32_t>(visible[j][i][0]), to = static_cast<int32_t>(visible[j][i][1]);
-      if (from == 0 && to == kTile) {  // the usual case: every key seen
-#pragma omp simd
-        for (int32_t t = 0; t < kTile; ++t) s[j][i * kTile + t] = si[j][t];
-      } else {  // hidden keys score -inf (32-bit lane indices, like the floats')
-#pragma omp simd
-        for (int32_t t = 0; t < kTile; ++t) s[j][i * kTile + t] = (t >= from && t < to) ? si[j][t] : kNegInf;
-      }
-    }
+    place_scores<kQ>(si, i, visible, s);
   }
-  for (int64_t j = 0; j < kQ; ++j)  // the batch's missing tiles: hidden keys
-    for (int64_t t = n * kTile; t < kBatch * kTile; ++t) s[j][t] = kNegInf;
-  constexpr int64_t keys = kBatch * kTile;
-  float p[kQ][kBatch * kTile];
+  float p[kQ][kKeys];
   float correction[kQ];
-  for (int64_t j = 0; j < kQ; ++j) {
-    float batch_max = kNegInf;
-#pragma omp simd reduction(max : batch_max)
-    for (int64_t t = 0; t < keys; ++t) batch_max = std::max(batch_max, s[j][t]);
-    if (batch_max == kNegInf) {  // nothing visible to this query here
-      correction[j] = 1.f;
-      for (int64_t t = 0; t < keys; ++t) p[j][t] = 0.f;
-      continue;
-    }
-    const float new_max = std::max(run_max[j], batch_max);
-    correction[j] = exp2_nonpositive(run_max[j] - new_max);  // ~0 on the first visible batch (acc is 0 then)
-    run_max[j] = new_max;
-    // hidden keys: exp2_nonpositive(-inf) is ~1e-38, nothing beside the max's 1
-#pragma omp simd
-    for (int64_t t = 0; t < keys; ++t) p[j][t] = exp2_nonpositive(s[j][t] - new_max);
-    float* sum = run_sum + j * kTile;
-#pragma omp simd
-    for (int64_t t = 0; t < kTile; ++t) sum[t] *= correction[j];
-    for (int64_t i = 0; i < kBatch; ++i) {
-#pragma omp simd
-      for (int64_t t = 0; t < kTile; ++t) sum[t] += p[j][i * kTile + t];
-    }
-  }
+  softmax_step<kQ>(s, n, run_max, run_sum, p, correction);
   for (int64_t d0 = 0; d0 < dim; d0 += kTile) {  // dim is a multiple of kTile
     float a[kQ][kTile];
     for (int64_t j = 0; j < kQ; ++j) {
@@ -240,6 +255,26 @@ void attend_tiles(const Tile* tiles, int64_t n, const float* qs, int64_t padded,
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same step on packed bfloat16 tiles (attention_bf16.h): qs [kQ, kDim / 2] bfloat16 pairs, unscaled
+// (the scores are scaled in float32).
+template <int64_t kDim, int64_t kQ>
+void attend_tiles_bf16(const tokenmill_bf16::Tile* tiles, int64_t n, const uint32_t* qs, int64_t /*padded*/,
+                       float scale, const int64_t (*visible)[kBatch][2], float* run_max, float* run_sum, float* acc,
+                       Prefetch& ahead) {
+  float s[kQ][kKeys];
+  for (int64_t i = 0; i < n; ++i) {
+    float si[kQ][kTile];
+    tokenmill_bf16::scores<kDim, kQ>(tiles[i], qs, scale, si, [&ahead] { ahead.next(); });
+    place_scores<kQ>(si, i, visible, s);
+  }
+  float p[kQ][kKeys];
+  float correction[kQ];
+  softmax_step<kQ>(s, n, run_max, run_sum, p, correction);
+  tokenmill_bf16::add_values<kDim, kQ, kKeys>(tiles, n, p, correction, acc);
+}
+#endif
+
 // What every work item of a call reads of the cache: the K and V chunks (C: the model's dtype, or
 // int8 with per-token scales [num_blocks, kv_heads, block_size]) and the block tables.
 template <typename C>
@@ -255,30 +290,57 @@ struct Pages {
   }
 };
 
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dots = true;
+using Bf16Tile = tokenmill_bf16::Tile;
+#else
+constexpr bool kBf16Dots = false;
+using Bf16Tile = Tile;  // (never used: no bfloat16 dot products to run it)
+#endif
+
+// The form a call's tiles take: float32 (`Tile`, widened from any cache), or packed bfloat16 pairs
+// (`Bf16Tile`, a bfloat16 cache on AVX-512 BF16 with a head size of 64 or 128). Buf: the element of
+// its buffers; Q: the element of its queries.
+template <bool kBf16>
+struct Form {
+  using TileT = std::conditional_t<kBf16, Bf16Tile, Tile>;
+  using Buf = std::conditional_t<kBf16, uint32_t, float>;
+  using Q = std::conditional_t<kBf16, uint32_t, float>;
+  using Fn = void (*)(const TileT*, int64_t, const Q*, int64_t, float, const int64_t (*)[kBatch][2], float*, float*,
+                      float*, Prefetch&);
+};
+
 // Up to kBatch consecutive tiles of keys; t0: each tile's first key position.
+template <typename TileT>
 struct Batch {
-  Tile tiles[kBatch];
+  TileT tiles[kBatch];
   int64_t t0[kBatch];
   int64_t n = 0;
 };
 
 // The next batch of seq's KV head h from the key at (blk, first), up to position end (the cursor
-// advanced past it), widened into kbuf / vbuf; `ahead` set to the batch after it.
-template <typename C>
-void load_batch(const Pages<C>& pg, int64_t seq, int64_t h, int64_t end, int64_t& blk, int64_t& first, float* kbuf,
-                float* vbuf, Batch& batch, Prefetch& ahead) {
+// advanced past it), into kbuf / vbuf (widened, or packed); `ahead` set to the batch after it.
+template <bool kBf16, typename C>
+void load_batch(const Pages<C>& pg, int64_t seq, int64_t h, int64_t end, int64_t& blk, int64_t& first,
+                typename Form<kBf16>::Buf* kbuf, typename Form<kBf16>::Buf* vbuf,
+                Batch<typename Form<kBf16>::TileT>& batch, Prefetch& ahead) {
   const int64_t bs = pg.block_size, width = pg.width;
   for (batch.n = 0; batch.n < kBatch && blk * bs < end; ++batch.n) {
     const int64_t at = pg.chunk_at(seq, h, blk), in_block = std::min(bs, end - blk * bs);
     const int64_t count = std::min(kTile, in_block - first);
-    float* kb = kbuf + batch.n * width * kTile;
-    float* vb = vbuf + batch.n * kTile * width;
+    auto* kb = kbuf + batch.n * width * kTile;
+    auto* vb = vbuf + batch.n * kTile * width;
     batch.t0[batch.n] = blk * bs + first;
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16) {
+      batch.tiles[batch.n] = tokenmill_bf16::pack(pg.k + at, pg.v + at, bs, first, count, pg.dim, kb, vb);
+    } else
+#endif
     if constexpr (std::is_same_v<C, int8_t>) {
       const int64_t at_scales = at / pg.dim;  // the chunk's [block_size] scales
       batch.tiles[batch.n] = load_tile_int8(pg.k + at, pg.v + at, pg.k_scales + at_scales, pg.v_scales + at_scales, bs,
                                             first, count, pg.dim, width, kb, vb);
-    } else {
+    } else if constexpr (!kBf16) {
       batch.tiles[batch.n] = load_tile(pg.k + at, pg.v + at, bs, first, count, pg.dim, width, kb, vb);
     }
     first += count;
@@ -292,19 +354,22 @@ void load_batch(const Pages<C>& pg, int64_t seq, int64_t h, int64_t end, int64_t
 }
 
 // A work item's queries: `nq` rows (positions x the heads sharing the KV head, `group` a position)
-// padded to whole groups of kQueries, each with its running max, lane sums and accumulators.
+// padded to whole groups of kQueries (q: `stride` elements a row), each with its running max, lane
+// sums and accumulators [padded, width].
+template <typename Q>
 struct Queries {
-  std::vector<float> qs, acc, run_max, run_sum;
-  int64_t nq = 0, padded = 0, group = 1, first_pos = 0;
+  std::vector<Q> q;
+  std::vector<float> acc, run_max, run_sum;
+  int64_t nq = 0, padded = 0, stride = 0, group = 1, first_pos = 0;
+  float scale = 1.f;  // applied to the scores (1 where q is scaled already)
   std::optional<int64_t> window;
 };
 
-using TilesFn = void (*)(const Tile*, int64_t, const float*, int64_t, const int64_t (*)[kBatch][2], float*, float*,
-                         float*, Prefetch&);
-
 // Every query group of `qs` against one batch: kWideQueries at a time while there are as many, then
 // kQueries; a group none of whose queries sees a key of the batch is skipped.
-void attend_batch(const Batch& batch, Queries& qs, int64_t width, TilesFn narrow, TilesFn wide, Prefetch& ahead) {
+template <bool kBf16>
+void attend_batch(const Batch<typename Form<kBf16>::TileT>& batch, Queries<typename Form<kBf16>::Q>& qs, int64_t width,
+                  typename Form<kBf16>::Fn narrow, typename Form<kBf16>::Fn wide, Prefetch& ahead) {
   for (int64_t j0 = 0; j0 < qs.padded;) {
     const int64_t step = qs.nq - j0 >= kWideQueries ? kWideQueries : kQueries;
     int64_t visible[kWideQueries][kBatch][2];
@@ -321,71 +386,101 @@ void attend_batch(const Batch& batch, Queries& qs, int64_t width, TilesFn narrow
       }
     }
     if (any)  // else every key of the batch is after (or, windowed, too far before) these queries
-      (step == kWideQueries ? wide : narrow)(batch.tiles, batch.n, qs.qs.data() + j0 * width, width, visible,
-                                             qs.run_max.data() + j0, qs.run_sum.data() + j0 * kTile,
+      (step == kWideQueries ? wide : narrow)(batch.tiles, batch.n, qs.q.data() + j0 * qs.stride, width, qs.scale,
+                                             visible, qs.run_max.data() + j0, qs.run_sum.data() + j0 * kTile,
                                              qs.acc.data() + j0 * width, ahead);
     j0 += step;
   }
 }
 
-// T: q and out; C: the cache (T itself, or int8 with per-token scales [num_blocks, kv_heads, block_size])
-template <typename T, typename C>
+// The tile step for a form, queries a step and head size: the specialized ones for 64 and 128.
+template <bool kBf16, int64_t kQ>
+typename Form<kBf16>::Fn tiles_fn(int64_t width) {
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16) {
+    return width == 64 ? &attend_tiles_bf16<64, kQ> : &attend_tiles_bf16<128, kQ>;
+  } else
+#endif
+  if constexpr (!kBf16) {
+    return width == 64 ? &attend_tiles<64, kQ> : width == 128 ? &attend_tiles<128, kQ> : &attend_tiles<0, kQ>;
+  } else {
+    return nullptr;
+  }
+}
+
+// Slice `it`'s queries into qs: bfloat16 pairs as they are, or float32 scaled by sc.
+template <typename T, typename Q>
+void load_queries(const T* qp, int64_t q_row, int64_t q_head, int64_t first_row, int64_t h, int64_t dim, float sc,
+                  Queries<Q>& qs) {
+  for (int64_t j = 0; j < qs.nq; ++j) {
+    const T* src = qp + (first_row + j / qs.group) * q_row + (h * qs.group + j % qs.group) * q_head;
+    Q* dst = qs.q.data() + j * qs.stride;
+    if constexpr (std::is_same_v<Q, uint32_t>) {
+      std::memcpy(dst, src, dim * sizeof(T));
+    } else {
+      to_float(src, dst, dim);
+      for (int64_t d = 0; d < dim; ++d) dst[d] *= sc;
+    }
+  }
+}
+
+// Work items: (sequence, KV head, a slice of its query positions). A decode's slice is its one
+// token; a prompt chunk's queries are cut into slices of about kSliceRows query rows, so that a
+// long chunk keeps every thread busy, and a slice's queries and accumulators stay in L1 while the
+// cache's keys and values stream past them (each tile widened once for all the slice's rows).
+// Later slices see more keys: items go, last slice first, to whichever thread is free.
+std::vector<Slice> slices(const int32_t* qlens, int64_t num_seqs, int64_t group, int64_t kv_heads) {
+  std::vector<Slice> items;
+  const int64_t per = std::max<int64_t>(1, kSliceRows / group);  // positions a slice
+  for (int64_t b = 0; b < num_seqs; ++b)
+    for (int64_t hi = qlens[b]; hi > 0; hi -= per)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, h, std::max<int64_t>(0, hi - per), hi});
+  return items;
+}
+
+// T: q and out; C: the cache (T itself, or int8 with per-token scales); kBf16: the tiles' form.
+template <typename T, typename C, bool kBf16>
 void attend(at::Tensor& out, const at::Tensor& q, const Pages<C>& pg, const at::Tensor& seq_lens,
             const at::Tensor& query_starts, const at::Tensor& query_lens, double scale, std::optional<int64_t> window) {
-  const int64_t num_seqs = seq_lens.size(0), heads = q.size(1), dim = pg.dim, width = pg.width;
-  const int64_t group = heads / pg.kv_heads;
+  using F = Form<kBf16>;
+  const int64_t dim = pg.dim, width = pg.width, group = q.size(1) / pg.kv_heads;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* qlens = query_lens.data_ptr<int32_t>();
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale) * 1.44269504088896341f;  // scores in base 2: log2(e) / sqrt(d)
-  // Work items: (sequence, KV head, a slice of its query positions). A decode's slice is its one
-  // token; a prompt chunk's queries are cut into slices of about kSliceRows query rows, so that a
-  // long chunk keeps every thread busy, and a slice's queries and accumulators stay in L1 while the
-  // cache's keys and values stream past them (each tile widened once for all the slice's rows).
-  // Later slices see more keys: items go, last slice first, to whichever thread is free.
-  std::vector<Slice> items;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t per = std::max<int64_t>(1, kSliceRows / group);  // positions a slice
-    for (int64_t hi = qlens[b]; hi > 0; hi -= per)
-      for (int64_t h = 0; h < pg.kv_heads; ++h) items.push_back({b, h, std::max<int64_t>(0, hi - per), hi});
-  }
+  const std::vector<Slice> items = slices(qlens, seq_lens.size(0), group, pg.kv_heads);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)));
 #pragma omp parallel num_threads(threads)
   {
-    const auto pick = [width]<int64_t kQ>() -> TilesFn {
-      return width == 64 ? &attend_tiles<64, kQ> : width == 128 ? &attend_tiles<128, kQ> : &attend_tiles<0, kQ>;
-    };
-    const TilesFn narrow = pick.template operator()<kQueries>(), wide = pick.template operator()<kWideQueries>();
-    std::vector<float> kbuf(kBatch * width * kTile), vbuf(kBatch * kTile * width);
-    Queries qs;
+    const auto narrow = tiles_fn<kBf16, kQueries>(width), wide = tiles_fn<kBf16, kWideQueries>(width);
+    std::vector<typename F::Buf> kbuf(kBatch * width * kTile), vbuf(kBatch * kTile * width);
+    Queries<typename F::Q> qs;
     qs.group = group;
     qs.window = window;
+    qs.stride = kBf16 ? width / 2 : width;
+    qs.scale = kBf16 ? sc : 1.f;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const Slice& it = items[item];
       const int64_t b = it.seq, h = it.kv_head, first_row = starts[b] + it.first;
       qs.nq = (it.last - it.first) * group;  // the slice's queries: its positions x group heads
       qs.padded = (qs.nq + kQueries - 1) / kQueries * kQueries;
-      qs.qs.assign(qs.padded * width, 0.f);
+      qs.q.assign(qs.padded * qs.stride, 0);
       qs.acc.assign(qs.padded * width, 0.f);
       qs.run_max.assign(qs.padded, kNegInf);
       qs.run_sum.assign(qs.padded * kTile, 0.f);
-      for (int64_t j = 0; j < qs.nq; ++j) {
-        float* dst = qs.qs.data() + j * width;
-        to_float(qp + (first_row + j / group) * q.stride(0) + (h * group + j % group) * q.stride(1), dst, dim);
-        for (int64_t d = 0; d < dim; ++d) dst[d] *= sc;
-      }
+      load_queries(qp, q.stride(0), q.stride(1), first_row, h, dim, sc, qs);
       qs.first_pos = lens[b] - qlens[b] + it.first;  // position of the slice's first query
       const int64_t end = lens[b] - qlens[b] + it.last;  // keys at positions < end are visible to some query
       int64_t blk = (window ? std::max<int64_t>(0, qs.first_pos - *window + 1) : 0) / pg.block_size, first = 0;
-      Batch batch;
+      Batch<typename F::TileT> batch;
       Prefetch ahead;
       while (blk * pg.block_size < end) {
-        load_batch(pg, b, h, end, blk, first, kbuf.data(), vbuf.data(), batch, ahead);
-        attend_batch(batch, qs, width, narrow, wide, ahead);
+        load_batch<kBf16>(pg, b, h, end, blk, first, kbuf.data(), vbuf.data(), batch, ahead);
+        attend_batch<kBf16>(batch, qs, width, narrow, wide, ahead);
       }
       for (int64_t j = 0; j < qs.nq; ++j) {
         T* dst = op + (first_row + j / group) * out.stride(0) + (h * group + j % group) * out.stride(1);
@@ -446,10 +541,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       return Pages<C>{k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), ks, vs, block_tables.data_ptr<int32_t>(),
                       block_tables.stride(0), k_cache.size(1), block_size, dim, width};
     };
-    if (int8)
-      attend<T, int8_t>(out, q, pages.template operator()<int8_t>(), seq_lens, query_starts, query_lens, scale, window);
-    else
-      attend<T, T>(out, q, pages.template operator()<T>(), seq_lens, query_starts, query_lens, scale, window);
+    if (int8) {
+      attend<T, int8_t, false>(out, q, pages.template operator()<int8_t>(), seq_lens, query_starts, query_lens, scale,
+                               window);
+      return;
+    }
+    if constexpr (kBf16Dots && std::is_same_v<T, c10::BFloat16>) {  // bfloat16 dot products: head size 64 or 128
+      if (dim == 64 || dim == 128) {
+        attend<T, T, true>(out, q, pages.template operator()<T>(), seq_lens, query_starts, query_lens, scale, window);
+        return;
+      }
+    }
+    attend<T, T, false>(out, q, pages.template operator()<T>(), seq_lens, query_starts, query_lens, scale, window);
   };
   if (q.scalar_type() == at::kFloat) {
     run.template operator()<float>();
