@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -35,7 +36,6 @@ from tokenmill.kernels.cpu_build import compile_flags, cpu_flags, max_isa
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 CSRC = "tokenmill/kernels/csrc"
-FILES = ("attention.cpp", "convert.h", "ops.h")
 HEADS, KV_HEADS, DIM, BLOCK = 32, 4, 64, 16
 
 
@@ -58,11 +58,17 @@ def build(name: str, sources: dict[str, str], folder: Path):  # -> the op namesp
 
 
 def sources_at(ref: str | None) -> dict[str, str]:
-    if ref is None:
-        return {f: (ROOT / CSRC / f).read_text() for f in FILES}
-    show = ["git", "-C", str(ROOT), "show"]
-    return {f: subprocess.run([*show, f"{ref}:{CSRC}/{f}"], capture_output=True, text=True, check=True).stdout
-            for f in FILES}  # fmt: skip
+    """attention.cpp at `ref` (None: this tree) and the local headers it includes."""
+
+    def read(name: str) -> str:
+        if ref is None:
+            return (ROOT / CSRC / name).read_text()
+        show = ["git", "-C", str(ROOT), "show", f"{ref}:{CSRC}/{name}"]
+        return subprocess.run(show, capture_output=True, text=True, check=True).stdout
+
+    main = read("attention.cpp")
+    headers = re.findall(r'^#include "([^"]+)"', main, flags=re.M)
+    return {"attention.cpp": main, **{h: read(h) for h in headers}}
 
 
 def case(batch: int, ctx: int, query: int, layers: int):
