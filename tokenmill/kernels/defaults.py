@@ -191,11 +191,12 @@ RULES: tuple[Rule, ...] = (
     Rule("gguf_prompt", PROMPT, "Q4_0", "avx512", ("gemm", "widened")),
     Rule("gguf_prompt", PROMPT, "Q4_0", ANY, ("widened", "gemm")),
     # a prompt chunk's attention in the `cpu` backend (`prompt_attention`): `native`, the paged kernel
-    # (attention.cpp: float32 FMAs, the keys after a slice's last query skipped), or `sdpa`, torch's
-    # flash kernel over the chunk's gathered keys. On Zen 4 the kernel ran the 1.1B model's 1,017-token
-    # prompt's two chunks in 0.53x SDPA's time (0.61x under TOKENMILL_MAX_ISA=avx2; 0.67x / 0.78x at
-    # 4,096 tokens: benchmarks/prompt_attention.py). AMX keeps SDPA, whose bfloat16 products may run on
-    # its tiles, until measured there (`tokenmill tune` times both).
+    # (attention.cpp: float32 FMAs, or bfloat16 dot products on AVX-512 BF16; the keys after a slice's
+    # last query skipped), or `sdpa`, torch's flash kernel over the chunk's gathered keys. On Zen 4 the
+    # kernel ran the 1.1B model's 1,017-token prompt's two chunks in 0.30x SDPA's time with bfloat16
+    # dot products (0.61x under TOKENMILL_MAX_ISA=avx2, float32 FMAs; 0.35x / 0.78x at 4,096 tokens:
+    # benchmarks/prompt_attention.py). AMX keeps SDPA, whose bfloat16 products may run on its tiles,
+    # until measured there (`tokenmill tune` times both).
     Rule("prompt_attention", PROMPT, ANY, "amx", ("sdpa", "native")),
     Rule("prompt_attention", PROMPT, ANY, ANY, ("native", "sdpa")),
 )
