@@ -37,7 +37,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kTile = 16;  // keys scored at once: one 16-lane float vector
 // Queries sharing each loaded key and value (a GQA group, or query tokens): 4, or 8 where there are
-// 32 vector registers and 8 queries to fill them (16 registers hold 8 queries' scores against a tile).
+// 32 vector registers and 8 queries to fill them (with AVX2's 16, 8 queries' scores against a tile
+// would take every register).
 constexpr int64_t kQueries = 4;
 #if defined(__AVX512F__)
 constexpr int64_t kWideQueries = 8;
