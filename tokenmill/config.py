@@ -178,8 +178,8 @@ class EngineConfig:
     )
     fused_decode: bool = setting(
         True,
-        "run each decoder layer of a step without prompt chunks as one native call where the native attention, "
-        "layer ops and dense weights run (the same kernels, no Python between them)",
+        "run each decoder layer of a step (decodes, and prompt chunks the paged kernel attends) as one native "
+        "call where the native attention, layer ops and dense weights run (the same kernels, no Python between them)",
     )
     kv_cache_dtype: str = setting(
         "auto",
