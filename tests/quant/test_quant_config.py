@@ -170,7 +170,7 @@ def test_gguf_layout_auto_is_the_cpu_kinds_rule():
     q8 = build(gguf=GGUF, layout="q8_0")  # Q8_0 in its blocks, Q4_1 in int4
     assert isinstance(q8.method_for(QKV, SHAPE), GGUFBlocksMethod)
     assert isinstance(q8.method_for(DOWN, SHAPE), Int4LinearMethod)
-    assert GGUF_LAYOUTS == engine_config.GGUF_LAYOUTS  # (the setting's choices: one list in two rooms)
+    assert GGUF_LAYOUTS == engine_config.GGUF_LAYOUTS  # (the setting's choices, which quant/config.py checks)
     with pytest.raises(ValueError, match="gguf_layout: expected one of auto, blocks, q8_0, int, got 'q8'"):
         gguf_layout("q8")
 

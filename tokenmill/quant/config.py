@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.config import GGUF_LAYOUTS, GGUF_REPACKS  # the settings' choices
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES, CpuKernels, cpu_flags, load_cpu_kernels
 from tokenmill.kernels.defaults import ANY, CpuKind, default_choice
 from tokenmill.quant.awq_gptq import checkpoint_method
@@ -48,8 +49,6 @@ from tokenmill.quant.quantize import QuantSpec
 
 GGUF_BLOCK = 32  # the group of GGUF's Q8_0 / Q4_0 / Q4_1 blocks
 GGUF_INT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the block types `gguf_layout` may load into the int formats
-GGUF_LAYOUTS = ("auto", "blocks", "q8_0", "int")
-GGUF_REPACKS = ("auto", "x16", "file")  # auto: the `gguf_repack` rule per block type (kernels/defaults.py)
 HEAD = "lm_head"  # the output projection's prefix
 GGUF_TABLE = "embed_tokens"  # `gguf_types` key of a tied output projection's table
 GGUF_EMBEDDING = "model.embed_tokens"  # `gguf_types` key of the embedding table's type (tied or not)
