@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from tokenmill.kernels.cpu_build import CFLAGS
+from tokenmill.kernels.cpu_build import compile_flags
 
 CSRC = Path(__file__).resolve().parent.parent / "tokenmill" / "kernels" / "csrc"
 SHAPES = ((768, 512), (512, 512), (2752, 512), (512, 1376))  # the peer model's layer: qkv, o, gate_up, down
@@ -37,7 +37,7 @@ LAYERS = 8
 
 def build(name: str, flags: list[str]) -> object:
     source = Path(next((f[4:] for f in flags if f.startswith("src=")), CSRC / "linear.cpp"))
-    cflags = [*CFLAGS, f"-DTM_LIB=tmv_{name}", *(f for f in flags if not f.startswith("src="))]
+    cflags = [*compile_flags(), f"-DTM_LIB=tmv_{name}", *(f for f in flags if not f.startswith("src="))]
     key = hashlib.sha256((source.read_text() + " ".join(cflags)).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"tokenmill-linear-{name}-{key}"
     folder.mkdir(exist_ok=True)

@@ -176,6 +176,14 @@ class EngineConfig:
         "on a CPU device, weights on 2 MB pages where Linux's transparent huge pages allow (madvise or "
         "always mode): fewer TLB misses as a step streams them",
     )
+    decode_steps: int = setting(
+        1,
+        "most decode steps in a row one engine step may run for greedy requests (each feeding the token it "
+        "sampled to the next), while no request waits and while such a run stays under 20 ms: the scheduler "
+        "and the outputs' bookkeeping once a run, not once a token (small models at few requests: "
+        "docs/serving.md); tokens then stream a run at a time; 1: a step a token",
+        minimum=1,
+    )
     fused_decode: bool = setting(
         True,
         "run each decoder layer of a step (decodes, and prompt chunks the paged kernel attends) as one native "

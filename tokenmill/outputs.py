@@ -37,6 +37,9 @@ class ScheduledChunk:
     sample: bool  # the chunk reaches the request's last token: sample the next one
     replace_block_table: bool = False  # (re)started (first time, or after preemption): new_block_ids is the table
     num_draft_tokens: int = 0  # the last this many token_ids are drafts to verify (speculative decoding)
+    # a decode the runner may run this many steps in a row, each feeding it the token it sampled (the
+    # scheduler reserved the slots): it comes back with 1 to num_steps tokens, as the runner chose
+    num_steps: int = 1
 
 
 @dataclass
@@ -74,6 +77,7 @@ class StepOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # request id -> a pooling request's vector (an embedding, or scores), once its prompt's last chunk ran
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    decode_steps: int = 1  # forwards this step ran in a row (runner/multi_step.py): each decode's tokens
 
 
 @dataclass
@@ -147,6 +151,7 @@ class StepStats:
     forward_seconds: float  # the model forward and the logits only
     kv_live_tokens: int  # tokens whose KV is in the cache, over running requests
     kv_allocated_slots: int  # slots in the blocks those requests hold
+    decode_steps: int = 1  # forwards it ran in a row (each decode took one token a forward)
 
 
 class OutputKind(enum.Enum):

@@ -128,6 +128,7 @@ class EngineCore:
             forward_seconds=result.forward_seconds,
             kv_live_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
             kv_allocated_slots=self.scheduler.kv.num_allocated_slots(),
+            decode_steps=result.decode_steps,
         )
         return EngineCoreOutputs(outputs, self.stats(), self.last_step)
 
@@ -211,9 +212,10 @@ def make_scheduler(
         watermark_blocks=max(1, num_blocks // 100),
         enable_prefix_caching=config.enable_prefix_caching,
     )
-    sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    spec = config.speculative_config
+    steps = 1 if spec else config.decode_steps  # (a step of drafts verifies them: one forward)
+    sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, steps)
     if config.scheduling == "static":
         return StaticScheduler(sched_config, kv, kv_connector)
-    spec = config.speculative_config
     drafts = Drafting(SpeculativeConfig.parse(spec), max_model_len) if spec else NoDrafts()
     return Scheduler(sched_config, kv, kv_connector, drafts)

@@ -27,10 +27,11 @@ from tokenmill.errors import describe
 from tokenmill.layers.attention import AttentionBackend, KVCache
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, gather_logprobs
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.outputs import SchedulerOutput, StepOutput, TokenLogprob
+from tokenmill.outputs import ScheduledChunk, SchedulerOutput, StepOutput, TokenLogprob
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.model_inputs import ModelInputs, prepare_inputs
+from tokenmill.runner.multi_step import MultiStepDecode, metadata_builder, model_forward
 from tokenmill.runner.pooler import Pooler
 from tokenmill.sched.draft_policy import speculates
 from tokenmill.spec_decode.proposer import DraftRequest, NoProposer, Proposer
@@ -65,6 +66,7 @@ class ModelRunner:
         self.rejection = RejectionSampler()  # verifies unseeded sampled requests' drafts
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, where captured
         self.pooler = Pooler(model.compute_logits)  # pooling requests' vectors (embeddings, scores)
+        self.multi_step = MultiStepDecode()  # greedy decodes' forwards in a row, where granted
 
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         result = StepOutput(failed=self._join(scheduled))
@@ -74,12 +76,11 @@ class ModelRunner:
         self.proposer.begin_step(scheduled)
         if not scheduled.chunks:
             return result
-        for c in scheduled.chunks:  # the scheduler sends only new block ids; the tables live here
-            state = self.batch.state(c.request_id)
-            if c.replace_block_table:
-                state.block_table = list(c.new_block_ids)
-            else:
-                state.block_table.extend(c.new_block_ids)
+        tables = self._block_tables(scheduled)
+        steps = self._decode_steps(scheduled)
+        if steps > 1:
+            self._run_steps(scheduled.chunks, tables, steps, result)
+            return result
 
         targets = {
             c.request_id: (s.next_prompt_logprob, s.prompt_token_ids)
@@ -87,7 +88,6 @@ class ModelRunner:
             if (s := self.batch.state(c.request_id)).params.prompt_logprobs is not None
             and s.next_prompt_logprob < len(s.prompt_token_ids)
         }
-        tables = [self.batch.state(c.request_id).block_table for c in scheduled.chunks]
         graphs = self.graphs  # a decode-only step replays a CUDA graph (those a draft model mirrors: eager)
         if graphs is not None and (
             (self.proposer.mirrors and scheduled.draft_next)
@@ -127,6 +127,7 @@ class ModelRunner:
                 else:
                     result.forward_seconds = time.perf_counter() - start
                 self._propose(scheduled, result)
+                self._time_decodes(inputs, scheduled, result)
                 return result
             logits = self.model.compute_logits(wanted)  # [R, vocab] float32
             if events:  # (no sync: the sampler's kernels queue behind the forward's)
@@ -140,7 +141,67 @@ class ModelRunner:
         if events:
             events[1].synchronize()  # (done already where the step read its tokens)
             result.forward_seconds = events[0].elapsed_time(events[1]) / 1e3
+        self._time_decodes(inputs, scheduled, result)
         return result
+
+    def _block_tables(self, scheduled: SchedulerOutput) -> list[list[int]]:
+        """Each chunk's block table, with the blocks the scheduler sent (only new ids: the tables live here)."""
+        for c in scheduled.chunks:
+            state = self.batch.state(c.request_id)
+            if c.replace_block_table:
+                state.block_table = list(c.new_block_ids)
+            else:
+                state.block_table.extend(c.new_block_ids)
+        return [self.batch.state(c.request_id).block_table for c in scheduled.chunks]
+
+    def _decode_steps(self, scheduled: SchedulerOutput) -> int:
+        """Forwards in a row this step runs (1: one, as usual): several only for a batch of granted
+        decodes (`ScheduledChunk.num_steps`) that want nothing but each row's argmax, run eagerly (no
+        CUDA graph, no drafts to mirror, nothing pooled), as many as multi_step.py's time allows."""
+        chunks = scheduled.chunks
+        if self.graphs is not None or scheduled.draft_next or any(c.num_steps < 2 for c in chunks):
+            return 1
+        if any(c.request_id in self.pooler for c in chunks) or not self._greedy_only([c.request_id for c in chunks]):
+            return 1
+        return self.multi_step.steps(chunks)
+
+    def _time_decodes(self, inputs: ModelInputs, scheduled: SchedulerOutput, result: StepOutput) -> None:
+        """A step of one-token decodes tells multi_step.py what a forward costs at its batch size."""
+        if inputs.every_row and len(inputs.sample_rows) == len(scheduled.chunks) and not inputs.drafts:
+            self.multi_step.observe(len(scheduled.chunks), result.forward_seconds)
+
+    def _run_steps(self, chunks: list[ScheduledChunk], tables: list[list[int]], steps: int, result: StepOutput) -> None:
+        """`steps` forwards in a row (multi_step.py), every chunk's tokens in `result`; a NaN fails its request."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = self.multi_step.run(
+                model_forward(self.model, self.kv_caches), self._greedy_pick, chunks, tables, steps,
+                metadata_builder(self.backend, self.block_size, self.device), self.device,
+            )  # fmt: skip
+        result.forward_seconds = time.perf_counter() - start
+        result.decode_steps = steps
+        self.multi_step.observe(len(chunks), result.forward_seconds / steps)
+        kept_ids: list[str] = []
+        kept: list[int] = []
+        for chunk, picked in zip(chunks, tokens, strict=True):
+            if min(picked) < 0:  # a NaN row (its later tokens followed from it)
+                result.failed[chunk.request_id] = "the model's output for it was NaN"
+                continue
+            result.sampled[chunk.request_id] = picked
+            kept_ids += [chunk.request_id] * len(picked)
+            kept += picked
+        for request_id, why in self.batch.append_tokens(kept_ids, kept).items():
+            result.sampled.pop(request_id, None)
+            result.failed[request_id] = why
+
+    def _greedy_pick(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B] int64, NaN rows NAN_TOKEN
+        """Each row's argmax token, as a greedy step picks it (in the head where the worker chose that)."""
+        if self.greedy_head:
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return torch.where(torch.isnan(hidden).any(dim=-1), NAN_TOKEN, tokens)
+        logits = self.model.compute_logits(hidden)
+        return marking_nan(logits, self.sampler.argmax(logits))
 
     def _join(self, scheduled: SchedulerOutput) -> dict[str, str]:
         """Rows out for the finished requests, in for the new ones. A request whose row cannot be built
@@ -325,7 +386,11 @@ class ModelRunner:
         no logits processor, no logprobs, no prompt logprobs."""
         if inputs.prompt_rows or not inputs.sample_rows:
             return False
-        rows = [self.batch.state(i) for i in inputs.sample_rows]
+        return self._greedy_only(list(inputs.sample_rows))
+
+    def _greedy_only(self, request_ids: list[str]) -> bool:
+        """Every one of these requests greedy without logprobs, and no logits processor active."""
+        rows = [self.batch.state(i) for i in request_ids]
         return all(s.params.greedy and s.params.logprobs is None for s in rows) and not any(
             p.active for p in self.batch.processors
         )

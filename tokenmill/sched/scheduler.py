@@ -42,9 +42,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    # most decode steps in a row a greedy decode may take in one engine step (runner/multi_step.py)
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -148,6 +150,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         draft_next = self.drafts.choose(self.running, budget)  # (this step's drafts set on the running requests)
+        # several decode steps in a row only while nobody waits to be admitted (they would wait that long)
+        grant = 1 if self.waiting or self.held else self.config.decode_steps
         chunks: list[ScheduledChunk] = []
         new: list[NewRequestData] = []
         preempted = False
@@ -162,6 +166,14 @@ class Scheduler:
                     continue
                 if request.status.finished:  # failed allocating its drafts' blocks (the next one is at i)
                     continue
+            steps = self._steps(request, grant)
+            if steps > 1 and self._allocate(request, request.num_computed_tokens + steps):
+                chunks.append(self._chunk(request, 1, steps=steps))
+                budget -= 1
+                i += 1
+                continue
+            if request.status.finished:  # failed allocating there (the next one is at i)
+                continue
             num_new = min(
                 len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens, budget
             )
@@ -195,6 +207,19 @@ class Scheduler:
             return False
         chunks.append(self._chunk(request, 1, drafts))
         return True
+
+    def _steps(self, request: Request, grant: int) -> int:
+        """How many decode steps in a row `request` may take this step: up to `grant` for a greedy decode
+        that wants no log-probabilities or structure, and no more than its tokens left (1 otherwise). The
+        runner may take fewer (runner/multi_step.py); past a stop token, the tokens are dropped in `update`."""
+        params = request.sampling_params
+        decoding = bool(request.output_token_ids) and request.num_tokens - request.num_computed_tokens == 1
+        if grant < 2 or request.pooling is not None or not decoding:
+            return 1
+        if not params.greedy or params.logprobs is not None or params.structured_outputs is not None:
+            return 1
+        left = min(request.max_tokens - len(request.output_token_ids), self.config.max_model_len - request.num_tokens)
+        return max(1, min(grant, left))
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], new: list[NewRequestData], now: float) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -302,7 +327,7 @@ class Scheduler:
             self.fail_request(request.request_id, describe("its KV blocks could not be allocated", e))
             return False
 
-    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None, steps: int = 1) -> ScheduledChunk:
         start = request.num_computed_tokens
         table = self.kv.block_table(request.request_id)
         sent, request.num_sent_blocks = request.num_sent_blocks, len(table)
@@ -315,6 +340,7 @@ class Scheduler:
             sample=start + num_new == len(request.prompt_token_ids) + len(request.output_token_ids),
             replace_block_table=sent == 0,
             num_draft_tokens=len(drafts) if drafts else 0,
+            num_steps=steps,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -355,6 +381,8 @@ class Scheduler:
         sampled = result.sampled.get(chunk.request_id, ())
         if chunk.num_draft_tokens:
             self._verified(request, chunk, len(sampled))
+        elif chunk.num_steps > 1:  # its token and each sampled one but the last went through the model
+            request.num_computed_tokens += max(1, len(sampled))
         else:
             request.num_computed_tokens += len(chunk.token_ids)
             self._cache(request)
@@ -376,8 +404,8 @@ class Scheduler:
                 request.times.finished = now
                 self.finish_request(request.request_id, status, reason)
                 break
-        if chunk.num_draft_tokens and request.status is RequestStatus.RUNNING:
-            self._cache(request)  # (the accepted drafts are its tokens now: the blocks they fill hash)
+        if (chunk.num_draft_tokens or chunk.num_steps > 1) and request.status is RequestStatus.RUNNING:
+            self._cache(request)  # (the accepted drafts, or the steps' tokens, are its tokens now: their blocks hash)
 
     def _cache(self, request: Request) -> None:
         """Hash and cache the blocks its computed tokens fill, those not cached yet."""

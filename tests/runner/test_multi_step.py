@@ -1,0 +1,95 @@
+"""Several decode steps in a row (`decode_steps`, runner/multi_step.py): the same tokens as a step a token,
+stops and lengths honoured mid-run, runs only where granted (nobody waiting, greedy, no logprobs), the
+run's length kept within its time, and no leaked KV blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.outputs import ScheduledChunk
+from tokenmill.runner.multi_step import MultiStepDecode
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 4096) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Every request's tokens, and each engine step's (requests waiting, forwards in a row)."""
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+        engine.add_request(str(i), p, sp)
+    steps: list[tuple[int, int]] = []
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        waiting = engine.stats().waiting
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps.append((waiting, engine.last_step.decode_steps))
+    stats = llm.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0  # no leaked blocks
+    return [done[str(i)] for i in range(len(ps))], steps
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def test_runs_give_the_tokens_of_single_steps_and_end_at_each_length(llama):
+    ps = prompts(6)
+    lengths = [18, 18, 18, 1, 5, 13]  # not multiples of the run: the last run of each is shorter
+    params = [greedy(n) for n in lengths]
+    single, single_steps = run(LLM(llama, max_model_len=128), ps, params)
+    multi, multi_steps = run(LLM(llama, max_model_len=128, decode_steps=4), ps, params)
+    assert multi == single
+    assert [len(t) for t in multi] == lengths
+    assert {k for _, k in single_steps} == {1}
+    assert max(k for _, k in multi_steps) == 4 and len(multi_steps) < len(single_steps)
+
+
+def test_a_stop_token_mid_run_ends_its_request_there(llama):
+    ps = prompts(3, seed=1)
+    single, _ = run(LLM(llama, max_model_len=128), ps, [greedy(20)] * 3)
+    stop = single[0][6]  # the 7th token of the first request: a run of 4 passes it
+    first = single[0].index(stop)
+    params = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop])] + [greedy(20)] * 2
+    multi, steps = run(LLM(llama, max_model_len=128, decode_steps=4), ps, params)
+    assert multi[0] == single[0][: first + 1]  # the stop token is its last (the run's later tokens dropped)
+    assert multi[1:] == single[1:]
+    assert max(k for _, k in steps) == 4
+
+
+def test_runs_only_while_nobody_waits_and_never_for_logprobs(llama):
+    ps = prompts(4, seed=2)
+    llm = LLM(llama, max_model_len=128, max_num_seqs=2, decode_steps=4)
+    _, steps = run(llm, ps, [greedy(12)] * 4)
+    assert all(k == 1 for waiting, k in steps if waiting)  # two wait while the first two decode
+    assert any(k > 1 for waiting, k in steps if not waiting)
+    _, steps = run(llm, ps[:2], [greedy(12, logprobs=2)] * 2)
+    assert {k for _, k in steps} == {1}
+
+
+def chunk(num_steps: int) -> ScheduledChunk:
+    return ScheduledChunk("r", [7], 10, [], sample=True, num_steps=num_steps)
+
+
+def test_a_run_stays_within_its_time_and_its_grant():
+    policy = MultiStepDecode(run_seconds=0.02)
+    assert policy.steps([chunk(4)]) == 1  # never timed at this batch size: one forward
+    policy.observe(1, 0.003)
+    assert policy.steps([chunk(4)]) == 4  # 6 fit in 20 ms: the grant bounds it
+    assert policy.steps([chunk(4), chunk(2)]) == 1  # (a batch of two was never timed)
+    policy.observe(2, 0.008)
+    assert policy.steps([chunk(4), chunk(3)]) == 2  # 2 fit
+    policy.observe(1, 0.05)
+    assert policy.steps([chunk(4)]) == 1  # a forward past the run's time: one at a time
