@@ -45,16 +45,50 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
-def test_runs_give_the_tokens_of_single_steps_and_end_at_each_length(llama):
+def counting_native_runs(llm: LLM) -> list[int]:
+    """The steps of each run the model's one native call made (runs it declined are not counted)."""
+    model = llm.engine.core.worker.runner.model
+    made: list[int] = []
+    inner = model.greedy_run
+
+    def greedy_run(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        if out is not None:
+            made.append(out.shape[1])
+        return out
+
+    model.greedy_run = greedy_run
+    return made
+
+
+CASES = [  # (fused decode layers, dtype, a tied head)
+    (True, "float32", False),
+    (True, "bfloat16", False),
+    (True, "float32", True),
+    (False, "float32", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("fused_decode", "dtype", "tied"),
+    CASES,
+    ids=["native call", "native call bf16", "native call tied head", "forward by forward"],
+)
+def test_runs_give_the_tokens_of_single_steps_and_end_at_each_length(tiny_model_dir, fused_decode, dtype, tied):
+    model = str(tiny_model_dir("llama", tied))
     ps = prompts(6)
     lengths = [18, 18, 18, 1, 5, 13]  # not multiples of the run: the last run of each is shorter
     params = [greedy(n) for n in lengths]
-    single, single_steps = run(LLM(llama, max_model_len=128), ps, params)
-    multi, multi_steps = run(LLM(llama, max_model_len=128, decode_steps=4), ps, params)
+    single, single_steps = run(LLM(model, max_model_len=128, dtype=dtype), ps, params)
+    llm = LLM(model, max_model_len=128, dtype=dtype, decode_steps=4, fused_decode=fused_decode)
+    native = counting_native_runs(llm)
+    multi, multi_steps = run(llm, ps, params)
     assert multi == single
     assert [len(t) for t in multi] == lengths
     assert {k for _, k in single_steps} == {1}
     assert max(k for _, k in multi_steps) == 4 and len(multi_steps) < len(single_steps)
+    # the runs went through the model's one native call where its layers are fused, else forward by forward
+    assert (max(native, default=0) == 4) == fused_decode
 
 
 def test_a_stop_token_mid_run_ends_its_request_there(llama):

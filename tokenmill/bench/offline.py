@@ -157,8 +157,9 @@ class _Pass:
         self.live += step.kv_live_tokens
         self.allocated += step.kv_allocated_slots
         full = self.engine.config.max_num_seqs
-        if step.num_running == full and step.num_batched_tokens == full:
-            self.full_steps.append((step.total_seconds, step.total_seconds - step.forward_seconds))
+        if step.num_running == full and step.num_batched_tokens == full:  # (a run of decode steps: per forward)
+            n = step.decode_steps
+            self.full_steps.append((step.total_seconds / n, (step.total_seconds - step.forward_seconds) / n))
         for out in outputs:
             record = self.in_flight[out.request_id]
             completion = out.outputs[0] if out.outputs else None

@@ -149,7 +149,8 @@ def _doctor(args: argparse.Namespace) -> int:
         input_len=parse_range(args.input_len, "--input-len"),
         output_len=parse_range(args.output_len, "--output-len"),
     )
-    config = engine_config(args)
+    # (its step costs are a forward a step: the simulator's unit; several decode steps a run would hide it)
+    config = dataclasses.replace(engine_config(args), decode_steps=1)
     engine = LLMEngine(config)
     start = time.perf_counter()
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)

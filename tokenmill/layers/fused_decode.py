@@ -15,6 +15,7 @@ Anything else runs the modules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -37,6 +38,22 @@ class DecoderStack(Protocol):
     ops: object
 
 
+@dataclass(frozen=True)
+class GreedyTail:
+    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table [V, hidden], the
+    final norm's weight, the output projection as decode_layer.cpp takes it ((weight, scales, wsums,
+    group), bias, its kernel at the run's rows, its width) and the rotary tables."""
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    head: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
+    bias: torch.Tensor | None
+    kind: int
+    vocab: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class FusedDecode:
     """The decoder layers of one model as one native call a decode step (`decode_stack`): each layer's
     tensors gathered once here, so a step passes only what changes (hidden states, rotary inputs,
@@ -44,6 +61,7 @@ class FusedDecode:
 
     def __init__(self, kernels: CpuKernels, model: DecoderStack) -> None:
         self._op = kernels.ops.decode_stack.default
+        self._run = kernels.ops.decode_run.default
         layers = list(model.layers)
         self._norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self._first = _projections(layers[0])  # every layer's kernel choices are the first's
@@ -91,6 +109,48 @@ class FusedDecode:
         kinds = [p.linear_method.fused_kind(p, rows) for p in self._first]
         return None if None in kinds else cast(list[int], kinds)
 
+    def kinds(self, rows: int) -> list[int] | None:
+        """Each projection's kernel at `rows` rows (None: one the native layers do not chain)."""
+        kinds = [p.linear_method.fused_kind(p, rows) for p in self._first]
+        return None if None in kinds else cast(list[int], kinds)
+
+    def run(
+        self,
+        ids: torch.Tensor,  # [B] int64: each sequence's token
+        starts: torch.Tensor,  # [B] int64: its position
+        tail: GreedyTail,
+        caches: list[KVCache],
+        block_tables: torch.Tensor,  # [B, W] int32, covering starts + steps tokens
+        block_size: int,
+        steps: int,
+        kinds: list[int],
+    ) -> torch.Tensor:  # [B, steps] int64: each step's argmax token, -1 where its logit was NaN
+        """`steps` greedy decode steps in one native call (decode_layer.cpp's `decode_run`): the layers
+        as `__call__` runs them, then the final norm, the head and the argmax, each step's token the next one's."""
+        heads, kv_heads, head_dim = self._heads
+        _, cache_tensors, cache_scales = self._flat_caches(caches)
+        weight, scales, wsums, group = tail.head
+        return cast(
+            torch.Tensor,
+            self._run(
+                ids, starts, tail.embed, tail.norm, weight, tail.bias, scales, wsums, group, tail.kind, tail.vocab,
+                steps, self._norms, self._weights, self._biases, self._scales, self._wsums, cache_tensors,
+                cache_scales, self._eps, kinds, self._groups, self._out_features, heads, kv_heads, head_dim,
+                tail.cos, tail.sin, block_tables, block_size, self._scale, self._windows,
+            ),
+        )  # fmt: skip
+
+    def _flat_caches(
+        self, caches: list[KVCache]
+    ) -> tuple[list[KVCache], list[torch.Tensor], list[torch.Tensor | None]]:
+        if self._caches is None or self._caches[0] is not caches:  # the same list every step: flattened once
+            self._caches = (
+                caches,
+                [t for c in caches for t in (c.k, c.v)],
+                [t for c in caches for t in (c.k_scale, c.v_scale)],
+            )
+        return self._caches
+
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden]: the embeddings
@@ -102,13 +162,7 @@ class FusedDecode:
         positions, cos, sin = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], rope)
         md = metadata
         heads, kv_heads, head_dim = self._heads
-        if self._caches is None or self._caches[0] is not caches:  # the same list every step: flattened once
-            self._caches = (
-                caches,
-                [t for c in caches for t in (c.k, c.v)],
-                [t for c in caches for t in (c.k_scale, c.v_scale)],
-            )
-        _, cache_tensors, cache_scales = self._caches
+        _, cache_tensors, cache_scales = self._flat_caches(caches)
         out, res = self._op(
             x, self._norms, self._weights, self._biases, self._scales, self._wsums, cache_tensors, cache_scales,
             self._eps, kinds, self._groups, self._out_features,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from tokenmill.layers.fused_decode import FusedDecode
+from tokenmill.layers.fused_decode import FusedDecode, GreedyTail
 from tokenmill.layers.linear import Linear, LinearBase, MergedLinear, weight_loader_of
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
@@ -163,6 +163,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+@dataclass(frozen=True)
+class _TableAsLayer:
+    """A tied embedding table where a linear method asks a layer for its weight (its fused kind)."""
+
+    weight: torch.Tensor
+
+
 class LlamaForCausalLM(nn.Module):
     """Token ids of a flat batch -> hidden states; hidden states -> float32 logits.
 
@@ -293,6 +300,40 @@ class LlamaForCausalLM(nn.Module):
             return self.dense.product(hidden, cast(torch.Tensor, self.embed_tokens.weight)).float()
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
+
+    def greedy_run(
+        self,
+        ids: torch.Tensor,  # [B] int64: each sequence's next token
+        starts: torch.Tensor,  # [B] int64: its position
+        kv_caches: list[KVCache],
+        block_tables: torch.Tensor,  # [B, W] int32, covering starts + steps tokens
+        block_size: int,
+        steps: int,
+    ) -> torch.Tensor | None:  # [B, steps] int64, -1 where a logit was NaN
+        """`steps` greedy decode steps of B sequences in one native call (`FusedDecode.run`), each step
+        computed as `forward`, `compute_logits` and an argmax compute it; None where that call does not
+        apply (no fused layers at B rows, an embedding that is not a dense table, a head the fused layers
+        do not chain): the caller steps through `forward` then."""
+        fused, rows = self.fused_decode, ids.shape[0]
+        kinds = fused.kinds(rows) if fused is not None else None
+        tail = self._greedy_tail(rows) if kinds is not None and isinstance(self.embed_tokens, nn.Embedding) else None
+        if fused is None or kinds is None or tail is None:
+            return None
+        return fused.run(ids, starts, tail, kv_caches, block_tables, block_size, steps, kinds)
+
+    def _greedy_tail(self, rows: int) -> GreedyTail | None:
+        """The embedding, final norm, head and rotary tables as `FusedDecode.run` takes them."""
+        table = cast(torch.Tensor, self.embed_tokens.weight)
+        if self.head_from_table:  # (a tied table: the dense method's product, as compute_logits runs it)
+            method, layer = self.dense, cast(LinearBase, _TableAsLayer(table))
+            head, bias, vocab = (table, None, None, table.shape[1]), None, table.shape[0]
+        else:
+            method, layer = self.lm_head.linear_method, self.lm_head
+            head, bias, vocab = method.fused_tensors(layer), self.lm_head.bias, self.lm_head.output_size
+        kind = method.fused_kind(layer, rows) if method.fusable(layer) else None
+        if kind is None:
+            return None
+        return GreedyTail(table, self.norm.weight, head, bias, kind, vocab, self.rotary.cos, self.rotary.sin)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64
         """Each row's argmax token without materializing [N, vocab] logits: the output projection in

@@ -31,7 +31,7 @@ from tokenmill.outputs import ScheduledChunk, SchedulerOutput, StepOutput, Token
 from tokenmill.runner.cuda_graphs import DecodeGraphs
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.model_inputs import ModelInputs, prepare_inputs
-from tokenmill.runner.multi_step import MultiStepDecode, metadata_builder, model_forward
+from tokenmill.runner.multi_step import MultiStepDecode, Native, metadata_builder, model_forward
 from tokenmill.runner.pooler import Pooler
 from tokenmill.sched.draft_policy import speculates
 from tokenmill.spec_decode.proposer import DraftRequest, NoProposer, Proposer
@@ -176,7 +176,8 @@ class ModelRunner:
         with torch.inference_mode():
             tokens = self.multi_step.run(
                 model_forward(self.model, self.kv_caches), self._greedy_pick, chunks, tables, steps,
-                metadata_builder(self.backend, self.block_size, self.device), self.device,
+                metadata_builder(self.backend, self.block_size, self.device), self.device, self._native_run(),
+                self.block_size,
             )  # fmt: skip
         result.forward_seconds = time.perf_counter() - start
         result.decode_steps = steps
@@ -193,6 +194,13 @@ class ModelRunner:
         for request_id, why in self.batch.append_tokens(kept_ids, kept).items():
             result.sampled.pop(request_id, None)
             result.failed[request_id] = why
+
+    def _native_run(self) -> Native | None:
+        """The model's whole-run call (`greedy_run`: one native call for the run) on a CPU, None elsewhere."""
+        if self.device.type != "cpu":
+            return None
+        model, caches, block_size = self.model, self.kv_caches, self.block_size
+        return lambda ids, starts, tables, steps: model.greedy_run(ids, starts, caches, tables, block_size, steps)
 
     def _greedy_pick(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B] int64, NaN rows NAN_TOKEN
         """Each row's argmax token, as a greedy step picks it (in the head where the worker chose that)."""

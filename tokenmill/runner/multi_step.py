@@ -17,6 +17,7 @@ dropped by the scheduler, which sees them all.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -27,6 +28,8 @@ from tokenmill.outputs import ScheduledChunk
 RUN_SECONDS = 0.02
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]  # (ids, positions, metadata) -> hidden
+# (ids [B], starts [B], block tables [B, W] int32, steps) -> tokens [B, steps], or None where it does not apply
+Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor | None]
 
 
 class MultiStepDecode:
@@ -57,16 +60,26 @@ class MultiStepDecode:
         steps: int,
         metadata: Callable[[list[int], list[int], list[list[int]]], object],
         device: torch.device,
+        native: Native | None = None,
+        block_size: int = 16,
     ) -> list[list[int]]:
         """`steps` forwards of the batch, each chunk's one token first, then each forward's pick; returns
-        each chunk's tokens [B][steps]. `forward`: the model on (ids [B], positions [B], metadata) ->
-        hidden [B, hidden]; `pick`: hidden -> tokens [B] int64 (NaN rows marked negative); `metadata`:
-        the backend's (query lens, sequence lens, block tables)."""
+        each chunk's tokens [B][steps]. `native`, where given and it applies: the whole run in one call
+        (the model's `greedy_run`) over the block tables padded to a rectangle; otherwise step by step:
+        `forward` (ids [B], positions [B], metadata) -> hidden [B, hidden], `pick`: hidden -> tokens [B]
+        int64 (NaN rows negative), `metadata`: the backend's (query lens, sequence lens, block tables)."""
         batch = len(chunks)
         starts = [c.start_position for c in chunks]
+        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.int64, device=device)  # [B]
+        if native is not None:
+            width = max(-(-(p + steps) // block_size) for p in starts)  # blocks the longest reaches
+            padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+            at = torch.tensor(starts, dtype=torch.int64, device=device)
+            out = native(ids, at, torch.tensor(padded, dtype=torch.int32, device=device), steps)
+            if out is not None:
+                return cast(list[list[int]], out.tolist())
         # [steps, B]: every forward's positions, made at once
         positions = torch.tensor([[p + s for p in starts] for s in range(steps)], dtype=torch.int64, device=device)
-        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.int64, device=device)  # [B]
         picked: list[torch.Tensor] = []
         ones = [1] * batch
         for s in range(steps):
@@ -74,7 +87,7 @@ class MultiStepDecode:
             tokens = pick(forward(ids, positions[s], md))  # [B]
             picked.append(tokens)
             ids = tokens.clamp(min=0)  # (a NaN row's request fails: its next input may be any token)
-        return torch.stack(picked, dim=1).tolist()  # [B, steps]
+        return cast(list[list[int]], torch.stack(picked, dim=1).tolist())  # [B, steps]
 
 
 def metadata_builder(

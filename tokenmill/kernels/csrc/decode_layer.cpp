@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <tuple>
 
@@ -118,13 +119,85 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {project(act, proj[3]), residual};
 }
 
-// Every decoder layer of the model for one step: decode_layer for layer i with its
-// tensors at i (norms: input and post-attention norm of each layer in turn; weights, biases, scales,
-// wsums: qkv, o, gate_up, down of each layer; caches: K and V of each layer; cache_scales: their
-// scales, for an int8 cache). `kinds` and `groups`: each
-// projection's kernel and group size, the same in every layer. Returns as decode_layer does after the
-// last layer. What it saves over a call a layer is the Python between them (module attribute lookups
-// and the boxing of ~30 arguments, a layer).
+// The model's layers as decode_stack and decode_run take them: per layer i, the input and
+// post-attention norms at 2i and 2i + 1; weights, biases, scales, wsums: qkv, o, gate_up, down at 4i..4i+3;
+// caches: K and V at 2i and 2i + 1 (cache_scales: theirs, for an int8 cache); each projection's kernel,
+// group size and output width the same in every layer.
+struct Stack {
+  at::TensorList norms, weights;
+  const c10::List<c10::optional<at::Tensor>>& biases;
+  const c10::List<c10::optional<at::Tensor>>& scales;
+  const c10::List<c10::optional<at::Tensor>>& wsums;
+  at::TensorList caches;
+  const c10::List<c10::optional<at::Tensor>>& cache_scales;
+  double eps;
+  const c10::List<int64_t>& kinds;
+  const c10::List<int64_t>& groups;
+  const c10::List<int64_t>& out_features;
+  int64_t num_heads, num_kv_heads, head_dim;
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  int64_t block_size;
+  double scale;
+  const c10::List<c10::optional<int64_t>>& windows;
+
+  int64_t layers() const { return static_cast<int64_t>(windows.size()); }
+
+  void check() const {
+    const int64_t n = layers();
+    TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * n && static_cast<int64_t>(caches.size()) == 2 * n &&
+                    static_cast<int64_t>(weights.size()) == 4 * n && static_cast<int64_t>(biases.size()) == 4 * n &&
+                    static_cast<int64_t>(scales.size()) == 4 * n && static_cast<int64_t>(wsums.size()) == 4 * n &&
+                    static_cast<int64_t>(cache_scales.size()) == 2 * n,
+                "decode_stack: per layer 2 norms, 4 weights, biases, scales and wsums, 2 caches and a window");
+    TORCH_CHECK(kinds.size() == 4 && groups.size() == 4 && out_features.size() == 4,
+                "decode_stack: one kind, group and output width per projection");
+    TORCH_CHECK(n > 0, "decode_stack: no layers");
+  }
+};
+
+// The step's attention metadata (CpuMetadata's tensors).
+struct StepInputs {
+  const at::Tensor& positions;
+  const at::Tensor& slots;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  const at::Tensor& query_starts;
+  const at::Tensor& query_lens;
+};
+
+// Every layer of `st` over x [T, hidden]: (the last layer's MLP output, the residual), as decode_layer returns.
+std::tuple<at::Tensor, at::Tensor> run_layers(at::Tensor x, const Stack& st, const StepInputs& in) {
+  c10::optional<at::Tensor> residual;
+  at::Tensor h = std::move(x);
+  for (int64_t i = 0; i < st.layers(); ++i) {
+    const c10::optional<at::Tensor> b[4] = {st.biases.get(4 * i), st.biases.get(4 * i + 1), st.biases.get(4 * i + 2),
+                                            st.biases.get(4 * i + 3)};
+    const c10::optional<at::Tensor> s[4] = {st.scales.get(4 * i), st.scales.get(4 * i + 1), st.scales.get(4 * i + 2),
+                                            st.scales.get(4 * i + 3)};
+    const c10::optional<at::Tensor> w[4] = {st.wsums.get(4 * i), st.wsums.get(4 * i + 1), st.wsums.get(4 * i + 2),
+                                            st.wsums.get(4 * i + 3)};
+    Projection proj[4] = {
+        {st.weights[4 * i], b[0], s[0], w[0], st.groups.get(0), st.kinds.get(0), st.out_features.get(0)},
+        {st.weights[4 * i + 1], b[1], s[1], w[1], st.groups.get(1), st.kinds.get(1), st.out_features.get(1)},
+        {st.weights[4 * i + 2], b[2], s[2], w[2], st.groups.get(2), st.kinds.get(2), st.out_features.get(2)},
+        {st.weights[4 * i + 3], b[3], s[3], w[3], st.groups.get(3), st.kinds.get(3), st.out_features.get(3)},
+    };
+    const c10::optional<int64_t> window = st.windows.get(i);
+    auto [out, res] = decode_layer(
+        h, residual, st.norms[2 * i], st.norms[2 * i + 1], st.eps, proj, st.num_heads, st.num_kv_heads, st.head_dim,
+        in.positions, st.cos, st.sin, st.caches[2 * i], st.caches[2 * i + 1], st.cache_scales.get(2 * i),
+        st.cache_scales.get(2 * i + 1), in.slots, in.block_tables, in.seq_lens, in.query_starts, in.query_lens,
+        st.block_size, st.scale, window.has_value() ? std::optional<int64_t>(*window) : std::nullopt);
+    h = std::move(out);
+    residual = std::move(res);
+  }
+  return {h, *residual};
+}
+
+// Every decoder layer of the model for one step (Stack says how the lists hold them). Returns as
+// decode_layer does after the last layer. What it saves over a call a layer is the Python between them
+// (module attribute lookups and the boxing of ~30 arguments, a layer).
 std::tuple<at::Tensor, at::Tensor> decode_stack(
     at::Tensor x, at::TensorList norms, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
     const c10::List<c10::optional<at::Tensor>>& scales, const c10::List<c10::optional<at::Tensor>>& wsums,
@@ -134,40 +207,74 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_starts, const at::Tensor& query_lens, int64_t block_size, double scale,
     const c10::List<c10::optional<int64_t>>& windows) {
-  const int64_t layers = static_cast<int64_t>(windows.size());
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(caches.size()) == 2 * layers &&
-                  static_cast<int64_t>(weights.size()) == 4 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
-                  static_cast<int64_t>(scales.size()) == 4 * layers && static_cast<int64_t>(wsums.size()) == 4 * layers &&
-                  static_cast<int64_t>(cache_scales.size()) == 2 * layers,
-              "decode_stack: per layer 2 norms, 4 weights, biases, scales and wsums, 2 caches and a window");
-  TORCH_CHECK(kinds.size() == 4 && groups.size() == 4 && out_features.size() == 4,
-              "decode_stack: one kind, group and output width per projection");
-  c10::optional<at::Tensor> residual;
-  at::Tensor h = std::move(x);
-  for (int64_t i = 0; i < layers; ++i) {
-    const c10::optional<at::Tensor> b[4] = {biases.get(4 * i), biases.get(4 * i + 1), biases.get(4 * i + 2),
-                                            biases.get(4 * i + 3)};
-    const c10::optional<at::Tensor> s[4] = {scales.get(4 * i), scales.get(4 * i + 1), scales.get(4 * i + 2),
-                                            scales.get(4 * i + 3)};
-    const c10::optional<at::Tensor> w[4] = {wsums.get(4 * i), wsums.get(4 * i + 1), wsums.get(4 * i + 2),
-                                            wsums.get(4 * i + 3)};
-    const Projection proj[4] = {
-        {weights[4 * i], b[0], s[0], w[0], groups.get(0), kinds.get(0), out_features.get(0)},
-        {weights[4 * i + 1], b[1], s[1], w[1], groups.get(1), kinds.get(1), out_features.get(1)},
-        {weights[4 * i + 2], b[2], s[2], w[2], groups.get(2), kinds.get(2), out_features.get(2)},
-        {weights[4 * i + 3], b[3], s[3], w[3], groups.get(3), kinds.get(3), out_features.get(3)},
-    };
-    const c10::optional<int64_t> window = windows.get(i);
-    auto [out, res] = decode_layer(h, residual, norms[2 * i], norms[2 * i + 1], eps, proj, num_heads, num_kv_heads,
-                                   head_dim, positions, cos, sin, caches[2 * i], caches[2 * i + 1],
-                                   cache_scales.get(2 * i), cache_scales.get(2 * i + 1), slots,
-                                   block_tables, seq_lens, query_starts, query_lens, block_size, scale,
-                                   window.has_value() ? std::optional<int64_t>(*window) : std::nullopt);
-    h = std::move(out);
-    residual = std::move(res);
+  const Stack st{norms, weights, biases, scales, wsums, caches, cache_scales, eps, kinds, groups, out_features,
+                 num_heads, num_kv_heads, head_dim, cos, sin, block_size, scale, windows};
+  st.check();
+  return run_layers(std::move(x), st, {positions, slots, block_tables, seq_lens, query_starts, query_lens});
+}
+
+// `steps` greedy decode steps in a row of B sequences (runner/multi_step.py), each step as the modules run
+// it: the embedding rows of the step's tokens, the layers, the final norm (with the residual add), the
+// output projection (`head`: its kernel `head_kind`), float32 logits and their argmax (argmax_rows); the
+// argmax is the next step's token. ids [B] int64: each sequence's first token; starts [B] int64: its
+// position; block_tables [B, W] int32: each sequence's blocks, covering starts + steps tokens. Writes
+// each step's K and V into the caches. Returns tokens [B, steps] int64, -1 where a row's logit at its
+// argmax was NaN (its later tokens follow from a NaN: the caller fails the request).
+at::Tensor decode_run(
+    const at::Tensor& ids, const at::Tensor& starts, const at::Tensor& embed, const at::Tensor& final_norm,
+    const at::Tensor& head, const c10::optional<at::Tensor>& head_bias, const c10::optional<at::Tensor>& head_scales,
+    const c10::optional<at::Tensor>& head_wsums, int64_t head_group, int64_t head_kind, int64_t head_out, int64_t steps,
+    at::TensorList norms, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+    const c10::List<c10::optional<at::Tensor>>& scales, const c10::List<c10::optional<at::Tensor>>& wsums,
+    at::TensorList caches, const c10::List<c10::optional<at::Tensor>>& cache_scales, double eps, c10::List<int64_t> kinds,
+    c10::List<int64_t> groups, c10::List<int64_t> out_features, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& block_tables, int64_t block_size,
+    double scale, const c10::List<c10::optional<int64_t>>& windows) {
+  const Stack st{norms, weights, biases, scales, wsums, caches, cache_scales, eps, kinds, groups, out_features,
+                 num_heads, num_kv_heads, head_dim, cos, sin, block_size, scale, windows};
+  st.check();
+  const int64_t batch = ids.size(0);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && starts.sizes() == ids.sizes() &&
+                  starts.scalar_type() == at::kLong, "decode_run: ids and starts must be int64 [B]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && block_tables.scalar_type() == at::kInt &&
+                  block_tables.is_contiguous(), "decode_run: block_tables must be contiguous int32 [B, W]");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && steps >= 1, "decode_run: embed must be [V, hidden]");
+  const int64_t width = block_tables.size(1);
+  const auto i64 = ids.options(), i32 = ids.options().dtype(at::kInt);
+  at::Tensor tokens = at::empty({batch, steps}, i64);
+  at::Tensor positions = starts.clone(), input = ids.clone();
+  at::Tensor slots = at::empty({batch}, i64), seq_lens = at::empty({batch}, i32);
+  const at::Tensor query_starts = at::arange(batch, i32), query_lens = at::ones({batch}, i32);
+  const Projection head_proj{head, head_bias, head_scales, head_wsums, head_group, head_kind, head_out};
+  const int32_t* table = block_tables.data_ptr<int32_t>();
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int32_t* length = seq_lens.data_ptr<int32_t>();
+  int64_t* picked = tokens.data_ptr<int64_t>();
+  int64_t* next = input.data_ptr<int64_t>();
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {  // this step's slot and length of each sequence
+      const int64_t p = pos[b];
+      TORCH_CHECK(p >= 0 && p / block_size < width, "decode_run: the block tables do not cover the run");
+      slot[b] = static_cast<int64_t>(table[b * width + p / block_size]) * block_size + p % block_size;
+      length[b] = static_cast<int32_t>(p + 1);
+    }
+    auto [out, residual] = run_layers(embed.index_select(0, input), st,
+                                      {positions, slots, block_tables, seq_lens, query_starts, query_lens});
+    tokenmill::add_rms_norm(out, residual, final_norm, eps);  // out = norm(out + residual), as the model's norm.add
+    const at::Tensor logits = project(out, head_proj).to(at::kFloat).contiguous();  // [B, vocab]
+    at::Tensor argmax = at::empty({batch}, i64);
+    tokenmill::argmax_rows(argmax, logits);
+    const int64_t* am = argmax.data_ptr<int64_t>();
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const bool nan = std::isnan(lp[b * logits.size(1) + am[b]]);
+      picked[b * steps + s] = nan ? -1 : am[b];
+      next[b] = nan ? 0 : am[b];  // (a NaN row's request fails: its next input may be any token)
+    }
+    positions.add_(1);
   }
-  TORCH_CHECK(residual.has_value(), "decode_stack: no layers");
-  return {h, *residual};
+  return tokens;
 }
 
 }  // namespace
@@ -179,4 +286,12 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       "Tensor slots, Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, int block_size, "
       "float scale, int?[] windows) -> (Tensor, Tensor)");
   m.impl("decode_stack", c10::DispatchKey::CPU, &decode_stack);
+  m.def(
+      "decode_run(Tensor ids, Tensor starts, Tensor embed, Tensor final_norm, Tensor head, Tensor? head_bias, "
+      "Tensor? head_scales, Tensor? head_wsums, int head_group, int head_kind, int head_out, int steps, Tensor[] norms, "
+      "Tensor[] weights, Tensor?[] biases, Tensor?[] scales, Tensor?[] wsums, Tensor(b!)[] caches, "
+      "Tensor?[] cache_scales, float eps, int[] kinds, int[] groups, int[] out_features, int num_heads, "
+      "int num_kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor block_tables, int block_size, float scale, "
+      "int?[] windows) -> Tensor");
+  m.impl("decode_run", c10::DispatchKey::CPU, &decode_run);
 }
