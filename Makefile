@@ -58,13 +58,14 @@ serve: $(STAMP)
 bench: bench-forward bench-decode bench-engine bench-prefix bench-serve bench-quant
 
 # the decode step on the reference and the native paths, the fused decode layers against the modules,
-# torch.compile of the step, the time outside the forward, the server at one request
+# torch.compile of the step, the time outside the forward, the server at one request, decode steps in a row
 bench-decode: $(STAMP)
 	$(BIN)/python benchmarks/decode_step.py --repeats 3
 	$(BIN)/python benchmarks/fused_decode.py --repeats 5
 	$(BIN)/python benchmarks/compile_probe.py
 	$(BIN)/python benchmarks/step_overhead.py --repeats 3
 	$(BIN)/python benchmarks/serve_overhead.py --repeats 5
+	$(BIN)/python benchmarks/decode_steps.py --repeats 5
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --dtype float32
