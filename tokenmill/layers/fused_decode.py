@@ -105,9 +105,7 @@ class FusedDecode:
         md = metadata
         if not isinstance(md, CpuMetadata) or md.prefills or md.num_actual_tokens != x.shape[0]:
             return None
-        rows = x.shape[0]
-        kinds = [p.linear_method.fused_kind(p, rows) for p in self._first]
-        return None if None in kinds else cast(list[int], kinds)
+        return self.kinds(x.shape[0])
 
     def kinds(self, rows: int) -> list[int] | None:
         """Each projection's kernel at `rows` rows (None: one the native layers do not chain)."""

@@ -261,7 +261,8 @@ at::Tensor decode_run(
     }
     auto [out, residual] = run_layers(embed.index_select(0, input), st,
                                       {positions, slots, block_tables, seq_lens, query_starts, query_lens});
-    tokenmill::add_rms_norm(out, residual, final_norm, eps);  // out = norm(out + residual), as the model's norm.add
+    // out = norm(out + residual), as the model's norm.add (the Llama family's norms share one epsilon)
+    tokenmill::add_rms_norm(out, residual, final_norm, eps);
     const at::Tensor logits = project(out, head_proj).to(at::kFloat).contiguous();  // [B, vocab]
     at::Tensor argmax = at::empty({batch}, i64);
     tokenmill::argmax_rows(argmax, logits);
