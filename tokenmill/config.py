@@ -181,7 +181,7 @@ class EngineConfig:
         "most decode steps in a row one engine step may run for greedy requests (each feeding the token it "
         "sampled to the next), while no request waits and while such a run stays under 20 ms: the scheduler "
         "and the outputs' bookkeeping once a run, not once a token (small models at few requests: "
-        "docs/architecture.md); tokens then stream a run at a time; 1: a step a token",
+        "docs/offline-api.md); tokens then stream a run at a time; 1: a step a token",
         minimum=1,
     )
     fused_decode: bool = setting(
