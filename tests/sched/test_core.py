@@ -259,3 +259,33 @@ def test_block_hashes_chain_on_the_parent():
     assert blocks == kv.block_table("abc")[:1] and hashes == abc[:1]
     blocks, _ = kv.find_prefix(c, None)
     assert blocks == []
+
+
+def test_decode_runs_take_only_blocks_left_over_and_never_preempt():
+    """A run's slots (decode_steps) are asked for after every running request's next token has its own,
+    and above the watermark: with three blocks of 4 for two requests, runs of 4 preempt exactly when a step
+    a token does (A's fifth token, the third step), not at the first decode; a run is granted only where
+    its slots are spare."""
+    for steps in (1, 4):
+        s = Scheduler(SchedulerConfig(8, 64, 64, steps), KVManager(3, 4))
+        s.add_request(make_request("A", 3, max_tokens=8, temperature=0))
+        s.add_request(make_request("B", 4, max_tokens=8, temperature=0))
+        granted, preemptions = [], []
+        for _ in range(3):
+            out = s.schedule(now=0.0)
+            granted += [c.num_steps for c in out.chunks]
+            s.update(out, StepOutput(sampled={c.request_id: [7] for c in out.chunks if c.sample}), now=0.0)
+            preemptions.append(s.num_preemptions)
+        assert preemptions == [0, 0, 1]
+        # runs of 4: A's (slot 4 in a second block) refused, B's (slots 4-7: the block its next token took) granted
+        assert granted == ([1] * 5 if steps == 1 else [1, 1, 1, 4, 1])
+    s = Scheduler(SchedulerConfig(8, 64, 64, 4), KVManager(8, 4))
+    s.add_request(make_request("A", 3, max_tokens=8, temperature=0))
+    out = s.schedule(now=0.0)  # the prompt
+    s.update(out, StepOutput(sampled={"A": [7]}), now=0.0)
+    out = s.schedule(now=0.0)  # a decode, blocks to spare: a run of 4 (positions 3-6: the second block sent)
+    (chunk,) = out.chunks
+    assert chunk.num_steps == 4 and len(s.kv.block_table("A")) == 2 and chunk.new_block_ids == s.kv.block_table("A")[1:]
+    s.update(out, StepOutput(sampled={"A": [7, 8, 9, 10]}), now=0.0)
+    # its token and the run's first three went through the model; the fourth is the next one's input
+    assert s.requests["A"].num_computed_tokens == 7 and s.requests["A"].output_token_ids == [7, 7, 8, 9, 10]

@@ -213,7 +213,8 @@ def make_scheduler(
         enable_prefix_caching=config.enable_prefix_caching,
     )
     spec = config.speculative_config
-    steps = 1 if spec else config.decode_steps  # (a step of drafts verifies them: one forward)
+    # (a step of drafts verifies them in one forward; the static baseline stays as it was measured)
+    steps = 1 if spec or config.scheduling == "static" else config.decode_steps
     sched_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, steps)
     if config.scheduling == "static":
         return StaticScheduler(sched_config, kv, kv_connector)

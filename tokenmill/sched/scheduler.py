@@ -22,6 +22,7 @@ blocks freed, and `take_failed` hands the engine why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -166,14 +167,6 @@ class Scheduler:
                     continue
                 if request.status.finished:  # failed allocating its drafts' blocks (the next one is at i)
                     continue
-            steps = self._steps(request, grant)
-            if steps > 1 and self._allocate(request, request.num_computed_tokens + steps):
-                chunks.append(self._chunk(request, 1, steps=steps))
-                budget -= 1
-                i += 1
-                continue
-            if request.status.finished:  # failed allocating there (the next one is at i)
-                continue
             num_new = min(
                 len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens, budget
             )
@@ -191,6 +184,8 @@ class Scheduler:
                 i += 1
 
         if not preempted:
+            if grant > 1:
+                chunks = [self._extend(chunk, grant) for chunk in chunks]
             budget = self._admit(budget, chunks, new, now)
 
         finished, self._finished_ids = self._finished_ids, []
@@ -207,6 +202,22 @@ class Scheduler:
             return False
         chunks.append(self._chunk(request, 1, drafts))
         return True
+
+    def _extend(self, chunk: ScheduledChunk, grant: int) -> ScheduledChunk:
+        """`chunk` as a run of decode steps (`num_steps`) where its request may take one (`_steps`) and the
+        slots for it are free above the watermark: asked once every running request's next token has
+        its slot, so a run's reservation never preempts anyone; otherwise `chunk` as it was."""
+        request = self.requests[chunk.request_id]
+        steps = self._steps(request, grant) if len(chunk.token_ids) == 1 and not chunk.num_draft_tokens else 1
+        try:
+            if steps < 2 or not self.kv.allocate(request.request_id, request.num_computed_tokens + steps, True):
+                return chunk
+        except Exception:  # (its next token has its slot: the run is what is refused, not the request)
+            logger.warning("request %s: no blocks for a run of decode steps", request.request_id, exc_info=True)
+            return chunk
+        table = self.kv.block_table(request.request_id)
+        added, request.num_sent_blocks = table[request.num_sent_blocks :], len(table)
+        return dataclasses.replace(chunk, new_block_ids=[*chunk.new_block_ids, *added], num_steps=steps)
 
     def _steps(self, request: Request, grant: int) -> int:
         """How many decode steps in a row `request` may take this step: up to `grant` for a greedy decode
