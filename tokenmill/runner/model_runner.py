@@ -166,8 +166,10 @@ class ModelRunner:
         return self.multi_step.steps(chunks)
 
     def _time_decodes(self, inputs: ModelInputs, scheduled: SchedulerOutput, result: StepOutput) -> None:
-        """A step of one-token decodes tells multi_step.py what a forward costs at its batch size."""
-        if inputs.every_row and len(inputs.sample_rows) == len(scheduled.chunks) and not inputs.drafts:
+        """A step of one-token decodes the scheduler granted runs to (and that ran one forward) tells
+        multi_step.py what a forward costs at its batch size; with runs off, nothing to time."""
+        chunks = scheduled.chunks
+        if chunks[0].num_steps > 1 and inputs.every_row and len(inputs.sample_rows) == len(chunks):
             self.multi_step.observe(len(scheduled.chunks), result.forward_seconds)
 
     def _run_steps(self, chunks: list[ScheduledChunk], tables: list[list[int]], steps: int, result: StepOutput) -> None:
