@@ -26,8 +26,9 @@ try:  # the GPU backend runs here under Triton's CPU interpreter (set before tri
 except ImportError:
     TRITON = []
 BACKENDS = [name for name in backend_names() if name not in ("auto", "triton")] + TRITON  # auto: one of the others
-# the interpreter runs a kernel as Python loops (~13 s a forward case): in the default run, one forward
-# case on it (the slow run has the rest); the engine's many-step cases on it (minutes interpreted) run
+# the interpreter runs a kernel as Python loops (~10 s a forward case): the forward cases on it run in the
+# slow run (the default run has its kernels' own tests, test_triton_attention.py); the engine's many-step
+# cases on it (minutes interpreted) run
 # on a GPU only (`gpu`; they need the engine, whose server packages the lent device lacks: run them
 # there with those installed)
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -39,7 +40,7 @@ FORWARD_CASES = [
         arch,
         backend,
         ops,
-        marks=[pytest.mark.slow] if backend == "triton" and (arch, ops) != ("qwen3", "torch") else [],
+        marks=[pytest.mark.slow] if backend == "triton" else [],
     )
     for ops in ("torch", "cpu")
     for backend in BACKENDS

@@ -23,6 +23,9 @@ from tokenmill.text.tokenizer import Tokenizer
 from tokenmill.tools.gguf_convert import convert_gguf
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# ~2 s a type: the default run keeps one of each family (the rest: `make test-all`; every type's blocks
+# against gguf's dequantizer: tests/quant)
+SLOW_TYPES = ("F32", "BF16", "Q4_0", "Q5_K")
 TEXTS = (
     "Hello world, 12345 apples!",
     "  two spaces\n\nnewlines\ttabs",
@@ -54,7 +57,7 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 IDS = torch.randint(0, 8192, (45,), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", [pytest.param(t, marks=[pytest.mark.slow] * (t in SLOW_TYPES)) for t in TYPES])
 def test_logits_equal_transformers_on_the_same_file(gguf_file, type_name):
     path = gguf_file(type_name)
     with torch.no_grad():

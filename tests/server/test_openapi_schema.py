@@ -88,6 +88,7 @@ def reasoning_fields_drawn(doc: dict[str, Any]) -> set[str]:
     return seen
 
 
+@pytest.mark.slow  # ~7 s (200 drawn bodies); guards the fuzzer's run, which is slow too (test_server.py)
 def test_the_chat_schema_leaves_the_fuzzer_room():
     """schemathesis builds a strategy for the chat operation with ROOM more properties (it declines the
     whole operation once its canonicalizer's budget runs out: openapi._chat_rules), and what it draws

@@ -242,6 +242,7 @@ def test_metrics_use_vllm_names(srv, client):
     assert 'finished_reason="length"' in text
 
 
+@pytest.mark.slow  # ~11 s; the default run draws requests from the schema per route (tests/chaos/test_fields.py)
 def test_openapi_fuzzing_finds_no_server_error(srv):
     """A bounded schemathesis run against /openapi.json: whatever it sends, no 5xx."""
     import schemathesis

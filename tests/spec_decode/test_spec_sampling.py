@@ -139,8 +139,10 @@ def sample_first_three(target: Path, draft: Path, params: SamplingParams) -> tup
 CASES = {"plain": (1.0, None, 1.0), "top-k/top-p": (0.8, 12, 0.9)}
 
 
-# (top-k / top-p: ~15 s more; `make test-all` runs it, the default run keeps the plain distribution)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c != "plain" else []) for c in CASES])
+# ~15 s a case: `make test-all` runs them; the default run keeps the rule alone (below) and the greedy
+# equalities (test_spec_decode.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
 def test_unseeded_sampling_with_a_draft_model_follows_the_targets_distribution(pair, case):
     """max_tokens 4: after the first token the draft guesses two, so the first three tokens come from
     drafts kept, drafts refused (the residual) and bonus tokens."""

@@ -23,8 +23,10 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -75,6 +77,8 @@ ISA_CAPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512": (("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"), ("amx",)),
 }
 LIBRARY = "tokenmill_cpu"
+# the headers every source includes, parsed once into a precompiled header (gcc's .gch) for the build
+PRELUDE = ("ATen/Parallel.h", "ATen/core/Tensor.h", "torch/library.h")
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what every native kernel runs
 
 
@@ -224,11 +228,45 @@ def _build(csrc: Path, build_dir: Path) -> None:
     cpp_extension.load(
         name=LIBRARY,
         sources=[str(csrc / name) for name in SOURCES],
-        extra_cflags=list(compile_flags()),
+        extra_cflags=list(compile_flags()) + _prelude_flags(csrc, build_dir),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(csrc)],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
     )
+    (build_dir / "tm_prelude.h.gch").unlink(missing_ok=True)  # hundreds of MB, needed only while building
     logger.info("start-up: native CPU kernels built: %.1f s", time.perf_counter() - start)
+
+
+def _prelude_flags(csrc: Path, build_dir: Path) -> list[str]:
+    """Flags that put the torch headers every source includes first in each, from a precompiled header
+    made here with the build's own flags (torch's headers are most of each source's compile); [] where
+    it cannot be made. A header gcc finds unusable is parsed as text instead, so this only saves time."""
+    from torch.utils import cpp_extension
+
+    header = build_dir / "tm_prelude.h"
+    if any(c.isspace() for c in str(header)):
+        return []  # the flag goes into a ninja command line unquoted
+    header.write_text("".join(f"#include <{name}>\n" for name in PRELUDE))
+    system = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
+    command = [
+        *shlex.split(os.environ.get("CXX", "c++")),
+        *(f"-D{macro}" for macro in (f"TORCH_EXTENSION_NAME={LIBRARY}", "TORCH_API_INCLUDE_EXTENSION_H")),
+        f"-I{csrc}",
+        *(f"-isystem{path}" for path in system),
+        "-fPIC",
+        "-std=c++20",
+        *compile_flags(),
+        "-x",
+        "c++-header",
+        str(header),
+        "-o",
+        f"{header}.gch",
+    ]
+    try:
+        subprocess.run(command, capture_output=True, timeout=300, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.info("start-up: no precompiled header for the kernels' build (%s); building without", exc)
+        return []
+    return ["-include", str(header)]
