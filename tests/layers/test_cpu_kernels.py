@@ -108,6 +108,34 @@ def test_a_failed_build_is_logged_and_auto_falls_back_to_the_reference(tmp_path,
         get_attention_backend("cpu")
 
 
+def test_a_build_a_killed_process_left_locked_is_redone_and_a_waiter_loads_the_result(tmp_path, monkeypatch):
+    """cpp_extension's lock file, left by a build killed midway, would make every later build wait for
+    ever: under the folder's own lock nobody else builds, so it goes. A process that waited for another's
+    build loads that library instead of building again."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpu_build, "_ops_loaded", lambda: False)
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_prelude_flags", lambda csrc, build_dir: [])
+    csrc = Path(cpu_build.__file__).with_name("csrc")
+    build_dir = cpu_build.cache_root() / build_key(csrc)
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").write_text("")  # the killed build's
+    built, loaded = [], []
+
+    def fake_load(**kwargs):
+        assert not (build_dir / "lock").exists()
+        (build_dir / f"{cpu_build.LIBRARY}.so").write_bytes(b"")
+        built.append(kwargs["build_directory"])
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    assert load_cpu_kernels() is not None
+    assert built == [str(build_dir)] and loaded == []  # (cpp_extension.load loads what it built)
+    cpu_build._build(csrc, build_dir)  # as a process that waited on the folder's lock
+    assert built == [str(build_dir)] and loaded == [str(build_dir / f"{cpu_build.LIBRARY}.so")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_layer_ops_equal_the_torch_reference(dtype):
     ref, cpu = get_layer_ops("torch"), get_layer_ops("cpu")

@@ -4,7 +4,8 @@ The kernels are compiled for the CPU at hand (`-march=native`, OpenMP through to
 into a cache folder keyed by everything the binary depends on: the CPU's instruction-set flags, the
 compiler, torch's version, the flags and the sources. A build made on a CPU with other instructions
 (AVX-512 on one machine, AVX2 only on the next) is never loaded; that CPU gets its own build, once
-(a compile on first use; later starts load it from the cache). The ops register under `torch.ops.tokenmill_cpu`.
+(a compile on first use, one process at a time, the torch headers every source includes parsed once
+into a precompiled header; later starts load it from the cache). The ops register under `torch.ops.tokenmill_cpu`.
 
 If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why once
 per call and returns None; callers then run the torch reference ops. The cache lives in
@@ -19,6 +20,7 @@ and `ONEDNN_MAX_CPU_ISA`, read before torch starts.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -170,7 +172,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         library = build_dir / f"{LIBRARY}.so"
         if library.exists() and not (build_dir / "lock").exists():  # built, and no other process building
             torch.ops.load_library(str(library))
-        else:  # cpp_extension holds the build folder's lock while it builds (another process waits)
+        else:
             _build(csrc, build_dir)
         return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
     except Exception as exc:  # any failure means: run the reference ops, and say so
@@ -217,26 +219,36 @@ def choose(field: str, choices: Mapping[str, Callable[[], T]], name: str) -> T:
 
 
 def _build(csrc: Path, build_dir: Path) -> None:
+    """Builds and loads the library, one process at a time: a process that waited for another's build
+    loads what it built. A lock file cpp_extension left behind (a build killed midway) is removed, since
+    no other process can be building while this one holds the folder."""
     from torch.utils import cpp_extension
 
-    logger.info("start-up: building the native CPU kernels for this CPU into %s (once) ...", build_dir)
-    start = time.perf_counter()
-    # ninja from this environment's bin folder (the `ninja` package) when it is not on PATH already
-    env_bin = str(Path(sys.executable).parent)
-    if env_bin not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(
-        name=LIBRARY,
-        sources=[str(csrc / name) for name in SOURCES],
-        extra_cflags=list(compile_flags()) + _prelude_flags(csrc, build_dir),
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(csrc)],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
-    (build_dir / "tm_prelude.h.gch").unlink(missing_ok=True)  # hundreds of MB, needed only while building
-    logger.info("start-up: native CPU kernels built: %.1f s", time.perf_counter() - start)
+    library = build_dir / f"{LIBRARY}.so"
+    with open(build_dir / "build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if library.exists():
+            torch.ops.load_library(str(library))
+            return
+        (build_dir / "lock").unlink(missing_ok=True)
+        logger.info("start-up: building the native CPU kernels for this CPU into %s (once) ...", build_dir)
+        start = time.perf_counter()
+        # ninja from this environment's bin folder (the `ninja` package) when it is not on PATH already
+        env_bin = str(Path(sys.executable).parent)
+        if env_bin not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
+        cpp_extension.load(
+            name=LIBRARY,
+            sources=[str(csrc / name) for name in SOURCES],
+            extra_cflags=list(compile_flags()) + _prelude_flags(csrc, build_dir),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(csrc)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        (build_dir / "tm_prelude.h.gch").unlink(missing_ok=True)  # hundreds of MB, needed only while building
+        logger.info("start-up: native CPU kernels built: %.1f s", time.perf_counter() - start)
 
 
 def _prelude_flags(csrc: Path, build_dir: Path) -> list[str]:
