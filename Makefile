@@ -7,10 +7,17 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: install test test-all lint format serve compat bench bench-forward bench-decode bench-engine bench-prefix bench-serve bench-quant bench-peers clean
 
+# The native CPU kernels (tokenmill/kernels/csrc) need only torch and ninja to build: they compile for this
+# CPU while pip installs the rest (their log: .venv/kernels-build.log); a build that fails here is retried,
+# and logged, on first use.
+BUILD_KERNELS := import logging; logging.basicConfig(level=logging.INFO); \
+	from tokenmill.kernels.cpu_build import load_cpu_kernels; load_cpu_kernels()
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet torch==2.13.0 "ninja>=1.11,<1.14"
+	PYTHONPATH=. $(BIN)/python -c "$(BUILD_KERNELS)" \
+		> $(VENV)/kernels-build.log 2>&1 & \
+	$(BIN)/pip install --quiet -e ".[dev]"; installed=$$?; wait; exit $$installed
 	touch $(STAMP)
 
 install: $(STAMP)
