@@ -177,11 +177,12 @@ class EngineConfig:
         "always mode): fewer TLB misses as a step streams them",
     )
     decode_steps: int = setting(
-        1,
+        4,
         "most decode steps in a row one engine step may run for greedy requests (each feeding the token it "
         "sampled to the next), while no request waits and while such a run stays under 20 ms: the scheduler "
         "and the outputs' bookkeeping once a run, not once a token (small models at few requests: "
-        "docs/offline-api.md); tokens then stream a run at a time; 1: a step a token",
+        "docs/offline-api.md); tokens then stream a run at a time (a model whose forward takes 20 ms runs a "
+        "forward a step anyway); 1: a step a token",
         minimum=1,
     )
     fused_decode: bool = setting(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import random
 import re
@@ -278,6 +279,28 @@ def test_the_step_log_sees_every_step_and_calibration_rescales_the_cost_model(en
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.running == 0
 
 
+def test_a_run_of_decode_forwards_is_logged_as_the_forwards_a_step_a_forward_would_run(tiny_model_dir):
+    """With `decode_steps` 4 the engine runs fewer steps; the log holds the same forwards (chunks) as with
+    1, each a share of its run's time; the probe and the stall time forwards with runs on or off."""
+    prompts = random_prompts(3, 20, 40, seed=7)
+    logged = {}
+    for runs in (1, 4):
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(str(tiny_model_dir("llama")), dtype="float32", max_num_seqs=4, decode_steps=runs)
+        )
+        calls = []
+        log = StepLog(engine, heartbeat=lambda calls=calls: calls.append(1))
+        run_offline(engine, workload(prompts, [10] * 3), "logged")
+        log.close()
+        logged[runs] = ([(s.chunks, s.decoding) for s in log.steps], len(calls))
+        assert all(s.seconds > 0 for s in log.steps)
+        with step_cost.forward_a_step(engine):
+            assert engine.core.scheduler.config.decode_steps == 1
+        assert engine.core.scheduler.config.decode_steps == runs  # (given back after)
+    assert logged[4][0] == logged[1][0]
+    assert logged[4][1] < logged[1][1]  # fewer engine steps
+
+
 def test_a_heartbeat_says_where_a_long_phase_is_at_most_that_often():
     now = [0.0]
     said: list[str] = []
@@ -307,9 +330,10 @@ def test_the_probe_and_the_calibration_say_where_they_are_within_a_phase(engine,
     assert counts == sorted(counts) and len(set(counts)) == len(counts)
     said.clear()
     calibrate(engine, workload(random_prompts(4, 20, 40, seed=3), [6] * 4), cost, None, progress=said.append)
-    runs = [line for line in said if re.fullmatch(r"calibrating \(\d+ s\): \d+ steps run", line)]
+    runs = [line for line in said if re.fullmatch(r"calibrating \(\d+ s\): \d+ forwards run", line)]
     assert said[0].startswith("calibrating: the trace's first 4 requests") and said[-1].startswith("calibrated on ")
-    assert runs and [int(r.split(": ")[1].split()[0]) for r in runs] == list(range(1, len(runs) + 1))
+    counts = [int(r.split(": ")[1].split()[0]) for r in runs]  # (a step of a run of decodes: its forwards)
+    assert runs and counts[0] == 1 and all(a < b for a, b in itertools.pairwise(counts))
 
 
 def test_a_clean_trace_gets_nothing_new(engine):

@@ -127,7 +127,7 @@ def test_each_flag_sets_its_field():
         "greedy_head": "logits",
         "linear_backend": "torch",
         "cpu_huge_pages": False,
-        "decode_steps": 4,
+        "decode_steps": 2,
         "fused_decode": False,
         "kv_cache_dtype": "int8",
         "grammar_compile_timeout": 2.5,

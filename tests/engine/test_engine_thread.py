@@ -62,7 +62,9 @@ def test_final_only_requests_are_handed_over_when_done_streamed_ones_every_step(
     from tokenmill.outputs import OutputKind
 
     monkeypatch.setattr(core_loop, "OUTPUT_INTERVAL_S", 60.0)  # only urgency hands steps over
-    config = EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=64, kv_cache_memory=16 * 24576)
+    config = EngineConfig(  # (a forward a step: decode runs would hand several tokens over a step)
+        model=str(tiny_model_dir("llama")), max_model_len=64, kv_cache_memory=16 * 24576, decode_steps=1
+    )
     server = build_server(config)
     engine = server.engine
     handed: list[int] = []

@@ -41,7 +41,9 @@ class LoggedStep:
 
 
 class StepLog:
-    """Every step `engine` runs from now on, as a `LoggedStep`: its `schedule` and `step` wrapped."""
+    """Every step `engine` runs from now on, as a `LoggedStep`: its `schedule` and `step` wrapped. A step
+    that ran several decode forwards in a row (`--decode-steps`) is logged as that many steps of its time
+    shared out, so calibration sees what the run saves against the probe's step a forward."""
 
     def __init__(self, engine: LLMEngine, heartbeat: Callable[[], None] | None = None) -> None:
         """`heartbeat`: called after each step (the calibration's progress)."""
@@ -60,7 +62,11 @@ class StepLog:
             outputs = step()
             seconds = time.perf_counter() - start
             if pending and pending[-1][0]:
-                self.steps.append(LoggedStep(*pending[-1], seconds, self._after()))
+                chunks, decoding = pending[-1]
+                forwards = engine.last_step.decode_steps  # (a run: decodes only, each a token a forward)
+                for i in range(forwards):  # a run as the simulator steps it: a forward a step
+                    ahead = [(q, s + i) for q, s in chunks]
+                    self.steps.append(LoggedStep(ahead, decoding, seconds / forwards, self._after()))
             pending.clear()
             if heartbeat is not None:
                 heartbeat()
@@ -141,7 +147,7 @@ def run_head(
 
     def beat() -> None:
         if pulse is not None:
-            pulse.beat(lambda: f"calibrating ({time.perf_counter() - start:.0f} s): {len(log.steps)} steps run")
+            pulse.beat(lambda: f"calibrating ({time.perf_counter() - start:.0f} s): {len(log.steps)} forwards run")
 
     log = StepLog(engine, beat)
     try:

@@ -149,8 +149,9 @@ def _doctor(args: argparse.Namespace) -> int:
         input_len=parse_range(args.input_len, "--input-len"),
         output_len=parse_range(args.output_len, "--output-len"),
     )
-    # (its step costs are a forward a step: the simulator's unit; several decode steps a run would hide it)
-    config = dataclasses.replace(engine_config(args), decode_steps=1)
+    # the engine as configured: the probe times a forward a step (the simulator's unit) with decode runs off,
+    # and calibration on the trace sees what the runs save
+    config = engine_config(args)
     engine = LLMEngine(config)
     start = time.perf_counter()
     vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)

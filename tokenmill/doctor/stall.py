@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenmill.doctor.step_cost import Prober, fit_context
+from tokenmill.doctor.step_cost import Prober, fit_context, forward_a_step
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
@@ -44,8 +44,15 @@ def measure_stall(
     engine: LLMEngine, prompt_lens: Sequence[int], batch: int, share: float, context: int, steps: int = 48
 ) -> StallMeasurement | None:
     """`batch` requests decoding at `context` tokens, `steps` steps of decodes only, then `steps` with a
-    prompt of the trace's next length (`prompt_lens`, cycled) arriving before `share` of them; None
-    where they never all decode in one step (a cache too small for them)."""
+    prompt of the trace's next length (`prompt_lens`, cycled) arriving before `share` of them, a forward
+    a step; None where they never all decode in one step (a cache too small for them)."""
+    with forward_a_step(engine):
+        return _measure(engine, prompt_lens, batch, share, context, steps)
+
+
+def _measure(
+    engine: LLMEngine, prompt_lens: Sequence[int], batch: int, share: float, context: int, steps: int
+) -> StallMeasurement | None:
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the stall is measured on an idle engine")
     config = engine.config

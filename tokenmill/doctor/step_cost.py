@@ -33,11 +33,13 @@ machine meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -244,14 +246,28 @@ class Prober:
         return steps
 
     def decode(self, batch: int, context: int, budget: int, repeats: int) -> float:
-        """Median step time of `batch` requests all decoding at about `context` tokens (nan if no step
+        """Median forward time (runs off) of `batch` requests all decoding at about `context` tokens (nan if no step
         had them all decoding); their prompts take several steps when they exceed the `budget`, so each
         generates long enough that all decode at once."""
         prompt_steps = -(-batch * context // budget)
         for _ in range(batch):
             self.add(context, prompt_steps + 2 + 2 * repeats)
-        times = [s for s, running, tokens in self.drain() if running == batch and tokens == batch]
+        with forward_a_step(self.engine):
+            times = [s for s, running, tokens in self.drain() if running == batch and tokens == batch]
         return statistics.median(times) if times else float("nan")
+
+
+@contextmanager
+def forward_a_step(engine: LLMEngine) -> Iterator[None]:
+    """`engine`'s scheduler grants no decode runs (`decode_steps` 1) within the block: what the probe and
+    the stall time is a forward a step, the simulator's unit (a run's saving shows in calibration)."""
+    scheduler = engine.core.scheduler
+    granted = scheduler.config
+    scheduler.config = dataclasses.replace(granted, decode_steps=1)
+    try:
+        yield
+    finally:
+        scheduler.config = granted
 
 
 def probe(
@@ -261,9 +277,16 @@ def probe(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> StepCost:
-    """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random);
-    `progress` is told each phase as it starts, the steps timed every HEARTBEAT_S seconds within one,
-    and the end."""
+    """Measure the curves on `engine` (idle; prefix caching does not matter: the prompts are random), a
+    forward a step; `progress` is told each phase as it starts, the steps timed every HEARTBEAT_S
+    seconds within one, and the end."""
+    with forward_a_step(engine):
+        return _probe(engine, repeats, long_context, seed, progress)
+
+
+def _probe(
+    engine: LLMEngine, repeats: int, long_context: int, seed: int, progress: Callable[[str], None] | None
+) -> StepCost:
     if engine.has_unfinished_requests():
         raise ValueError("engine: busy; the step-cost probe needs an idle engine")
     t0 = time.perf_counter()
