@@ -4,10 +4,14 @@ One engine, greedy requests of 128 prompt and 128 new tokens (EOS ignored), all 
 each batch size; each repeat runs the batch once with `decode_steps` 1 and once with N (the scheduler's
 setting switched between runs, the same engine and weights), alternating which goes first. Reports
 output tokens/s (prefill included), the ratio N / 1 per repeat (median and spread), and whether both
-gave the same tokens. Model: the peer model by default (`benchmarks/.models/small-llama`), or `--model`.
+gave the same tokens. Model: the peer model by default (`benchmarks/.models/small-llama`), or `--model`
+(a folder or a GGUF file).
 
-Usage: python benchmarks/decode_steps.py [--model DIR] [--dtype bfloat16] [--steps 4] [--batches 1,4,16]
-       [--repeats 5] [--out results/decode_steps.json]
+`--against loop`: both sides run N in a row; the base steps through them forward by forward in Python
+(the model's `greedy_run` declined), the other in the one native call (decode_layer.cpp's `decode_run`).
+
+Usage: python benchmarks/decode_steps.py [--model DIR|FILE] [--dtype bfloat16] [--steps 4] [--batches 1,4,16]
+       [--repeats 5] [--against single|loop] [--out results/decode_steps.json]
 """
 
 from __future__ import annotations
@@ -40,13 +44,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--against", choices=("single", "loop"), default="single")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_steps.json")
     args = parser.parse_args()
     model = args.model or str(ensure_model())
     llm = LLM(model, dtype=args.dtype, enable_prefix_caching=False, decode_steps=args.steps)
-    scheduler = llm.engine.core.scheduler
+    scheduler, net = llm.engine.core.scheduler, llm.engine.core.worker.runner.model
+    native = net.greedy_run
+
+    def use(side: int) -> None:  # 1: the base (a step a token, or forward by forward), else the runs / the call
+        if args.against == "single":
+            scheduler.config = dataclasses.replace(scheduler.config, decode_steps=side)
+        else:
+            net.greedy_run = native if side != 1 else (lambda *a, **k: None)
+
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     rows = []
+    base, other = ("a step a token", f"{args.steps} in a row") if args.against == "single" else ("loop", "native")
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[100 + i + j for j in range(128)] for i in range(batch)]
         rates: dict[int, list[float]] = {1: [], args.steps: []}
@@ -55,7 +69,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             order = (1, args.steps) if repeat % 2 == 0 else (args.steps, 1)
             for steps in order:
-                scheduler.config = dataclasses.replace(scheduler.config, decode_steps=steps)
+                use(steps)
                 rate, tokens[steps] = timed(llm, prompts, params)
                 rates[steps].append(rate)
         ratios = [n / one for n, one in zip(rates[args.steps], rates[1], strict=True)]
@@ -70,7 +84,7 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"batch {batch:3}: a step a token {statistics.median(rates[1]):7.1f} tok/s, {args.steps} in a row "
+            f"batch {batch:3}: {base} {statistics.median(rates[1]):7.1f} tok/s, {other} "
             f"{statistics.median(rates[args.steps]):7.1f}: {row['ratio']['median']:.3f}x "
             f"[{row['ratio']['min']:.3f}-{row['ratio']['max']:.3f}], same tokens: {row['same_tokens']}"
         )
@@ -78,6 +92,7 @@ def main() -> None:
         "model": model,
         "dtype": args.dtype,
         "steps": args.steps,
+        "against": args.against,
         "repeats": args.repeats,
         "workload": "greedy, 128 prompt + 128 new tokens, the batch added at once",
         "cpu": platform.processor() or platform.machine(),

@@ -5,11 +5,15 @@ run's length kept within its time, and no leaked KV blocks."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from tests.gguf_files import q4_k_m_types, write_gguf
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine_args import DEMO_MODEL
 from tokenmill.outputs import ScheduledChunk
+from tokenmill.quant.gguf_method import GGUFEmbedding
 from tokenmill.runner.multi_step import MultiStepDecode
 
 
@@ -90,6 +94,34 @@ def test_runs_give_the_tokens_of_single_steps_and_end_at_each_length(tiny_model_
     assert max(k for _, k in multi_steps) == 4 and len(multi_steps) < len(single_steps)
     # the runs went through the model's one native call where its layers are fused, else forward by forward
     assert (max(native, default=0) == 4) == fused_decode
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("gguf-runs")
+    return {
+        "Q8_0": write_gguf(DEMO_MODEL, folder / "demo-q8_0.gguf", "Q8_0"),
+        "Q4_1": write_gguf(DEMO_MODEL, folder / "demo-q4_1.gguf", "Q4_1"),
+        "q4_k_m": write_gguf(DEMO_MODEL, folder / "demo-q4_k_m.gguf", q4_k_m_types("Q4_K", tied=True)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "repack"), [("Q8_0", "file"), ("Q8_0", "x16"), ("Q4_1", "x16"), ("q4_k_m", "file"), ("q4_k_m", "x16")]
+)
+def test_a_gguf_files_table_runs_in_the_one_native_call(gguf_files, name, repack):
+    """A table kept in the file's blocks (tied to the head, as SmolLM2's Q4_1 file that `make serve` serves):
+    the run's embeddings dequantized in the native call give the tokens a step a token gives."""
+    path, kept = str(gguf_files[name]), {"gguf_layout": "blocks", "gguf_repack": repack}
+    ps, params = prompts(3, seed=2), [greedy(n) for n in (11, 6, 14)]
+    single, _ = run(LLM(path, max_model_len=128, decode_steps=1, **kept), ps, params)
+    llm = LLM(path, max_model_len=128, decode_steps=4, **kept)
+    llm.engine.core.worker.runner.multi_step.run_seconds = 60.0
+    assert isinstance(llm.engine.core.worker.runner.model.embed_tokens, GGUFEmbedding)
+    native = counting_native_runs(llm)
+    multi, _ = run(llm, ps, params)
+    assert multi == single
+    assert max(native, default=0) == 4
 
 
 def test_a_stop_token_mid_run_ends_its_request_there(llama):

@@ -40,9 +40,10 @@ class DecoderStack(Protocol):
 
 @dataclass(frozen=True)
 class GreedyTail:
-    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table [V, hidden], the
-    final norm's weight, the output projection as decode_layer.cpp takes it ((weight, scales, wsums,
-    group), bias, its kernel at the run's rows, its width) and the rotary tables."""
+    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table (dense [V, hidden],
+    or a GGUF file's blocks [V, row bytes] of GGML type `embed_type`, -1 for dense), the final norm's
+    weight, the output projection as decode_layer.cpp takes it ((weight, scales, wsums, group), bias, its
+    kernel at the run's rows, its width) and the rotary tables."""
 
     embed: torch.Tensor
     norm: torch.Tensor
@@ -52,6 +53,7 @@ class GreedyTail:
     vocab: int
     cos: torch.Tensor
     sin: torch.Tensor
+    embed_type: int = -1
 
 
 class FusedDecode:
@@ -131,10 +133,10 @@ class FusedDecode:
         return cast(
             torch.Tensor,
             self._run(
-                ids, starts, tail.embed, tail.norm, weight, tail.bias, scales, wsums, group, tail.kind, tail.vocab,
-                steps, self._norms, self._weights, self._biases, self._scales, self._wsums, cache_tensors,
-                cache_scales, self._eps, kinds, self._groups, self._out_features, heads, kv_heads, head_dim,
-                tail.cos, tail.sin, block_tables, block_size, self._scale, self._windows,
+                ids, starts, tail.embed, tail.embed_type, tail.norm, weight, tail.bias, scales, wsums, group,
+                tail.kind, tail.vocab, steps, self._norms, self._weights, self._biases, self._scales, self._wsums,
+                cache_tensors, cache_scales, self._eps, kinds, self._groups, self._out_features, heads, kv_heads,
+                head_dim, tail.cos, tail.sin, block_tables, block_size, self._scale, self._windows,
             ),
         )  # fmt: skip
 

@@ -26,7 +26,7 @@ from tokenmill.layers.ops import LayerOps, TorchOps
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.quant.config import QuantConfig
-from tokenmill.quant.gguf_method import GGUFEmbedding, held_matrices
+from tokenmill.quant.gguf_method import NATIVE_DTYPES, GGUFEmbedding, held_matrices
 from tokenmill.quant.int_methods import HeadRows, QuantizedLinearMethod
 from tokenmill.quant.method import ShardId, UnquantizedLinearMethod
 
@@ -312,28 +312,39 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:  # [B, steps] int64, -1 where a logit was NaN
         """`steps` greedy decode steps of B sequences in one native call (`FusedDecode.run`), each step
         computed as `forward`, `compute_logits` and an argmax compute it; None where that call does not
-        apply (no fused layers at B rows, an embedding that is not a dense table, a head the fused layers
-        do not chain): the caller steps through `forward` then."""
+        apply (no fused layers at B rows, an embedding that is neither a dense table nor a GGUF file's
+        blocks in a native dtype, a head the fused layers do not chain): the caller steps through
+        `forward` then."""
         fused, rows = self.fused_decode, ids.shape[0]
         kinds = fused.kinds(rows) if fused is not None else None
-        tail = self._greedy_tail(rows) if kinds is not None and isinstance(self.embed_tokens, nn.Embedding) else None
+        tail = self._greedy_tail(rows) if kinds is not None else None
         if fused is None or kinds is None or tail is None:
             return None
         return fused.run(ids, starts, tail, kv_caches, block_tables, block_size, steps, kinds)
 
     def _greedy_tail(self, rows: int) -> GreedyTail | None:
-        """The embedding, final norm, head and rotary tables as `FusedDecode.run` takes them."""
-        table = cast(torch.Tensor, self.embed_tokens.weight)
-        if self.head_from_table:  # (a tied table: the dense method's product, as compute_logits runs it)
+        """The embedding, final norm, head and rotary tables as `FusedDecode.run` takes them (None: a part
+        the native call does not take)."""
+        embed = self.embed_tokens
+        if isinstance(embed, nn.Embedding):
+            table, embed_type = embed.weight, -1
+        elif isinstance(embed, GGUFEmbedding) and embed.matrix is not None and embed.dtype in NATIVE_DTYPES:
+            table, embed_type = embed.matrix.data, embed.matrix.type_number  # (its rows dequantized each step)
+        else:
+            return None
+        if self.head_from_table and embed_type < 0:  # (a tied table: the dense method's product, as compute_logits)
             method, layer = self.dense, cast(LinearBase, _TableAsLayer(table))
             head, bias, vocab = (table, None, None, table.shape[1]), None, table.shape[0]
-        else:
+        elif not self.head_from_table:
             method, layer = self.lm_head.linear_method, self.lm_head
             head, bias, vocab = method.fused_tensors(layer), self.lm_head.bias, self.lm_head.output_size
+        else:
+            return None
         kind = method.fused_kind(layer, rows) if method.fusable(layer) else None
         if kind is None:
             return None
-        return GreedyTail(table, self.norm.weight, head, bias, kind, vocab, self.rotary.cos, self.rotary.sin)
+        rope = (self.rotary.cos, self.rotary.sin)
+        return GreedyTail(table, self.norm.weight, head, bias, kind, vocab, *rope, embed_type=embed_type)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64
         """Each row's argmax token without materializing [N, vocab] logits: the output projection in

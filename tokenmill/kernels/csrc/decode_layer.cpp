@@ -216,12 +216,14 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 // `steps` greedy decode steps in a row of B sequences (runner/multi_step.py), each step as the modules run
 // it: the embedding rows of the step's tokens, the layers, the final norm (with the residual add), the
 // output projection (`head`: its kernel `head_kind`), float32 logits and their argmax (argmax_rows); the
-// argmax is the next step's token. ids [B] int64: each sequence's first token; starts [B] int64: its
+// argmax is the next step's token. `embed`: a dense table [V, hidden] (embed_type -1), or a GGUF file's
+// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized). ids [B] int64: each sequence's first token; starts [B] int64: its
 // position; block_tables [B, W] int32: each sequence's blocks, covering starts + steps tokens. Writes
 // each step's K and V into the caches. Returns tokens [B, steps] int64, -1 where a row's logit at its
 // argmax was NaN (its later tokens follow from a NaN: the caller fails the request).
 at::Tensor decode_run(
-    const at::Tensor& ids, const at::Tensor& starts, const at::Tensor& embed, const at::Tensor& final_norm,
+    const at::Tensor& ids, const at::Tensor& starts, const at::Tensor& embed, int64_t embed_type,
+    const at::Tensor& final_norm,
     const at::Tensor& head, const c10::optional<at::Tensor>& head_bias, const c10::optional<at::Tensor>& head_scales,
     const c10::optional<at::Tensor>& head_wsums, int64_t head_group, int64_t head_kind, int64_t head_out, int64_t steps,
     at::TensorList norms, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
@@ -259,8 +261,14 @@ at::Tensor decode_run(
       slot[b] = static_cast<int64_t>(table[b * width + p / block_size]) * block_size + p % block_size;
       length[b] = static_cast<int32_t>(p + 1);
     }
-    auto [out, residual] = run_layers(embed.index_select(0, input), st,
-                                      {positions, slots, block_tables, seq_lens, query_starts, query_lens});
+    at::Tensor x;  // [B, hidden]: this step's embeddings
+    if (embed_type < 0) {
+      x = embed.index_select(0, input);
+    } else {
+      x = at::empty({batch, final_norm.size(0)}, final_norm.options());
+      tokenmill::gguf_dequant(x, embed, embed_type, input, 0);
+    }
+    auto [out, residual] = run_layers(x, st, {positions, slots, block_tables, seq_lens, query_starts, query_lens});
     // out = norm(out + residual), as the model's norm.add (the Llama family's norms share one epsilon)
     tokenmill::add_rms_norm(out, residual, final_norm, eps);
     const at::Tensor logits = project(out, head_proj).to(at::kFloat).contiguous();  // [B, vocab]
@@ -288,7 +296,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       "float scale, int?[] windows) -> (Tensor, Tensor)");
   m.impl("decode_stack", c10::DispatchKey::CPU, &decode_stack);
   m.def(
-      "decode_run(Tensor ids, Tensor starts, Tensor embed, Tensor final_norm, Tensor head, Tensor? head_bias, "
+      "decode_run(Tensor ids, Tensor starts, Tensor embed, int embed_type, Tensor final_norm, Tensor head, Tensor? head_bias, "
       "Tensor? head_scales, Tensor? head_wsums, int head_group, int head_kind, int head_out, int steps, Tensor[] norms, "
       "Tensor[] weights, Tensor?[] biases, Tensor?[] scales, Tensor?[] wsums, Tensor(b!)[] caches, "
       "Tensor?[] cache_scales, float eps, int[] kinds, int[] groups, int[] out_features, int num_heads, "

@@ -34,5 +34,7 @@ void linear_int4(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 void linear_w8a8(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                  const at::Tensor& wsums, const c10::optional<at::Tensor>& bias, int64_t mode);
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+void gguf_dequant(at::Tensor out, const at::Tensor& blocks, int64_t type, const c10::optional<at::Tensor>& ids,
+                  int64_t row0);
 
 }  // namespace tokenmill
