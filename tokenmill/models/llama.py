@@ -18,6 +18,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from tokenmill.kernels.cpu_build import NATIVE_DTYPES
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from tokenmill.layers.fused_decode import FusedDecode, GreedyTail
 from tokenmill.layers.linear import Linear, LinearBase, MergedLinear, weight_loader_of
@@ -26,7 +27,7 @@ from tokenmill.layers.ops import LayerOps, TorchOps
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.quant.config import QuantConfig
-from tokenmill.quant.gguf_method import NATIVE_DTYPES, GGUFEmbedding, held_matrices
+from tokenmill.quant.gguf_method import GGUFEmbedding, held_matrices
 from tokenmill.quant.int_methods import HeadRows, QuantizedLinearMethod
 from tokenmill.quant.method import ShardId, UnquantizedLinearMethod
 

@@ -338,7 +338,7 @@ class Scheduler:
             self.fail_request(request.request_id, describe("its KV blocks could not be allocated", e))
             return False
 
-    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None, steps: int = 1) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
         table = self.kv.block_table(request.request_id)
         sent, request.num_sent_blocks = request.num_sent_blocks, len(table)
@@ -351,7 +351,6 @@ class Scheduler:
             sample=start + num_new == len(request.prompt_token_ids) + len(request.output_token_ids),
             replace_block_table=sent == 0,
             num_draft_tokens=len(drafts) if drafts else 0,
-            num_steps=steps,
         )
 
     def _preempt(self, request: Request) -> None:

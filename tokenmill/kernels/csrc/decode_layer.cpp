@@ -217,9 +217,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
 // it: the embedding rows of the step's tokens, the layers, the final norm (with the residual add), the
 // output projection (`head`: its kernel `head_kind`), float32 logits and their argmax (argmax_rows); the
 // argmax is the next step's token. `embed`: a dense table [V, hidden] (embed_type -1), or a GGUF file's
-// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized). ids [B] int64: each sequence's first token; starts [B] int64: its
-// position; block_tables [B, W] int32: each sequence's blocks, covering starts + steps tokens. Writes
-// each step's K and V into the caches. Returns tokens [B, steps] int64, -1 where a row's logit at its
+// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized). ids [B]
+// int64: each sequence's first token; starts [B] int64: its position; block_tables [B, W] int32: each
+// sequence's blocks, covering starts + steps tokens. Writes each step's K and V into the caches. Returns tokens [B, steps] int64, -1 where a row's logit at its
 // argmax was NaN (its later tokens follow from a NaN: the caller fails the request).
 at::Tensor decode_run(
     const at::Tensor& ids, const at::Tensor& starts, const at::Tensor& embed, int64_t embed_type,
