@@ -17,8 +17,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, ray_cluster):
-    parallel = ParallelConfig.disaggregate("prefill=1,decode=1")
-    server = start_server(str(tiny_model_dir("llama")), blocks=32, parallel=parallel, cpu_threads=2)
+    parallel = ParallelConfig.disaggregate("prefill=1,decode=1")  # a step a token: as test_ray_replicas
+    server = start_server(str(tiny_model_dir("llama")), blocks=32, decode_steps=1, parallel=parallel, cpu_threads=2)
     yield server
     server.stop()
 

@@ -23,9 +23,10 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, ray_cluster):
-    server = start_server(
-        str(tiny_model_dir("llama")), blocks=32, parallel=ParallelConfig(2, "least_loaded"), cpu_threads=2
-    )
+    # A step a token: the kill tests need a 240-token request still decoding when the later requests
+    # arrive and when its replica dies; in runs of 4 the tiny model finishes it in well under a second.
+    parallel = ParallelConfig(2, "least_loaded")
+    server = start_server(str(tiny_model_dir("llama")), blocks=32, decode_steps=1, parallel=parallel, cpu_threads=2)
     yield server
     server.stop()
 
