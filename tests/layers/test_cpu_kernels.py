@@ -108,6 +108,26 @@ def test_a_failed_build_is_logged_and_auto_falls_back_to_the_reference(tmp_path,
         get_attention_backend("cpu")
 
 
+def test_a_failed_build_is_tried_once_a_process(tmp_path, monkeypatch, caplog):
+    """A build that failed (a compile error can take a minute to reach) is not started again by each
+    engine or layer that asks for the kernels; each still gets None and the reason in the log."""
+    monkeypatch.setattr(cpu_build, "_ops_loaded", lambda: False)
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    tries = []
+
+    def failing_build(csrc, build_dir):
+        tries.append(build_dir)
+        raise RuntimeError("Error building extension 'tokenmill_cpu'")
+
+    monkeypatch.setattr(cpu_build, "_build", failing_build)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        assert [load_cpu_kernels() for _ in range(3)] == [None, None, None]
+    assert len(tries) == 1
+    assert caplog.text.count("native CPU kernels unavailable (RuntimeError: Error building extension") == 3
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "elsewhere"))  # another folder: another try
+    assert load_cpu_kernels() is None and len(tries) == 2
+
+
 def test_a_build_a_killed_process_left_locked_is_redone_and_a_waiter_loads_the_result(tmp_path, monkeypatch):
     """cpp_extension's lock file, left by a build killed midway, would make every later build wait for
     ever: under the folder's own lock nobody else builds, so it goes. A process that waited for another's

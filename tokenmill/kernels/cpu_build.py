@@ -7,8 +7,8 @@ compiler, torch's version, the flags and the sources. A build made on a CPU with
 (a compile on first use, one process at a time, the torch headers every source includes parsed once
 into a precompiled header; later starts load it from the cache). The ops register under `torch.ops.tokenmill_cpu`.
 
-If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why once
-per call and returns None; callers then run the torch reference ops. The cache lives in
+If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why on each
+call and returns None (the build is tried once a process); callers then run the torch reference ops. The cache lives in
 `$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`).
 
 `TOKENMILL_MAX_ISA` caps the instructions tokenmill uses, as if the CPU had no more: `avx2` (x86-64-v3:
@@ -21,6 +21,7 @@ and `ONEDNN_MAX_CPU_ISA`, read before torch starts.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -161,25 +162,44 @@ def _ops_loaded() -> bool:
 
 
 def load_cpu_kernels() -> CpuKernels | None:
-    """The native CPU kernels for this CPU, built on first use; None (logged) when they cannot be built."""
+    """The native CPU kernels for this CPU, built on first use; None (logged) when they cannot be built.
+    A build that failed is not tried again by the same process (a compile can take a minute)."""
     csrc = Path(__file__).with_name("csrc")
     max_isa()  # a bad TOKENMILL_MAX_ISA is an error to see, not a reason to run the reference ops
     try:
         build_dir = cache_root() / build_key(csrc)
+    except Exception as exc:  # (no compiler to name in the key, say)
+        return _unavailable(f"{type(exc).__name__}: {exc}")
+    attempt = _load_once(csrc, build_dir)
+    return attempt.kernels if attempt.kernels is not None else _unavailable(attempt.error)
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """What one process's try at loading (or building) the library in a folder came to."""
+
+    kernels: CpuKernels | None
+    error: str  # why `kernels` is None ("" when it is not)
+
+
+@functools.cache
+def _load_once(csrc: Path, build_dir: Path) -> _Attempt:
+    try:
         if _ops_loaded():  # registered once per process; the registry is torch's, not ours
-            return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
+            return _Attempt(CpuKernels(getattr(torch.ops, LIBRARY), build_dir), "")
         build_dir.mkdir(parents=True, exist_ok=True)
         library = build_dir / f"{LIBRARY}.so"
         if library.exists() and not (build_dir / "lock").exists():  # built, and no other process building
             torch.ops.load_library(str(library))
         else:
             _build(csrc, build_dir)
-        return CpuKernels(getattr(torch.ops, LIBRARY), build_dir)
+        return _Attempt(CpuKernels(getattr(torch.ops, LIBRARY), build_dir), "")
     except Exception as exc:  # any failure means: run the reference ops, and say so
-        logger.warning(
-            "native CPU kernels unavailable (%s: %s); running the torch reference ops", type(exc).__name__, exc
-        )
-        return None
+        return _Attempt(None, f"{type(exc).__name__}: {exc}")
+
+
+def _unavailable(error: str) -> None:
+    logger.warning("native CPU kernels unavailable (%s); running the torch reference ops", error)
 
 
 def require_cpu_kernels(field: str) -> CpuKernels:
