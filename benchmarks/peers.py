@@ -16,11 +16,20 @@ float32 vs f32, bfloat16 vs f16, int8 vs q8_0, int4 vs q4_0, and a GGUF file ser
 (`tokenmill_gguf_TYPE`) against llama.cpp serving that same file (`cpp_TYPE`): the fairest pair.
 On the 55M model float32 and bfloat16 are also compared with vLLM and transformers.
 
+Interleaved repeats: `--passes N` (default 3) runs bench.sh N times with one repeat each (REPEATS=1
+unless given), the engines' order reversed every other pass (A B, B A, A B), so a drift in the
+machine's speed over the run lands on both sides of a pair. Each row's figure is the median over the
+passes [min-max]; each pair's ratio is the median of its per-pass ratios [min-max]. Before each pass
+`bandwidth.py` measures the machine's read bandwidth (`--no-bandwidth` skips it), so the figure a
+decode rate is compared with comes from the same run; it varies between processes on some virtual
+machines, so every pass's figure is kept.
+
 This script needs the peers built first (`PEERS_DIR=DIR bash ../shared/peers/setup.sh`, slow: it
 builds them); it runs bench.sh, reads its raw results, and writes one JSON with every row, the
-machine's CPU flags and the ratios.
+machine's CPU flags, the bandwidth figures and the ratios.
 
-Usage: python benchmarks/peers.py --peers-dir DIR [--model mid-llama] [--engines "..."] [--prefill] [--out FILE]
+Usage: python benchmarks/peers.py --peers-dir DIR [--model mid-llama] [--engines "..."] [--prefill]
+       [--passes 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,20 +83,39 @@ def medians(row: dict[str, Any], metric: str) -> dict[int, dict[str, float]]:
     return {c: {"median": statistics.median(v), "min": min(v), "max": max(v)} for c, v in sorted(by_conc.items())}
 
 
-def read_rows(results: Path) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    for line in results.read_text().splitlines():
-        r = json.loads(line)
-        rows[r["engine"]] = r  # the last try of a row counts, as in bench.sh's table
-    return rows
+def read_rows(results: list[Path]) -> list[dict[str, dict[str, Any]]]:
+    """Each pass's rows by engine (a row's last try counts, as in bench.sh's table)."""
+    passes = []
+    for path in results:
+        rows: dict[str, dict[str, Any]] = {}
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            rows[r["engine"]] = r
+        passes.append(rows)
+    return passes
 
 
-def run_bench(args: argparse.Namespace, peers: Path) -> Path:
-    """Run bench.sh with this run's settings; the path of the results it wrote."""
-    env = {**os.environ, "PEERS_DIR": str(peers), "ENGINES": args.engines, "TM_ARGS": args.tm_args}
+def merge_passes(passes: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One row an engine: its results from every pass, its ready times, noisy if any pass was."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rows in passes:
+        for name, r in rows.items():
+            row = merged.setdefault(name, {"results": [], "ready_s": [], "noisy": False, "rc": []})
+            row["results"] += r["results"]
+            row["ready_s"].append(r.get("ready_s"))
+            row["noisy"] = row["noisy"] or bool(r["noisy"])
+            row["rc"].append(r["rc"])
+    return merged
+
+
+def run_bench(args: argparse.Namespace, peers: Path, engines: str) -> Path:
+    """Run bench.sh with this run's settings over `engines`; the path of the results it wrote."""
+    env = {**os.environ, "PEERS_DIR": str(peers), "ENGINES": engines, "TM_ARGS": args.tm_args}
     env["MODEL"] = args.model
     env.setdefault("LOAD_EOS", "ignore_eos")
     env.setdefault("LOAD_EXTRA", NO_PROMPT_CACHE)
+    if args.passes > 1:
+        env.setdefault("REPEATS", "1")  # the passes are the repeats
     if args.prefill:
         env.update({k: v for k, v in PREFILL_ENV.items() if k not in os.environ})
     elif args.model != "tiny-llama":
@@ -101,17 +130,50 @@ def run_bench(args: argparse.Namespace, peers: Path) -> Path:
     return runs[-1] / "results.jsonl"
 
 
-def ratios_of(table: dict[str, dict[int, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Each tokenmill row's median over each of its peers' (peers_of), per concurrency."""
-    ratios: dict[str, dict[str, dict[str, float]]] = {}
-    for ours, stats in table.items():
-        peers = [p for p in peers_of(ours) if p in table]
+def bandwidth_gb_s() -> float:
+    """The machine's read bandwidth now (bandwidth.py in its own process, as each engine runs in its)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bandwidth.json"
+        script = Path(__file__).with_name("bandwidth.py")
+        subprocess.run([sys.executable, str(script), "--repeats", "5", "--out", str(out)], check=True)
+        return float(json.loads(out.read_text())["read_gb_s"])
+
+
+def run_passes(args: argparse.Namespace, peers: Path) -> tuple[list[Path], list[float]]:
+    """`args.passes` bench.sh runs, the engines' order reversed every other one; their results files and
+    the bandwidth measured before each."""
+    engines = args.engines.split()
+    results, bandwidth = [], []
+    for i in range(args.passes):
+        if args.bandwidth:
+            bandwidth.append(bandwidth_gb_s())
+        order = engines if i % 2 == 0 else engines[::-1]
+        print(f"[peers] pass {i + 1} of {args.passes}: {' '.join(order)}", flush=True)
+        results.append(run_bench(args, peers, " ".join(order)))
+    return results, bandwidth
+
+
+def ratios_of(passes: list[dict[str, dict[int, dict[str, float]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each tokenmill row over each of its peers (peers_of), per concurrency: the median of the per-pass
+    ratios [min-max] (a pass's figure is its median when bench.sh ran several repeats)."""
+    ratios: dict[str, dict[str, dict[str, Any]]] = {}
+    names = {n for table in passes for n in table}
+    for ours in sorted(names):
+        peers = [p for p in peers_of(ours) if p in names]
         if not ours.startswith("tokenmill_") or not peers:
             continue
-        ratios[ours] = {
-            f"c{c}": {f"vs_{p}": s["median"] / table[p][c]["median"] for p in peers if c in table[p]}
-            for c, s in stats.items()
-        }
+        entry: dict[str, dict[str, Any]] = {}
+        for p in peers:
+            for c in sorted({c for t in passes for c in t.get(ours, {})}):
+                each = [
+                    t[ours][c]["median"] / t[p][c]["median"]
+                    for t in passes
+                    if c in t.get(ours, {}) and c in t.get(p, {})
+                ]
+                if each:
+                    stats = {"median": statistics.median(each), "min": min(each), "max": max(each), "passes": each}
+                    entry.setdefault(f"c{c}", {})[f"vs_{p}"] = stats
+        ratios[ours] = entry
     return ratios
 
 
@@ -122,8 +184,8 @@ def print_table(table: dict[str, dict[int, dict[str, float]]], rows: dict[str, d
         cells = "".join(
             f"{t[c]['median']:>8.1f} [{t[c]['min']:.0f}-{t[c]['max']:.0f}]" if c in t else f"{'-':>18}" for c in concs
         )
-        ready = rows[name].get("ready_s")
-        print(f"{name:24}{cells}{ready if ready is not None else '-':>9}")
+        ready = [r for r in rows[name]["ready_s"] if r is not None]
+        print(f"{name:24}{cells}{statistics.median(ready) if ready else '-':>9}")
 
 
 def isa_cap(peers: Path) -> dict[str, object]:
@@ -146,16 +208,22 @@ def main() -> None:
     parser.add_argument("--engines", help=f"bench.sh rows (default: the 55M set, or for mid-llama {MID_ENGINES})")
     parser.add_argument("--tm-args", default="--no-enable-prefix-caching")
     parser.add_argument("--prefill", action="store_true", help="the prompt rate: one 1,024-token prompt at a time")
-    parser.add_argument("--results", help="read an earlier bench.sh run's results.jsonl instead of running one")
+    parser.add_argument("--passes", type=int, default=3, help="interleaved bench.sh runs (the repeats)")
+    parser.add_argument("--no-bandwidth", dest="bandwidth", action="store_false", help="skip bandwidth.py")
+    parser.add_argument("--results", nargs="+", help="read earlier bench.sh runs' results.jsonl instead (a pass each)")
     parser.add_argument("--out", help="JSON path (default: results/peers[_MODEL][_prefill].json)")
     args = parser.parse_args()
     args.engines = args.engines or (DEFAULT_ENGINES if args.model == "tiny-llama" else MID_ENGINES)
     peers = Path(args.peers_dir).resolve()
-    results = Path(args.results) if args.results else run_bench(args, peers)
-    rows = read_rows(results)
+    if args.results:
+        results, bandwidth = [Path(r) for r in args.results], []
+    else:
+        results, bandwidth = run_passes(args, peers)
+    passes = read_rows(results)
+    rows = merge_passes(passes)
     metric = "prompt_tok_per_s" if args.prefill else "out_tok_per_s"
     table = {name: medians(row, metric) for name, row in rows.items() if row["results"]}
-    ratios = ratios_of(table)
+    ratios = ratios_of([{n: medians(r, metric) for n, r in p.items() if r["results"]} for p in passes])
     flags = set(cpu_flags().split())
     name = "peers" + ("" if args.model == "tiny-llama" else f"_{args.model}") + ("_prefill" if args.prefill else "")
     out_path = Path(args.out) if args.out else RESULTS / f"{name}.json"
@@ -165,13 +233,18 @@ def main() -> None:
         "workload": "prefill: 8 prompts joined (1,024 tokens), 1 new token, c=1"
         if args.prefill
         else "16 prompts x 128 tokens, new tokens with EOS ignored, greedy; median of the repeats (bench.sh)",
+        "passes": len(results),
+        "repeats": "interleaved passes, the engines' order reversed every other one"
+        if len(results) > 1
+        else "bench.sh's",
+        "bandwidth_gb_s": bandwidth,
         "prompt_cache": "off for both (tokenmill --no-enable-prefix-caching, llama.cpp cache_prompt false)",
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "simd": [f for f in SIMD if f in flags],
         **isa_cap(peers),
         "tm_args": args.tm_args,
-        "results_file": str(results),
+        "results_files": [str(r) for r in results],
         "rows": {
             n: {metric: table[n], "ready_s": rows[n].get("ready_s"), "noisy": rows[n]["noisy"], "rc": rows[n]["rc"]}
             for n in table
@@ -183,7 +256,14 @@ def main() -> None:
     print_table(table, rows)
     for ours, entry in ratios.items():
         for c, vs in entry.items():
-            print(f"{ours} {c}: " + ", ".join(f"{r:.2f}x {k.removeprefix('vs_')}" for k, r in vs.items()))
+            print(
+                f"{ours} {c}: "
+                + ", ".join(
+                    f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}] {k.removeprefix('vs_')}" for k, r in vs.items()
+                )
+            )
+    if bandwidth:
+        print("read bandwidth before each pass, GB/s: " + ", ".join(f"{b:.1f}" for b in bandwidth))
     print(f"wrote {out_path}")
 
 
