@@ -14,6 +14,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine_args import DEMO_MODEL
 from tokenmill.outputs import ScheduledChunk
 from tokenmill.quant.gguf_method import GGUFEmbedding
+from tokenmill.quant.int_methods import HeadRows
 from tokenmill.runner.multi_step import MultiStepDecode
 
 
@@ -160,3 +161,23 @@ def test_a_run_stays_within_its_time_and_its_grant():
     assert policy.steps([chunk(4), chunk(3)]) == 2  # 2 fit
     policy.observe(1, 0.05)
     assert policy.steps([chunk(4)]) == 1  # a forward past the run's time: one at a time
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_tied_head_quantized_in_blocks_gives_the_runs_table(tiny_model_dir, quantization):
+    """`--quantization int8 / int4` on a tied model drops the table and reads its rows from the head
+    (HeadRows); where the head is kept in Q8_0 / Q4_1 blocks those blocks are the run's table in the
+    native call, with the tokens a step a token gives. Elsewhere (tokenmill's int formats) the run goes
+    forward by forward, with the same tokens."""
+    model = str(tiny_model_dir("llama", True))
+    kept = {"quantization": quantization, "gguf_layout": "blocks", "dtype": "float32"}
+    ps, params = prompts(3, seed=3), [greedy(n) for n in (9, 14, 5)]
+    single, _ = run(LLM(model, max_model_len=128, decode_steps=1, **kept), ps, params)
+    llm = LLM(model, max_model_len=128, decode_steps=4, **kept)
+    llm.engine.core.worker.runner.multi_step.run_seconds = 60.0
+    table = llm.engine.core.worker.runner.model.embed_tokens
+    assert isinstance(table, HeadRows)
+    native = counting_native_runs(llm)
+    multi, _ = run(llm, ps, params)
+    assert multi == single
+    assert (max(native, default=0) == 4) == (table.blocks() is not None)

@@ -331,6 +331,8 @@ class LlamaForCausalLM(nn.Module):
             table, embed_type = embed.weight, -1
         elif isinstance(embed, GGUFEmbedding) and embed.matrix is not None and embed.dtype in NATIVE_DTYPES:
             table, embed_type = embed.matrix.data, embed.matrix.type_number  # (its rows dequantized each step)
+        elif isinstance(embed, HeadRows) and (blocks := embed.blocks()) is not None and embed.dtype in NATIVE_DTYPES:
+            table, embed_type = blocks.data, blocks.type_number  # (the tied head's blocks: rows as above)
         else:
             return None
         if self.head_from_table and embed_type < 0:  # (a tied table: the dense method's product, as compute_logits)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.cpu_build import CpuKernels
+from tokenmill.quant.gguf_method import GGUFMatrix
 from tokenmill.quant.method import (
     FusedKind,
     Layer,
@@ -109,6 +110,12 @@ class HeadRows(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         head = self.head[0]
         return cast(QuantizedLinearMethod, head.linear_method).rows(head, ids, self.dtype)
+
+    def blocks(self) -> GGUFMatrix | None:
+        """The head's weights where they are GGUF blocks (int8 / int4 kept in Q8_0 / Q4_1 blocks,
+        quant/int_blocks.py), as the native decode run looks rows up in; None for the int formats."""
+        held = getattr(self.head[0], "quantized", None)
+        return held if isinstance(held, GGUFMatrix) else None
 
 
 class QuantizedLinearMethod(LinearMethod):
