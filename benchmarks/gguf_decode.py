@@ -22,7 +22,13 @@ turn, so the machine's other load falls on all alike. Reported: tok/s median [mi
 of the medians, the streaming read bandwidth (benchmarks/bandwidth.py, in the same run) and the GB/s
 tokenmill's c=1 decode reads (the file's tensor bytes a token). Writes benchmarks/results/gguf_decode.json.
 
+`--model DIR` measures a checkpoint folder instead, in bfloat16 and quantized at load (`--quantizations
+none,int8,int4`), each against llama.cpp on the peers' GGUF file of its precision (`DIR`'s name with
+-f16, -q8_0, -q4_0: bfloat16 against f16, int8 against q8_0, int4 against q4_0); the GB/s is the bytes
+a token reads as tokenmill holds them: every weight less the embedding table (a row of it a token).
+
 Usage: python benchmarks/gguf_decode.py [--gguf FILE ...] [--repeats 3] [--llama-bin DIR] [--layouts auto]
+       python benchmarks/gguf_decode.py --model DIR [--quantizations none,int8,int4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -43,9 +50,13 @@ FILES = [PEERS / "gguf" / f"mid-llama-{q}.gguf" for q in ("q4_k_m", "q4_0", "q8_
 PROMPT, NEW = 128, 33  # prompt tokens, new tokens a request (32 decode steps after the first token)
 
 
-def child(path: str, layout: str) -> None:
-    """(The tokenmill child) load `path` with `gguf_layout` `layout` (LAYOUT/REPACK: `gguf_repack` too),
-    then per stdin line `c`: one run of c requests, its decode rate as a JSON line on stdout."""
+PAIRED_FILE = {"none": "f16", "int8": "q8_0", "int4": "q4_0"}  # --model: llama.cpp's file for each
+
+
+def child(path: str, layout: str, quantization: str) -> None:
+    """(The tokenmill child) load `path` with `gguf_layout` `layout` (LAYOUT/REPACK: `gguf_repack` too)
+    and `quantization` (a folder: in bfloat16), then per stdin line `c`: one run of c requests, its
+    decode rate as a JSON line on stdout."""
     import random
 
     import torch
@@ -54,7 +65,8 @@ def child(path: str, layout: str) -> None:
     from tokenmill.outputs import OutputKind
 
     layout, _, repack = layout.partition("/")
-    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout, gguf_repack=repack or "auto")
+    folder = {"dtype": "bfloat16", "quantization": quantization} if Path(path).is_dir() else {}
+    llm = LLM(path, enable_prefix_caching=False, gguf_layout=layout, gguf_repack=repack or "auto", **folder)
     engine = llm.engine
     rng = random.Random(0)
     count = 0
@@ -78,7 +90,11 @@ def child(path: str, layout: str) -> None:
         return {"tok_s": tokens / seconds if seconds else 0.0, "decode_tokens": tokens}
 
     run(1, NEW)  # (warm-up: a whole c=1 run, so the first measured one finds every page and path warm)
-    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    model = engine.core.worker.runner.model
+    read = model.weight_bytes()  # bytes a token reads: every weight but the table's other rows
+    if isinstance(model.embed_tokens, torch.nn.Embedding):  # (a table in blocks: the file's bytes are used)
+        read -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads(), "read_bytes": read}), flush=True)
     for line in sys.stdin:
         print(json.dumps(run(int(line), NEW)), flush=True)
 
@@ -86,10 +102,10 @@ def child(path: str, layout: str) -> None:
 class Tokenmill:
     """The child process for one file."""
 
-    def __init__(self, path: Path, layout: str) -> None:
+    def __init__(self, path: Path, layout: str, quantization: str = "none") -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT.parent))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(path), "--layouts", layout],
+            [sys.executable, __file__, "--child", str(path), "--layouts", layout, "--quantizations", quantization],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         self.info = self._reply()
@@ -135,17 +151,45 @@ def summary(values: list[float]) -> dict[str, object]:
 def measure_file(
     path: Path, repeats: int, bin_dir: Path, threads: int, layouts: list[str], concs: tuple[int, ...] = (1, 8)
 ) -> dict[str, object]:
-    """Rates per repeat, keys `tokenmill_c{c}` (one layout) or `tokenmill_{layout}_c{c}` (several); the
-    ratios of the medians, and each repeat's own ratio (`ratios...`: the load shifts between repeats)."""
+    """A GGUF file served by both: one tokenmill child a layout (measure_pair)."""
     import gguf
 
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    sources = {lay: (path, lay, "none") for lay in layouts}
+    return measure_pair(path, sources, repeats, bin_dir, threads, concs, tensor_bytes)
+
+
+def measure_model(
+    folder: Path, quantization: str, repeats: int, bin_dir: Path, threads: int, concs: tuple[int, ...] = (1, 8)
+) -> dict[str, object]:
+    """A checkpoint folder in bfloat16, quantized at load by `quantization`, against llama.cpp on the
+    GGUF file of that precision (PAIRED_FILE)."""
+    paired = PEERS / "gguf" / f"{folder.name}-{PAIRED_FILE[quantization]}.gguf"
+    result = measure_pair(paired, {"auto": (folder, "auto", quantization)}, repeats, bin_dir, threads, concs, None)
+    return {**result, "model": str(folder), "quantization": quantization}
+
+
+def measure_pair(
+    path: Path,
+    sources: dict[str, tuple[Path, str, str]],
+    repeats: int,
+    bin_dir: Path,
+    threads: int,
+    concs: tuple[int, ...],
+    read_bytes: int | None,
+) -> dict[str, object]:
+    """llama.cpp on `path` against tokenmill children (`sources`: layout -> (what it loads, layout,
+    quantization)), interleaved. Rates per repeat, keys `tokenmill_c{c}` (one child) or
+    `tokenmill_{layout}_c{c}` (several); the ratios of the medians, and each repeat's own ratio
+    (`ratios...`: the load shifts between repeats). `read_bytes`: a token's bytes for the GB/s (None:
+    what the child says it holds)."""
+    layouts = list(sources)
     names = {lay: "tokenmill" if len(layouts) == 1 else f"tokenmill_{lay}" for lay in layouts}
     children: dict[str, Tokenmill] = {}
     rates: dict[str, list[float]] = {f"{n}_c{c}": [] for c in concs for n in [*names.values(), "llama"]}
     try:
-        for lay in layouts:
-            children[lay] = Tokenmill(path, lay)
+        for lay, source in sources.items():
+            children[lay] = Tokenmill(*source)
         for _ in range(repeats):
             for c in concs:
                 for lay, tm in children.items():
@@ -155,10 +199,12 @@ def measure_file(
     finally:
         for tm in children.values():
             tm.close()
+    first = next(iter(children.values())).info
+    read = read_bytes if read_bytes is not None else int(first["read_bytes"])  # type: ignore[call-overload]
     result: dict[str, object] = {
         "file": str(path),
-        "tensor_bytes": tensor_bytes,
-        "tokenmill_threads": next(iter(children.values())).info["threads"],
+        "tensor_bytes" if read_bytes is not None else "read_bytes": read,
+        "tokenmill_threads": first["threads"],
         "layouts": layouts,
         "concurrency": list(concs),
     }
@@ -171,7 +217,7 @@ def measure_file(
             result[f"ratio{suffix}_c{c}"] = statistics.median(ours) / statistics.median(peer)
             result[f"ratios{suffix}_c{c}"] = summary([a / b for a, b in zip(ours, peer, strict=True)])
         if 1 in concs:
-            result[f"{n}_c1_gb_s"] = statistics.median(rates[f"{n}_c1"]) * tensor_bytes / 1e9
+            result[f"{n}_c1_gb_s"] = statistics.median(rates[f"{n}_c1"]) * read / 1e9
     return result
 
 
@@ -187,11 +233,13 @@ def main() -> None:
         default="auto",
         help="gguf_layout values, one tokenmill child each (auto,blocks,int; auto/file: gguf_repack too)",
     )
+    ap.add_argument("--model", type=Path, help="a checkpoint folder instead of GGUF files (module docstring)")
+    ap.add_argument("--quantizations", default="none,int8,int4", help="with --model: each against its file")
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_decode.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.layouts)
+        return child(args.child, args.layouts, args.quantizations)
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -208,22 +256,28 @@ def main() -> None:
     files: list[dict[str, object]] = []
     report["files"] = files
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for path in args.gguf:  # (the report rewritten after each file)
-        concs = tuple(int(c) for c in args.concurrency.split(","))
-        files.append(measure_file(path, args.repeats, args.llama_bin, threads, args.layouts.split(","), concs))
+    concs = tuple(int(c) for c in args.concurrency.split(","))
+    if args.model:
+        runs = [partial(measure_model, args.model, q) for q in args.quantizations.split(",")]
+    else:
+        runs = [partial(measure_file, path, layouts=args.layouts.split(",")) for path in args.gguf]
+    for run in runs:  # (the report rewritten after each file)
+        files.append(run(repeats=args.repeats, bin_dir=args.llama_bin, threads=threads, concs=concs))
         report["uptime_after"] = _uptime()
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
     for f in report["files"]:  # type: ignore[union-attr]
-        name = Path(f["file"]).name
+        name = Path(f["file"]).name + (f" <- {f['quantization']}" if "quantization" in f else "")
         for c in f["concurrency"]:
             ll = f[f"llama_c{c}"]
             for lay in f["layouts"]:
                 key = "tokenmill" if len(f["layouts"]) == 1 else f"tokenmill_{lay}"
                 t, ratio = f[f"{key}_c{c}"], f[f"ratio{key.removeprefix('tokenmill')}_c{c}"]
+                gb_s = f.get(f"{key}_c1_gb_s") if c == 1 else None
+                reads = f"  reads {gb_s:.1f} GB/s ({gb_s / report['bandwidth_gb_s']:.0%})" if gb_s else ""
                 print(
                     f"{name:24} c={c}  tokenmill {lay:6} {t['median']:6.1f} [{t['min']:.1f}-{t['max']:.1f}]  "
-                    f"llama.cpp {ll['median']:6.1f} [{ll['min']:.1f}-{ll['max']:.1f}]  x{ratio:.2f}"
+                    f"llama.cpp {ll['median']:6.1f} [{ll['min']:.1f}-{ll['max']:.1f}]  x{ratio:.2f}{reads}"
                 )
 
 
