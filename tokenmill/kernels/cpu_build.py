@@ -8,8 +8,8 @@ compiler, torch's version, the flags and the sources. A build made on a CPU with
 into a precompiled header; later starts load it from the cache). The ops register under `torch.ops.tokenmill_cpu`.
 
 If no build can be made (no compiler, an unsupported platform), `load_cpu_kernels` logs why on each
-call and returns None (the build is tried once a process); callers then run the torch reference ops. The cache lives in
-`$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`).
+call and returns None (the build is tried once a process); callers then run the torch reference ops.
+The cache lives in `$TOKENMILL_CACHE_DIR/kernels` (default `~/.cache/tokenmill/kernels`).
 
 `TOKENMILL_MAX_ISA` caps the instructions tokenmill uses, as if the CPU had no more: `avx2` (x86-64-v3:
 AVX2, FMA, F16C; no AVX-512, AVX-VNNI or AMX) or `avx512` (no AMX). The build and every default that goes

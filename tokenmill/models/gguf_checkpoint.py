@@ -243,7 +243,7 @@ class GGUFCheckpoint:
         tokenmill's formats (gguf_blocks.py), "blocks" as a `GGUFMatrix` of the file's bytes."""
         keep = keep or {}
         # the tensors copied into parameters are read through a private mapping of the file: no buffer of
-        # their own to fault in first (on a virtual machine that doubled a 1.1B float16 file's load)
+        # their own to allocate and fault in first (a pass over fresh memory a tensor)
         mapped = np.memmap(self.path, dtype=np.uint8, mode="c")
         with open(self.path, "rb") as file:
             for info in self.infos:
