@@ -313,9 +313,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:  # [B, steps] int64, -1 where a logit was NaN
         """`steps` greedy decode steps of B sequences in one native call (`FusedDecode.run`), each step
         computed as `forward`, `compute_logits` and an argmax compute it; None where that call does not
-        apply (no fused layers at B rows, an embedding that is neither a dense table nor a GGUF file's
-        blocks in a native dtype, a head the fused layers do not chain): the caller steps through
-        `forward` then."""
+        apply (no fused layers at B rows, an embedding that is neither a dense table nor GGUF blocks (a
+        file's table, a tied head's) in a native dtype, a head the fused layers do not chain): the caller
+        steps through `forward` then."""
         fused, rows = self.fused_decode, ids.shape[0]
         kinds = fused.kinds(rows) if fused is not None else None
         tail = self._greedy_tail(rows) if kinds is not None else None
@@ -329,10 +329,12 @@ class LlamaForCausalLM(nn.Module):
         embed = self.embed_tokens
         if isinstance(embed, nn.Embedding):
             table, embed_type = embed.weight, -1
-        elif isinstance(embed, GGUFEmbedding) and embed.matrix is not None and embed.dtype in NATIVE_DTYPES:
-            table, embed_type = embed.matrix.data, embed.matrix.type_number  # (its rows dequantized each step)
-        elif isinstance(embed, HeadRows) and (blocks := embed.blocks()) is not None and embed.dtype in NATIVE_DTYPES:
-            table, embed_type = blocks.data, blocks.type_number  # (the tied head's blocks: rows as above)
+        elif (
+            isinstance(embed, GGUFEmbedding | HeadRows)  # (a file's table, or a tied head's kept in blocks)
+            and (blocks := embed.blocks()) is not None
+            and embed.dtype in NATIVE_DTYPES
+        ):
+            table, embed_type = blocks.data, blocks.type_number  # (the step's rows dequantized in the call)
         else:
             return None
         if self.head_from_table and embed_type < 0:  # (a tied table: the dense method's product, as compute_logits)

@@ -335,6 +335,10 @@ class GGUFEmbedding(nn.Module):
         if len(parts) == 1 and parts[0][1].shape == self.shape:
             self.matrix = parts[0][1]
 
+    def blocks(self) -> GGUFMatrix | None:
+        """The table's blocks, as the native decode run looks rows up in (as `HeadRows.blocks`)."""
+        return self.matrix
+
     def map_held_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The table's blocks replaced by fn(blocks) (runner/huge_pages.py)."""
         self.matrix = map_tensors(self.matrix, fn)
