@@ -213,6 +213,8 @@ def main() -> None:
     parser.add_argument("--results", nargs="+", help="read earlier bench.sh runs' results.jsonl instead (a pass each)")
     parser.add_argument("--out", help="JSON path (default: results/peers[_MODEL][_prefill].json)")
     args = parser.parse_args()
+    if args.passes < 1:
+        parser.error(f"--passes: expected a positive integer, got {args.passes}")
     args.engines = args.engines or (DEFAULT_ENGINES if args.model == "tiny-llama" else MID_ENGINES)
     peers = Path(args.peers_dir).resolve()
     if args.results:
