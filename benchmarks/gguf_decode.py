@@ -238,6 +238,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "gguf_decode.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = set(args.quantizations.split(",")) - set(PAIRED_FILE)
+    if args.model and unknown:
+        ap.error(f"--quantizations: expected some of {', '.join(PAIRED_FILE)}, got {', '.join(sorted(unknown))}")
     if args.child:
         return child(args.child, args.layouts, args.quantizations)
     import torch
