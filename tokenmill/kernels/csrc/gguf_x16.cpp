@@ -227,7 +227,12 @@ void q32_group(const uint8_t* g, const X32& x, int64_t m0, float* out) {
   for (int m = 0; m < MM; ++m) facc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < NB; ++b) {
     const uint8_t* gb = g + b * GB;
-    for (int c = 0; c < (GB + 63) / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + PF_BYTES + 64 * c), _MM_HINT_T0);
+    // A Q8_0 group's block is one run of 544 bytes, which the hardware prefetcher follows: at one x row
+    // the nine software prefetches a block slow the stream down; with more x rows each block is held
+    // longer and they pay. The 4-bit types' runs came out level either way (benchmarks/RESULTS.md,
+    // "The x16 products' software prefetch").
+    if constexpr (TYPE != 8 || MM > 1)
+      for (int c = 0; c < (GB + 63) / 64; ++c) _mm_prefetch(reinterpret_cast<const char*>(gb + PF_BYTES + 64 * c), _MM_HINT_T0);
     __m512i q[8];
     if constexpr (TYPE != 8) {
       for (int i = 0; i < 4; ++i) {
