@@ -5,11 +5,13 @@ builds timed in two runs cannot be compared. This script builds each variant of
 `tokenmill/kernels/csrc/linear.cpp` (other compile flags, or another copy of the source) into its own op
 namespace (`-DTM_LIB=...`), loads them all into one process, and times them interleaved on the peer
 model's linear layers (8 layers' worth of distinct weights plus the output projection, so they come
-from memory as in a step), median of 9.
+from memory as in a step), median of 9. `--shapes mid`: the 1.1B peer model's (TinyLlama-1.1B's) layers
+instead, 4 layers' worth; `--huge-pages`: the weights on 2 MB pages, where tokenmill keeps them
+(runner/huge_pages.py), not torch's 4 KB-page allocations.
 
 Usage:
   python benchmarks/linear_variants.py '{"now": [], "pf2": ["-DSOME_FLAG=2"], "old": ["src=/tmp/old/linear.cpp"]}' \\
-      --rows 1,4,16 --dtypes float32,bfloat16 [--torch] [--out FILE]
+      --rows 1,4,16 --dtypes float32,bfloat16 [--shapes small|mid] [--huge-pages] [--torch] [--out FILE]
 (a flag `src=PATH` takes the source from PATH; its folder must hold convert.h and ops.h as csrc/ does)
 """
 
@@ -28,11 +30,14 @@ import torch
 from torch.utils import cpp_extension
 
 from tokenmill.kernels.cpu_build import compile_flags
+from tokenmill.runner import huge_pages
 
 CSRC = Path(__file__).resolve().parent.parent / "tokenmill" / "kernels" / "csrc"
-SHAPES = ((768, 512), (512, 512), (2752, 512), (512, 1376))  # the peer model's layer: qkv, o, gate_up, down
-HEAD = (32000, 512)
-LAYERS = 8
+# per model: a layer's (qkv, o, gate_up, down) shapes [N, K], the output projection's, layers' worth timed
+MODELS = {
+    "small": (((768, 512), (512, 512), (2752, 512), (512, 1376)), (32000, 512), 8),  # the 55M peer model
+    "mid": (((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)), (32000, 2048), 4),  # the 1.1B one
+}
 
 
 def build(name: str, flags: list[str]) -> object:
@@ -51,6 +56,17 @@ def build(name: str, flags: list[str]) -> object:
         is_python_module=False,
     )
     return getattr(torch.ops, f"tmv_{name}")
+
+
+def make_weights(shapes: list[tuple[int, int]], dtype: torch.dtype, huge: bool) -> list[torch.Tensor]:
+    """Random weights of `shapes`, each on 2 MB pages where `huge` (and Linux allows them)."""
+    weights = []
+    for n, k in shapes:
+        w = torch.randn(n, k).to(dtype)
+        if huge and huge_pages.available():
+            w = huge_pages.huge_zeros((n, k), dtype).copy_(w)
+        weights.append(w)
+    return weights
 
 
 def stack(
@@ -83,16 +99,18 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shapes", choices=sorted(MODELS), default="small", help="the 55M or 1.1B model's layers")
+    parser.add_argument("--huge-pages", action="store_true", help="the weights on 2 MB pages, as tokenmill holds them")
     parser.add_argument("--torch", action="store_true", help="time torch.nn.functional.linear beside them")
     parser.add_argument("--out", default=None, help="write the medians here as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = {name: build(name, flags) for name, flags in json.loads(args.variants).items()}
+    shapes, head, layers = MODELS[args.shapes]
     result: dict[str, dict[str, dict[str, float]]] = {}  # dtype -> rows -> variant -> ms
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        weights = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
-        weights.append(torch.randn(*HEAD).to(dtype))
+        weights = make_weights([*(s for _ in range(layers) for s in shapes), head], dtype, args.huge_pages)
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         for m in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(m, k).to(dtype) for k in {w.shape[1] for w in weights}}
@@ -121,7 +139,8 @@ def main() -> None:
             "variants": json.loads(args.variants),
             "threads": args.threads,
             "torch_linear": args.torch,
-            "weights": f"{LAYERS} x {list(SHAPES)} + {list(HEAD)}",
+            "weights": f"{layers} x {list(shapes)} + {list(head)}",
+            "huge_pages": args.huge_pages and huge_pages.available(),
             "median_ms": result,
         }
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
