@@ -75,6 +75,31 @@ def encode_tensor(array: np.ndarray, type_name: str, rng: np.random.Generator) -
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
 
 
+def add_tokenizer(w: gguf.GGUFWriter, folder: Path, pre: str) -> None:
+    """`folder`'s byte-level BPE tokenizer (vocabulary, merges, special ids, chat template) as GGUF keys."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    if tok.pad_token_id is not None:
+        w.add_pad_token_id(tok.pad_token_id)
+    w.add_add_bos_token(True)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+
+
 def write_gguf(
     folder: Path,
     out: Path,
@@ -90,8 +115,6 @@ def write_gguf(
     `type_name`: every matrix's type, or (GGUF tensor name, shape) -> its type; `drop_keys`: metadata
     keys left out, `set_keys`: integer keys given other values (to test what such a file does);
     `untie`: a tied folder's table written as the output projection too (an untied file)."""
-    from transformers import AutoTokenizer
-
     cfg = json.loads((folder / "config.json").read_text())
     rng = np.random.default_rng(seed)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -115,26 +138,7 @@ def write_gguf(
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_vocab_size(cfg["vocab_size"])
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    spec = json.loads((folder / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    tokens = [""] * len(vocab)
-    for token, index in vocab.items():
-        tokens[index] = token
-    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    if tok.pad_token_id is not None:
-        w.add_pad_token_id(tok.pad_token_id)
-    w.add_add_bos_token(True)
-    if tok.chat_template:
-        w.add_chat_template(tok.chat_template)
+    add_tokenizer(w, folder, pre)
 
     for key in drop_keys:
         del w.kv_data[0][key]
