@@ -1,5 +1,6 @@
 """Start-up benchmark: the seconds from launching `tokenmill serve` until /health answers 200, cold
-and warm, per dtype and quantization.
+and warm, per dtype and quantization, and the memory the server holds resident then (VmRSS, with any
+child process's).
 
 Cold: an empty `$TOKENMILL_CACHE_DIR` (no autotune choices, no quantized weights), except for the
 native kernels' build, which is linked in (built once per machine and tokenmill version, by the
@@ -59,9 +60,25 @@ def kernels_dir() -> Path:
     return base / "kernels"
 
 
-def start_once(model: Path, flags: list[str], cache: Path, timeout: float) -> tuple[float, list[str]]:
+def rss_mib(pid: int) -> float:
+    """Resident memory of process `pid` and its children, MiB (/proc: VmRSS, children lists)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += next(int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS:")) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):  # (gone meanwhile, or a kernel thread without VmRSS)
+            continue
+    return total
+
+
+def start_once(model: Path, flags: list[str], cache: Path, timeout: float) -> tuple[float, float, list[str]]:
     """Seconds from launch to /health 200 for one `tokenmill serve` with `cache` as its cache folder,
-    and the start-up lines it logged; the server is stopped after."""
+    the MiB the server (with any child) holds resident then, and the start-up lines it logged; the
+    server is stopped after."""
     port = free_port()
     env = {**os.environ, "TOKENMILL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
     for room in ("QUANTIZED", "GGUF"):  # (every cache in the run's folder)
@@ -80,6 +97,7 @@ def start_once(model: Path, flags: list[str], cache: Path, timeout: float) -> tu
                 try:
                     if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                         seconds = time.perf_counter() - start
+                        rss = rss_mib(proc.pid)
                         break
                 except httpx.TransportError:
                     pass
@@ -92,7 +110,7 @@ def start_once(model: Path, flags: list[str], cache: Path, timeout: float) -> tu
                 proc.kill()
                 proc.wait()
     lines = [line.strip()[:300] for line in log.read_text().splitlines() if KEEP.search(line)]
-    return seconds, lines
+    return seconds, rss, lines
 
 
 def fresh_cache(root: Path, name: str) -> Path:
@@ -109,6 +127,7 @@ def write(
     runs: dict[str, dict[str, list[float]]],
     lines: dict[str, dict[str, list[str]]],
     loads: dict[str, dict[str, list[float]]],
+    rss: dict[str, dict[str, list[float]]],
 ) -> dict:
     """The result file as it stands: medians of the runs so far, with the CPU and the load it ran under."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
@@ -121,6 +140,8 @@ def write(
         "repeats": args.repeats,
         "median_s": {k: {s: statistics.median(v) for s, v in states.items()} for k, states in runs.items()},
         "runs_s": runs,
+        "rss_mib_median": {k: {s: statistics.median(v) for s, v in states.items()} for k, states in rss.items()},
+        "rss_mib": rss,
         "load_average_1min": loads,
         "startup_lines_last_run": lines,
     }
@@ -142,6 +163,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[float]]] = {}
     lines: dict[str, dict[str, list[str]]] = {}
     loads: dict[str, dict[str, list[float]]] = {}  # the 1-minute load average as each run ended
+    rss: dict[str, dict[str, list[float]]] = {}  # MiB resident when ready
     root = Path(tempfile.mkdtemp(prefix="tokenmill-startup-"))
     try:
         for r in range(args.repeats):
@@ -150,19 +172,21 @@ def main() -> None:
                     key = f"{model.name} {variant}"
                     cache = fresh_cache(root, f"{model.name}-{variant}-{r}")
                     for state in ("cold", "warm"):
-                        seconds, logged = start_once(model, VARIANTS[variant], cache, args.timeout)
+                        seconds, held, logged = start_once(model, VARIANTS[variant], cache, args.timeout)
                         runs.setdefault(key, {}).setdefault(state, []).append(round(seconds, 2))
                         lines.setdefault(key, {})[state] = logged
                         loads.setdefault(key, {}).setdefault(state, []).append(round(os.getloadavg()[0], 1))
-                        print(f"{key} {state}: {seconds:.1f} s", flush=True)
-                        write(args, runs, lines, loads)  # (after every run: a long table kept if cut short)
+                        rss.setdefault(key, {}).setdefault(state, []).append(round(held))
+                        print(f"{key} {state}: {seconds:.1f} s, {held:.0f} MiB resident", flush=True)
+                        write(args, runs, lines, loads, rss)  # (after every run: a long table kept if cut short)
                     shutil.rmtree(cache, ignore_errors=True)  # (a quantized 1B model: a gigabyte or two)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = write(args, runs, lines, loads)
-    print(f"{'model variant':32} {'cold s':>8} {'warm s':>8}")
+    result = write(args, runs, lines, loads, rss)
+    print(f"{'model variant':32} {'cold s':>8} {'warm s':>8} {'MiB cold':>9} {'MiB warm':>9}")
     for key, med in result["median_s"].items():
-        print(f"{key:32} {med['cold']:8.1f} {med['warm']:8.1f}")
+        held = result["rss_mib_median"][key]
+        print(f"{key:32} {med['cold']:8.1f} {med['warm']:8.1f} {held['cold']:9.0f} {held['warm']:9.0f}")
 
 
 if __name__ == "__main__":

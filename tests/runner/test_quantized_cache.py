@@ -5,6 +5,7 @@ does not read back is a warning and a fresh quantization."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 
 import pytest
@@ -116,3 +117,24 @@ def test_no_cache_for_a_dense_model(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
     build(tiny_model_dir("llama"), tmp_path)
     assert not cache_root().exists()
+
+
+def mapped(path) -> bool:
+    """Whether this process maps `path` (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def test_a_cached_build_keeps_no_view_of_the_file(tiny_model_dir, tmp_path, monkeypatch):
+    """The tensors a cached build reads under a huge page are copied out of the file's mapping, so none
+    keeps the whole file (every page the build read) resident beside the copies: the tiny model's all are
+    that small, and the file is unmapped once the build is done."""
+    monkeypatch.setenv("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path / "quantized"))
+    folder = tiny_model_dir("llama")
+    build(folder, tmp_path, quantization="int8", dtype="float32")
+    (written,) = cache_root().iterdir()
+    monkeypatch.setattr(model_builder, "load_model", no_load)
+    again = build(folder, tmp_path, quantization="int8", dtype="float32").model
+    gc.collect()
+    assert not mapped(written / "model.safetensors")
+    assert next(again.parameters()).abs().sum() > 0  # (the model holds its weights still)

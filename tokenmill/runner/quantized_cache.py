@@ -18,8 +18,12 @@ its own and one rename wins), streamed tensor by tensor (no second copy of the w
 A cached build makes the model's modules as a load does (the quantized layers' dense weights are
 allocated and never touched), hands each quantized layer its weights, then every parameter its
 tensor, and finishes as the loader does (the tied table dropped for a quantized head, the rotary
-tables built). A cache that does not read back whole (truncated, another key's, a layer or shape
-missing) is a warning, and the checkpoint is quantized again and the cache rewritten.
+tables built). The tensors read are views of the file's mapping, and one of them alive keeps the whole
+mapping, every page the build read, resident: so those under a huge page (norms, biases, scales) are
+copied out, and the large ones are copied onto huge pages after the build (runner/huge_pages.py), or,
+where there are none, stay in the mapping as the weights themselves. A cache that does not read back
+whole (truncated, another key's, a layer or shape missing) is a warning, and the checkpoint is
+quantized again and the cache rewritten.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from tokenmill.quant.config import QuantConfig
 from tokenmill.quant.gguf_method import GGUFMatrix
 from tokenmill.quant.int_methods import QuantizedLinearMethod
 from tokenmill.quant.quantize import Int4PackWeight, Int4Weight, Int8Weight
+from tokenmill.runner.huge_pages import HUGE_PAGE
 
 logger = logging.getLogger("tokenmill")
 
@@ -136,7 +141,7 @@ def _fill(model: LlamaForCausalLM, f: Any, layers: dict[str, dict[str, object]])
     for name, layer in quantized.items():
         info = dict(layers[name])
         cls = FORMATS[str(info.pop("format"))]
-        fields = {t: f.get_tensor(f"{name}{SEP}{t}") for t in info.pop("tensors")}  # type: ignore[attr-defined]
+        fields = {t: _read(f, f"{name}{SEP}{t}") for t in info.pop("tensors")}
         fields |= {k: tuple(v) if isinstance(v, list) else v for k, v in info.items()}
         weight = cls(**fields)
         if tuple(weight.shape) != (layer.output_size, layer.input_size):
@@ -150,7 +155,7 @@ def _fill(model: LlamaForCausalLM, f: Any, layers: dict[str, dict[str, object]])
     if cached != set(params):
         raise CacheMismatch(f"parameters differ: {sorted(cached ^ set(params))[:3]}")
     for name, param in params.items():
-        tensor = f.get_tensor(name)
+        tensor = _read(f, name)
         if tensor.shape != param.shape or tensor.dtype != param.dtype:
             raise CacheMismatch(f"{name}: cached {tensor.dtype} {tuple(tensor.shape)}, the model's {param.dtype}")
         param.data = tensor
@@ -160,6 +165,13 @@ def _fill(model: LlamaForCausalLM, f: Any, layers: dict[str, dict[str, object]])
     model.init_rotary(torch.device("cpu"))
     model.requires_grad_(False)
     model.eval()
+
+
+def _read(f: Any, name: str) -> torch.Tensor:
+    """Tensor `name` of the open cache file: a view of its mapping, or a copy where it is under a huge
+    page (a small tensor left in the mapping would keep the whole file resident beside the copies)."""
+    tensor: torch.Tensor = f.get_tensor(name)
+    return tensor.clone() if tensor.numel() * tensor.element_size() < HUGE_PAGE else tensor
 
 
 def write_safetensors(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
