@@ -11,7 +11,8 @@ gave the same tokens. Model: the peer model by default (`benchmarks/.models/smal
 (the model's `greedy_run` declined), the other in the one native call (decode_layer.cpp's `decode_run`).
 
 Usage: python benchmarks/decode_steps.py [--model DIR|FILE] [--dtype bfloat16] [--steps 4] [--batches 1,4,16]
-       [--repeats 5] [--against single|loop] [--out results/decode_steps.json]
+       [--repeats 5] [--against single|loop] [--quantization int8] [--gguf-layout int]
+       [--out results/decode_steps.json]
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--against", choices=("single", "loop"), default="single")
+    parser.add_argument("--quantization", default=None, help="int8, int4, w8a8: quantized at load")
+    parser.add_argument("--gguf-layout", default="auto", help="int8 / int4 in GGUF blocks or tokenmill's formats")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_steps.json")
     args = parser.parse_args()
     model = args.model or str(ensure_model())
-    llm = LLM(model, dtype=args.dtype, enable_prefix_caching=False, decode_steps=args.steps)
+    quant = {"quantization": args.quantization, "gguf_layout": args.gguf_layout}
+    llm = LLM(model, dtype=args.dtype, enable_prefix_caching=False, decode_steps=args.steps, **quant)
     scheduler, net = llm.engine.core.scheduler, llm.engine.core.worker.runner.model
     native = net.greedy_run
 
@@ -91,6 +95,7 @@ def main() -> None:
     result = {
         "model": model,
         "dtype": args.dtype,
+        **quant,
         "steps": args.steps,
         "against": args.against,
         "repeats": args.repeats,

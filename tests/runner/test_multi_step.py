@@ -163,14 +163,18 @@ def test_a_run_stays_within_its_time_and_its_grant():
     assert policy.steps([chunk(4)]) == 1  # a forward past the run's time: one at a time
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_a_tied_head_quantized_in_blocks_gives_the_runs_table(tiny_model_dir, quantization):
+@pytest.mark.parametrize(
+    ("quantization", "layout"),
+    [("int8", "blocks"), ("int4", "blocks"), ("int8", "int"), ("int4", "int"), ("w8a8", "int")],
+)
+def test_a_tied_quantized_head_gives_the_runs_table(tiny_model_dir, quantization, layout):
     """`--quantization int8 / int4` on a tied model drops the table and reads its rows from the head
     (HeadRows); where the head is kept in Q8_0 / Q4_1 blocks those blocks are the run's table in the
-    native call, with the tokens a step a token gives. Elsewhere (tokenmill's int formats) the run goes
-    forward by forward, with the same tokens."""
+    native call, and so are tokenmill's int8 weights with their scales (the int format AVX2 and AMX
+    keep, and W8A8's), with the tokens a step a token gives. int4 in its own format runs forward by
+    forward, with the same tokens."""
     model = str(tiny_model_dir("llama", True))
-    kept = {"quantization": quantization, "gguf_layout": "blocks", "dtype": "float32"}
+    kept = {"quantization": quantization, "gguf_layout": layout, "dtype": "float32"}
     ps, params = prompts(3, seed=3), [greedy(n) for n in (9, 14, 5)]
     single, _ = run(LLM(model, max_model_len=128, decode_steps=1, **kept), ps, params)
     llm = LLM(model, max_model_len=128, decode_steps=4, **kept)
@@ -180,4 +184,6 @@ def test_a_tied_head_quantized_in_blocks_gives_the_runs_table(tiny_model_dir, qu
     native = counting_native_runs(llm)
     multi, _ = run(llm, ps, params)
     assert multi == single
-    assert (max(native, default=0) == 4) == (table.blocks() is not None)
+    assert (max(native, default=0) == 4) == (table.blocks() is not None or table.int8_table() is not None)
+    # (int8 stays in its own format on AVX2 whatever the layout: quant/config.py in_blocks)
+    assert (table.int8_table() is not None) == (table.blocks() is None and quantization != "int4")

@@ -38,10 +38,14 @@ class DecoderStack(Protocol):
     ops: object
 
 
+EMBED_DENSE, EMBED_INT8_HEAD = -1, -2  # GreedyTail.embed_type other than a GGML block type
+
+
 @dataclass(frozen=True)
 class GreedyTail:
-    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table (dense [V, hidden],
-    or a GGUF file's blocks [V, row bytes] of GGML type `embed_type`, -1 for dense), the final norm's
+    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table (dense [V, hidden]:
+    EMBED_DENSE; a GGUF file's blocks [V, row bytes] of GGML type `embed_type`; or EMBED_INT8_HEAD, a tied
+    head's int8 weights [V, hidden], the head's own tensor, its rows scaled by the head's scales), the final norm's
     weight, the output projection as decode_layer.cpp takes it ((weight, scales, wsums, group), bias, its
     kernel at the run's rows, its width) and the rotary tables."""
 
@@ -53,7 +57,7 @@ class GreedyTail:
     vocab: int
     cos: torch.Tensor
     sin: torch.Tensor
-    embed_type: int = -1
+    embed_type: int = EMBED_DENSE
 
 
 class FusedDecode:

@@ -20,7 +20,7 @@ from torch import nn
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from tokenmill.layers.fused_decode import FusedDecode, GreedyTail
+from tokenmill.layers.fused_decode import EMBED_DENSE, EMBED_INT8_HEAD, FusedDecode, GreedyTail
 from tokenmill.layers.linear import Linear, LinearBase, MergedLinear, weight_loader_of
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
@@ -328,7 +328,9 @@ class LlamaForCausalLM(nn.Module):
         the native call does not take)."""
         embed = self.embed_tokens
         if isinstance(embed, nn.Embedding):
-            table, embed_type = embed.weight, -1
+            table, embed_type = embed.weight, EMBED_DENSE
+        elif isinstance(embed, HeadRows) and (q := embed.int8_table()) is not None and embed.dtype in NATIVE_DTYPES:
+            table, embed_type = q, EMBED_INT8_HEAD  # (the head's rows, scaled in the call)
         elif (
             isinstance(embed, GGUFEmbedding | HeadRows)  # (a file's table, or a tied head's kept in blocks)
             and (blocks := embed.blocks()) is not None
@@ -337,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
             table, embed_type = blocks.data, blocks.type_number  # (the step's rows dequantized in the call)
         else:
             return None
-        if self.head_from_table and embed_type < 0:  # (a tied table: the dense method's product, as compute_logits)
+        if self.head_from_table and embed_type == EMBED_DENSE:  # (a tied table: the dense product, as compute_logits)
             method, layer = self.dense, cast(LinearBase, _TableAsLayer(table))
             head, bias, vocab = (table, None, None, table.shape[1]), None, table.shape[0]
         elif not self.head_from_table:

@@ -117,6 +117,12 @@ class HeadRows(nn.Module):
         held = getattr(self.head[0], "quantized", None)
         return held if isinstance(held, GGUFMatrix) else None
 
+    def int8_table(self) -> torch.Tensor | None:
+        """The head's int8 weights q [V, hidden] where it holds tokenmill's int8 format (int8, W8A8): the
+        native decode run reads their rows with the head's scales. None for the other formats."""
+        held = getattr(self.head[0], "quantized", None)
+        return held.q if isinstance(held, Int8Weight) else None
+
 
 class QuantizedLinearMethod(LinearMethod):
     """A dense weight at load, quantized after it (or, `prequantized`, the checkpoint's quantized

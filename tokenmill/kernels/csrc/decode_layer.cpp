@@ -213,11 +213,25 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   return run_layers(std::move(x), st, {positions, slots, block_tables, seq_lens, query_starts, query_lens});
 }
 
+constexpr int64_t EMBED_DENSE = -1, EMBED_INT8_HEAD = -2;  // decode_run's embed_type, past GGML's types
+
+// Rows `ids` [B] of an int8 head [V, K] (q, scales [V, K / group] or [V] with group K) -> [B, K] in `dtype`
+at::Tensor int8_head_rows(const at::Tensor& q, const Projection& head, const at::Tensor& ids, at::ScalarType dtype) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && head.scales.has_value() && head.group > 0 &&
+                  q.size(1) % head.group == 0, "decode_run: embed_type -2 takes the head's int8 weights and scales");
+  const int64_t K = q.size(1);
+  const at::Tensor scales = head.scales->view({q.size(0), K / head.group});  // float32
+  const at::Tensor rows = q.index_select(0, ids).to(at::kFloat).view({-1, K / head.group, head.group});
+  return (rows * scales.index_select(0, ids).unsqueeze(-1)).view({-1, K}).to(dtype);
+}
+
 // `steps` greedy decode steps in a row of B sequences (runner/multi_step.py), each step as the modules run
 // it: the embedding rows of the step's tokens, the layers, the final norm (with the residual add), the
 // output projection (`head`: its kernel `head_kind`), float32 logits and their argmax (argmax_rows); the
-// argmax is the next step's token. `embed`: a dense table [V, hidden] (embed_type -1), or a GGUF file's
-// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized). ids [B]
+// argmax is the next step's token. `embed`: a dense table [V, hidden] (embed_type -1), a GGUF file's
+// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized), or (-2)
+// the tied head's own int8 weights [V, hidden], `head` itself: each row q times its head_scales (a
+// scale a head_group of it, float32), rounded to the model's dtype, as quant's int8_rows reads it. ids [B]
 // int64: each sequence's first token; starts [B] int64: its position; block_tables [B, W] int32: each
 // sequence's blocks, covering starts + steps tokens. Writes each step's K and V into the caches. Returns tokens [B, steps] int64, -1 where a row's logit at its
 // argmax was NaN (its later tokens follow from a NaN: the caller fails the request).
@@ -241,6 +255,7 @@ at::Tensor decode_run(
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && block_tables.scalar_type() == at::kInt &&
                   block_tables.is_contiguous(), "decode_run: block_tables must be contiguous int32 [B, W]");
   TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && steps >= 1, "decode_run: embed must be [V, hidden]");
+  TORCH_CHECK(embed_type != EMBED_INT8_HEAD || embed.is_same(head), "decode_run: embed_type -2 reads the head's rows");
   const int64_t width = block_tables.size(1);
   const auto i64 = ids.options(), i32 = ids.options().dtype(at::kInt);
   at::Tensor tokens = at::empty({batch, steps}, i64);
@@ -262,8 +277,10 @@ at::Tensor decode_run(
       length[b] = static_cast<int32_t>(p + 1);
     }
     at::Tensor x;  // [B, hidden]: this step's embeddings
-    if (embed_type < 0) {
+    if (embed_type == EMBED_DENSE) {
       x = embed.index_select(0, input);
+    } else if (embed_type == EMBED_INT8_HEAD) {
+      x = int8_head_rows(embed, head_proj, input, final_norm.scalar_type());
     } else {
       x = at::empty({batch, final_norm.size(0)}, final_norm.options());
       tokenmill::gguf_dequant(x, embed, embed_type, input, 0);
