@@ -38,14 +38,15 @@ class DecoderStack(Protocol):
     ops: object
 
 
-EMBED_DENSE, EMBED_INT8_HEAD = -1, -2  # GreedyTail.embed_type other than a GGML block type
+EMBED_DENSE, EMBED_INT8_HEAD, EMBED_INT4_HEAD = -1, -2, -3  # GreedyTail.embed_type other than a GGML block type
 
 
 @dataclass(frozen=True)
 class GreedyTail:
     """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table (dense [V, hidden]:
-    EMBED_DENSE; a GGUF file's blocks [V, row bytes] of GGML type `embed_type`; or EMBED_INT8_HEAD, a tied
-    head's int8 weights [V, hidden], the head's own tensor, its rows scaled by the head's scales), the final norm's
+    EMBED_DENSE; a GGUF file's blocks [V, row bytes] of GGML type `embed_type`; or a tied head's own weights
+    in tokenmill's int8 or int4 format, EMBED_INT8_HEAD / EMBED_INT4_HEAD, their rows dequantized with the
+    head's scales (and mins)), the final norm's
     weight, the output projection as decode_layer.cpp takes it ((weight, scales, wsums, group), bias, its
     kernel at the run's rows, its width) and the rotary tables."""
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from tokenmill.kernels.cpu_build import NATIVE_DTYPES
 from tokenmill.layers.attention import AttentionBackend, AttentionMetadata, KVCache
-from tokenmill.layers.fused_decode import EMBED_DENSE, EMBED_INT8_HEAD, FusedDecode, GreedyTail
+from tokenmill.layers.fused_decode import EMBED_DENSE, EMBED_INT4_HEAD, EMBED_INT8_HEAD, FusedDecode, GreedyTail
 from tokenmill.layers.linear import Linear, LinearBase, MergedLinear, weight_loader_of
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.ops import LayerOps, TorchOps
@@ -30,6 +30,7 @@ from tokenmill.quant.config import QuantConfig
 from tokenmill.quant.gguf_method import GGUFEmbedding, held_matrices
 from tokenmill.quant.int_methods import HeadRows, QuantizedLinearMethod
 from tokenmill.quant.method import ShardId, UnquantizedLinearMethod
+from tokenmill.quant.quantize import Int8Weight
 
 # tokenmill's fused projections -> the checkpoint projections stacked in them, in output order, each
 # with the shard id its weight loader takes
@@ -329,8 +330,11 @@ class LlamaForCausalLM(nn.Module):
         embed = self.embed_tokens
         if isinstance(embed, nn.Embedding):
             table, embed_type = embed.weight, EMBED_DENSE
-        elif isinstance(embed, HeadRows) and (q := embed.int8_table()) is not None and embed.dtype in NATIVE_DTYPES:
-            table, embed_type = q, EMBED_INT8_HEAD  # (the head's rows, scaled in the call)
+        elif isinstance(embed, HeadRows) and (held := embed.int_weights()) is not None and embed.dtype in NATIVE_DTYPES:
+            # (the head's own rows, dequantized in the call)
+            table, embed_type = (
+                (held.q, EMBED_INT8_HEAD) if isinstance(held, Int8Weight) else (held.packed, EMBED_INT4_HEAD)
+            )
         elif (
             isinstance(embed, GGUFEmbedding | HeadRows)  # (a file's table, or a tied head's kept in blocks)
             and (blocks := embed.blocks()) is not None

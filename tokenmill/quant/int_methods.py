@@ -117,11 +117,11 @@ class HeadRows(nn.Module):
         held = getattr(self.head[0], "quantized", None)
         return held if isinstance(held, GGUFMatrix) else None
 
-    def int8_table(self) -> torch.Tensor | None:
-        """The head's int8 weights q [V, hidden] where it holds tokenmill's int8 format (int8, W8A8): the
-        native decode run reads their rows with the head's scales. None for the other formats."""
+    def int_weights(self) -> Int8Weight | Int4Weight | None:
+        """The head's weights where it holds tokenmill's int8 or int4 format (int8, W8A8, int4 in tiles):
+        the native decode run dequantizes their rows itself. None for the other formats."""
         held = getattr(self.head[0], "quantized", None)
-        return held.q if isinstance(held, Int8Weight) else None
+        return held if isinstance(held, Int8Weight | Int4Weight) else None
 
 
 class QuantizedLinearMethod(LinearMethod):

@@ -213,7 +213,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   return run_layers(std::move(x), st, {positions, slots, block_tables, seq_lens, query_starts, query_lens});
 }
 
-constexpr int64_t EMBED_DENSE = -1, EMBED_INT8_HEAD = -2;  // decode_run's embed_type, past GGML's types
+constexpr int64_t EMBED_DENSE = -1, EMBED_INT8_HEAD = -2, EMBED_INT4_HEAD = -3;  // decode_run's embed_type,
+                                                                                  // past GGML's types
 
 // Rows `ids` [B] of an int8 head [V, K] (q, scales [V, K / group] or [V] with group K) -> [B, K] in `dtype`
 at::Tensor int8_head_rows(const at::Tensor& q, const Projection& head, const at::Tensor& ids, at::ScalarType dtype) {
@@ -225,13 +226,31 @@ at::Tensor int8_head_rows(const at::Tensor& q, const Projection& head, const at:
   return (rows * scales.index_select(0, ids).unsqueeze(-1)).view({-1, K}).to(dtype);
 }
 
+// Rows `ids` [B] of an int4 head in tiles (packed [T, K / 8, 64]: chunk c of tile t holds row 16t + i's
+// k = 8c + j in byte 4i + j's low nibble, 8c + 4 + j in its high one; scales, mins [T, K / group, 16])
+at::Tensor int4_head_rows(const at::Tensor& packed, const Projection& head, const at::Tensor& ids, at::ScalarType dtype) {
+  using at::indexing::Slice;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 &&
+                  head.scales.has_value() && head.wsums.has_value() && head.group > 0,
+              "decode_run: embed_type -3 takes the head's int4 tiles, scales and mins");
+  const int64_t K = packed.size(1) * 8, tile = 16;
+  const at::Tensor tiles = at::floor_divide(ids, tile), lanes = at::remainder(ids, tile);
+  const at::Tensor bytes = packed.view({packed.size(0), K / 8, tile, 4}).index({tiles, Slice(), lanes}).to(at::kInt);
+  const at::Tensor q = at::cat({at::bitwise_and(bytes, 15), at::bitwise_right_shift(bytes, 4)}, -1);  // [B, K / 8, 8]
+  const at::Tensor scales = head.scales->index({tiles, Slice(), lanes}).to(at::kFloat).unsqueeze(-1);
+  const at::Tensor mins = head.wsums->index({tiles, Slice(), lanes}).to(at::kFloat).unsqueeze(-1);
+  const at::Tensor rows = q.to(at::kFloat).view({-1, K / head.group, head.group});
+  return (rows * scales + mins).view({-1, K}).to(dtype);
+}
+
 // `steps` greedy decode steps in a row of B sequences (runner/multi_step.py), each step as the modules run
 // it: the embedding rows of the step's tokens, the layers, the final norm (with the residual add), the
 // output projection (`head`: its kernel `head_kind`), float32 logits and their argmax (argmax_rows); the
 // argmax is the next step's token. `embed`: a dense table [V, hidden] (embed_type -1), a GGUF file's
-// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized), or (-2)
-// the tied head's own int8 weights [V, hidden], `head` itself: each row q times its head_scales (a
-// scale a head_group of it, float32), rounded to the model's dtype, as quant's int8_rows reads it. ids [B]
+// blocks [V, row bytes] of GGML type `embed_type` (gguf_dequant: each step's rows dequantized), or a tied
+// head's own weights, `head` itself, each row dequantized in float32 and rounded to the model's dtype as
+// quant/quantize.py reads them: (-2) int8 [V, hidden], q times its head_scales (a scale a head_group);
+// (-3) int4 in tiles of 16 rows, q times its scale plus its min (head_wsums). ids [B]
 // int64: each sequence's first token; starts [B] int64: its position; block_tables [B, W] int32: each
 // sequence's blocks, covering starts + steps tokens. Writes each step's K and V into the caches. Returns tokens [B, steps] int64, -1 where a row's logit at its
 // argmax was NaN (its later tokens follow from a NaN: the caller fails the request).
@@ -254,8 +273,11 @@ at::Tensor decode_run(
                   starts.scalar_type() == at::kLong, "decode_run: ids and starts must be int64 [B]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && block_tables.scalar_type() == at::kInt &&
                   block_tables.is_contiguous(), "decode_run: block_tables must be contiguous int32 [B, W]");
-  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && steps >= 1, "decode_run: embed must be [V, hidden]");
-  TORCH_CHECK(embed_type != EMBED_INT8_HEAD || embed.is_same(head), "decode_run: embed_type -2 reads the head's rows");
+  TORCH_CHECK((embed.dim() == 2 || embed_type == EMBED_INT4_HEAD) && embed.is_contiguous() && steps >= 1,
+              "decode_run: embed must be [V, hidden]");
+  TORCH_CHECK((embed_type != EMBED_INT8_HEAD && embed_type != EMBED_INT4_HEAD) || embed.is_same(head),
+              "decode_run: embed_type -2 and -3 read the head's own rows");
+  TORCH_CHECK(embed_type >= EMBED_INT4_HEAD, "decode_run: unknown embed_type ", embed_type);
   const int64_t width = block_tables.size(1);
   const auto i64 = ids.options(), i32 = ids.options().dtype(at::kInt);
   at::Tensor tokens = at::empty({batch, steps}, i64);
@@ -281,6 +303,8 @@ at::Tensor decode_run(
       x = embed.index_select(0, input);
     } else if (embed_type == EMBED_INT8_HEAD) {
       x = int8_head_rows(embed, head_proj, input, final_norm.scalar_type());
+    } else if (embed_type == EMBED_INT4_HEAD) {
+      x = int4_head_rows(embed, head_proj, input, final_norm.scalar_type());
     } else {
       x = at::empty({batch, final_norm.size(0)}, final_norm.options());
       tokenmill::gguf_dequant(x, embed, embed_type, input, 0);
