@@ -43,12 +43,12 @@ EMBED_DENSE, EMBED_INT8_HEAD, EMBED_INT4_HEAD = -1, -2, -3  # GreedyTail.embed_t
 
 @dataclass(frozen=True)
 class GreedyTail:
-    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table (dense [V, hidden]:
-    EMBED_DENSE; a GGUF file's blocks [V, row bytes] of GGML type `embed_type`; or a tied head's own weights
-    in tokenmill's int8 or int4 format, EMBED_INT8_HEAD / EMBED_INT4_HEAD, their rows dequantized with the
-    head's scales (and mins)), the final norm's
-    weight, the output projection as decode_layer.cpp takes it ((weight, scales, wsums, group), bias, its
-    kernel at the run's rows, its width) and the rotary tables."""
+    """What a greedy run needs past the layers (`FusedDecode.run`): the embedding table (`embed_type`
+    EMBED_DENSE: dense [V, hidden]; a GGML block type: a GGUF file's blocks [V, row bytes]; EMBED_INT8_HEAD
+    or EMBED_INT4_HEAD: a tied head's own weights in tokenmill's int8 or int4 format, their rows
+    dequantized with the head's scales and mins), the final norm's weight, the output projection as
+    decode_layer.cpp takes it ((weight, scales, wsums, group), bias, its kernel at the run's rows, its
+    width) and the rotary tables."""
 
     embed: torch.Tensor
     norm: torch.Tensor

@@ -213,8 +213,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(
   return run_layers(std::move(x), st, {positions, slots, block_tables, seq_lens, query_starts, query_lens});
 }
 
-constexpr int64_t EMBED_DENSE = -1, EMBED_INT8_HEAD = -2, EMBED_INT4_HEAD = -3;  // decode_run's embed_type,
-                                                                                  // past GGML's types
+// decode_run's embed_type where it is not a GGML block type (layers/fused_decode.py names them alike)
+constexpr int64_t EMBED_DENSE = -1, EMBED_INT8_HEAD = -2, EMBED_INT4_HEAD = -3;
 
 // Rows `ids` [B] of an int8 head [V, K] (q, scales [V, K / group] or [V] with group K) -> [B, K] in `dtype`
 at::Tensor int8_head_rows(const at::Tensor& q, const Projection& head, const at::Tensor& ids, at::ScalarType dtype) {
