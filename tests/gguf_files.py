@@ -20,7 +20,12 @@ from tokenmill.models.gguf_checkpoint import BLOCK_TENSORS, GLOBAL_TENSORS, perm
 
 Q = gguf.GGMLQuantizationType
 # K-quant block layouts: (bytes per 256 weights, byte offsets of the float16 scales in a block)
-K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,))}
+# (and the other 256-weight types written as raw bits: Q3_K, Q2_K and IQ4_XS, which are read dequantized
+# only; TQ1_0, which is not read)
+K_QUANT_BLOCKS = {
+    **{"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "Q3_K": (110, (108,))},
+    **{"Q2_K": (84, (80, 82)), "IQ4_XS": (136, (0,)), "TQ1_0": (54, (52,))},
+}
 HF_TO_GGUF = {v: k for k, v in GLOBAL_TENSORS.items()} | {v: k for k, v in BLOCK_TENSORS.items()}
 
 
@@ -39,13 +44,14 @@ def raw_k_quant_rows(rows: int, cols: int, type_name: str, rng: np.random.Genera
     size, scale_offsets = K_QUANT_BLOCKS[type_name]
     blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     d = rng.uniform(1e-4, 4e-4, size=(rows, cols // 256)).astype(np.float16)
+    for offset in scale_offsets:  # (Q2_K's second: its dmin)
+        blocks[:, :, offset : offset + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
     if type_name in ("Q4_K", "Q5_K"):
         blocks[:, :, 8:12] = blocks[:, :, 4:8]  # the mins' 6-bit codes equal the scales'
         low = blocks[:, :, 12:16] & 15
         blocks[:, :, 12:16] = low | (low << 4)
         middle = 7.5 if type_name == "Q4_K" else 15.5
         blocks[:, :, 2:4] = (d.astype(np.float32) * middle).astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
-    blocks[:, :, scale_offsets[0] : scale_offsets[0] + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
     return blocks.reshape(rows, -1)
 
 

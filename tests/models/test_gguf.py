@@ -6,6 +6,7 @@ gives an error naming the file and the problem. The files are the bundled demo m
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,10 @@ from tokenmill.models.loader import load_model
 from tokenmill.text.tokenizer import Tokenizer
 from tokenmill.tools.gguf_convert import convert_gguf
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
 # ~2 s a type: the default run keeps one of each family (the rest: `make test-all`; every type's blocks
-# against gguf's dequantizer: tests/quant)
-SLOW_TYPES = ("F32", "BF16", "Q4_0", "Q5_K")
+# against gguf's dequantizer: tests/quant). Q3_K, Q2_K, IQ4_XS: dequantized at load, no kernel of their own.
+SLOW_TYPES = ("F32", "BF16", "Q4_0", "Q5_K", "Q2_K", "IQ4_XS")
 TEXTS = (
     "Hello world, 12345 apples!",
     "  two spaces\n\nnewlines\ttabs",
@@ -201,9 +202,22 @@ def test_another_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = write_gguf(DEMO_MODEL, tmp_path / "q3.gguf", "Q3_K")
-    with pytest.raises(ModelLoadError, match=r"q3\.gguf: tensor 'token_embd.weight' has type Q3_K"):
+    path = write_gguf(DEMO_MODEL, tmp_path / "tq1.gguf", "TQ1_0")
+    with pytest.raises(ModelLoadError, match=r"tq1\.gguf: tensor 'token_embd.weight' has type TQ1_0; tokenmill reads"):
         load_model(path)
+
+
+def test_a_type_without_a_kernel_is_dequantized_with_a_warning(gguf_file, caplog):
+    """A Q3_K file (a Q3_K_M download) loads, its matrices dequantized at load, and the log says so and
+    what it costs; the engine generates on it."""
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        llm = LLM(str(gguf_file("Q3_K")), max_model_len=128, enable_prefix_caching=False)
+    assert "GGUF Q3_K: no kernel here reads these types as stored" in caplog.text
+    model = llm.engine.core.worker.runner.model
+    assert isinstance(model.embed_tokens, torch.nn.Embedding)  # (the table too: dense)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    assert llm.engine.core.scheduler.kv.num_free_blocks == llm.engine.core.scheduler.kv.num_blocks
 
 
 @pytest.mark.parametrize(

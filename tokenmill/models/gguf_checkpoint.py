@@ -6,7 +6,8 @@ Face `config.json` (validated by the same `parse_config` as a folder's, errors n
 mapping tensor names (`blk.3.attn_q.weight`) to the model's checkpoint names
 (`model.layers.3.self_attn.q_proj.weight`), reading each tensor's bytes from the file into memory of
 its own: the float types handed over as stored (the copy into the parameter converts them), every
-block type dequantized to float32 with `gguf.quants.dequantize`, or the matrices the model keeps
+block type dequantized to float32 with `gguf.quants.dequantize` (the only way the types without a
+kernel here, DEQUANTIZED_TYPES, are read), or the matrices the model keeps
 quantized handed over as they are (Q8_0 / Q4_0 / Q4_1 in tokenmill's int formats, gguf_blocks.py, or
 any block type as its bytes, a `GGUFMatrix`); and undoing the row permutation llama.cpp's converter
 applies to a llama model's Q and K projections (it stores each head's rotary pairs interleaved,
@@ -34,8 +35,14 @@ from tokenmill.quant.quantize import Int4Weight, Int8Weight
 
 # general.architecture -> the Hugging Face architecture it is (llama.cpp writes Mistral as llama).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Tensor types read and dequantized at load (names as gguf.GGMLQuantizationType spells them).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# Tensor types read (names as gguf.GGMLQuantizationType spells them): those the model can keep as stored,
+# and those only ever dequantized at load by gguf's dequantizer (no native kernel reads them: the lower
+# K-quants and the i-quants of Q2_K / Q3_K / IQ* files), which then take the model dtype's memory.
+KEPT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED_TYPES = (
+    *("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"),
+)
+SUPPORTED_TYPES = KEPT_TYPES + DEQUANTIZED_TYPES
 # The float types, handed over as stored (a float16 or bfloat16 value converts to any of the three
 # dtypes as it would through float32, exactly: the copy into the parameter does it, once).
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

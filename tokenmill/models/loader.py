@@ -32,7 +32,7 @@ from tokenmill.layers.linear import LinearBase, weight_loader_of
 from tokenmill.layers.ops import LayerOps
 from tokenmill.model_files import is_gguf
 from tokenmill.models.config import ModelConfig, ModelLoadError, load_config
-from tokenmill.models.gguf_checkpoint import GGUFCheckpoint
+from tokenmill.models.gguf_checkpoint import DEQUANTIZED_TYPES, GGUFCheckpoint
 from tokenmill.models.llama import LlamaForCausalLM, WeightTarget, layer_prefix
 from tokenmill.quant.config import GGUF_EMBEDDING, GGUF_TABLE, QuantConfig
 from tokenmill.quant.gguf_method import GGUFEmbedding, GGUFMatrix, held_matrices
@@ -214,6 +214,14 @@ def kept_quantized(model: LlamaForCausalLM, checkpoint: GGUFCheckpoint, dtype: t
         elif isinstance(layer, LinearBase) and getattr(layer.linear_method, "prequantized", False):
             keep[name] = "blocks" if getattr(layer.linear_method, "keeps_blocks", False) else "int"
     dequantized = Counter(i.type_name for i in checkpoint.infos if len(i.shape) == 2 and i.hf_name not in keep)
+    if unkept := sorted(t for t in dequantized if t in DEQUANTIZED_TYPES):
+        logger.warning(
+            "GGUF %s: no kernel here reads these types as stored; their matrices are dequantized to %s at "
+            "load, held and read at its size, not the file's (a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 file stays "
+            "quantized)",
+            ", ".join(unkept),
+            str(dtype).removeprefix("torch."),
+        )
     logger.info(
         "GGUF matrices kept quantized: %s; dequantized at load to %s: %s",
         ", ".join(f"{n} {t}" for t, n in sorted(Counter(types[n] for n in keep).items())) or "none",
