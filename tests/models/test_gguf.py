@@ -25,7 +25,7 @@ from tokenmill.tools.gguf_convert import convert_gguf
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
 # ~2 s a type: the default run keeps one of each family (the rest: `make test-all`; every type's blocks
-# against gguf's dequantizer: tests/quant). Q3_K, Q2_K, IQ4_XS: dequantized at load, no kernel of their own.
+# against gguf's dequantizer: tests/quant). Q2_K, IQ4_XS: dequantized at load, no kernel of their own.
 SLOW_TYPES = ("F32", "BF16", "Q4_0", "Q5_K", "Q2_K", "IQ4_XS")
 TEXTS = (
     "Hello world, 12345 apples!",
@@ -208,11 +208,11 @@ def test_unsupported_tensor_type(tmp_path):
 
 
 def test_a_type_without_a_kernel_is_dequantized_with_a_warning(gguf_file, caplog):
-    """A Q3_K file (a Q3_K_M download) loads, its matrices dequantized at load, and the log says so and
+    """A Q2_K file (a Q2_K download) loads, its matrices dequantized at load, and the log says so and
     what it costs; the engine generates on it."""
     with caplog.at_level(logging.WARNING, logger="tokenmill"):
-        llm = LLM(str(gguf_file("Q3_K")), max_model_len=128, enable_prefix_caching=False)
-    assert "GGUF Q3_K: no kernel here reads these types as stored" in caplog.text
+        llm = LLM(str(gguf_file("Q2_K")), max_model_len=128, enable_prefix_caching=False)
+    assert "GGUF Q2_K: no kernel here reads these types as stored" in caplog.text
     model = llm.engine.core.worker.runner.model
     assert isinstance(model.embed_tokens, torch.nn.Embedding)  # (the table too: dense)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)

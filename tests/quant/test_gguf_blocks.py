@@ -14,7 +14,7 @@ import torch
 from tokenmill.quant.gguf_method import BLOCK_TYPES, BLOCKS, GGUFMatrix, dequantize, row_bytes
 
 # byte offsets of each type's float16 fields within a block (the rest: any bits are a valid block)
-HALVES = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+HALVES = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:

@@ -13,8 +13,8 @@ and its (out, in) shape, as vLLM's `get_quant_method`. The rules:
   keeping Q4_0 / Q4_1 in blocks int4 into Q4_1 blocks (`in_blocks`, quant/int_blocks.py); otherwise
   tokenmill's int8 / int4 formats.
 - `quantization` auto: a stored AWQ / GPTQ / compressed-tensors checkpoint loads as stored (CPU only;
-  its output projection dense); a GGUF file's layers stay quantized on a CPU. The K-quants (Q4_K,
-  Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay in the file's own blocks
+  its output projection dense); a GGUF file's layers stay quantized on a CPU. The K-quants (Q3_K,
+  Q4_K, Q5_K, Q6_K), Q5_0 / Q5_1 and layers mixing block types stay in the file's own blocks
   (quant/gguf_method.py), the embedding table too where its type is one of those
   (`embedding_blocks`). Q8_0 / Q4_0 / Q4_1 matrices go by `gguf_layout`: `blocks` keeps them so too
   (`q8_0`: Q8_0 only, Q4_0 / Q4_1 as `int`); `int` loads Q8_0 into int8 and Q4_0 / Q4_1 into int4
@@ -254,12 +254,12 @@ def gguf_repack(setting: str) -> bool | None:
 def gguf_methods(
     kernels: CpuKernels | None, layout: str = "int", repack: bool | None = None
 ) -> dict[str, LinearMethod]:
-    """A GGUF tensor type -> the method that keeps such matrices as stored: the K-quants and Q5_0 /
-    Q5_1 in their own blocks (which also take layers mixing block types, and embedding tables); Q8_0,
-    Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of them Q8_0 in
+    """A GGUF tensor type -> the method that keeps such matrices as stored: the K-quants (Q3_K to Q6_K)
+    and Q5_0 / Q5_1 in their own blocks (which also take layers mixing block types, and embedding
+    tables); Q8_0, Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of them Q8_0 in
     int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids). `repack`: `gguf_repack`'s."""
     blocks = GGUFBlocksMethod(kernels, repack=repack)
-    kept: dict[str, LinearMethod] = {t: blocks for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
+    kept: dict[str, LinearMethod] = {t: blocks for t in ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
     int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)
     int4 = Int4LinearMethod(QuantSpec("int4", GGUF_BLOCK), kernels, prequantized=True)
     ints: dict[str, LinearMethod] = {"Q8_0": int8, "Q4_0": int4, "Q4_1": int4}

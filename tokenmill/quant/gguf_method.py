@@ -1,15 +1,15 @@
 """GGUF matrices kept as the file's own blocks: `GGUFMatrix`, the linear method `GGUFBlocksMethod` and the
 embedding table `GGUFEmbedding`.
 
-A matrix of a block type (the K-quants Q4_K / Q5_K / Q6_K, and Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, the
-types llama.cpp's Q4_K_M and Q5_K_M mixes fall back to where a row's width is not a multiple of 256) is
+A matrix of a block type (the K-quants Q3_K / Q4_K / Q5_K / Q6_K, and Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0,
+the types llama.cpp's K-quant mixes fall back to where a row's width is not a multiple of 256) is
 held as the bytes the file stores, [N, K / W * block bytes] uint8, W weights a block along a row: exact
 by construction, and as many bytes as the file's. The native kernels (kernels/csrc/gguf_blocks.cpp)
 read them: `gguf_linear` for few rows (decode steps: int8 activations, one scale per 256 for the
-K-quants and per 32 for the rest, the blocks read once), `gguf_gemm` for more (prompt chunks: the same
-int8 activations and integer sums, tiled so that each weight block is read once a product and
-unpacked once per tile of x rows), and `gguf_dequant` for embedding lookups. The dequantized values are
-the `gguf` package's, bit for bit. Without the native kernels (no compiler, float16 activations),
+K-quants and per 32 for the rest, the blocks read once), `gguf_gemm` for more (prompt chunks: the
+same int8 activations and integer sums, tiled so that each weight block is read once a product and
+unpacked once per tile of x rows), and `gguf_dequant` for embedding lookups. The dequantized values
+are the `gguf` package's, bit for bit. Without the native kernels (no compiler, float16 activations),
 products dequantize a chunk of weight rows at a time (the `gguf` package's own dequantizer) into a
 scratch buffer the method reuses, then take torch's GEMM.
 
@@ -57,6 +57,7 @@ BLOCKS = {
     "Q5_0": (6, 32, 22),
     "Q5_1": (7, 32, 24),
     "Q8_0": (8, 32, 34),
+    "Q3_K": (11, 256, 110),
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),

@@ -98,8 +98,8 @@ void klinear_impl(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t
 
 template <typename F, typename T>
 void linear_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
-  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K> || std::is_same_v<F, Q6_K>)
-    klinear_impl<std::is_same_v<F, Q4_K> ? 12 : std::is_same_v<F, Q5_K> ? 13 : 14>(out, x, x_row, M, K, w);
+  if constexpr (F::W == QK)
+    klinear_impl<k_type<F>()>(out, x, x_row, M, K, w);
   else
     linear_impl<F>(out, x, x_row, M, K, w);
 }

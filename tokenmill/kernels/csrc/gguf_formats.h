@@ -19,6 +19,9 @@
 // - Q6_K (210: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d): weight 128h + 32t + l
 //   takes nibble t / 2 of byte 64h + 32(t % 2) + l and bits 2t of byte 128 + 32h + l; per 16 weights
 //   a = d sc, OFF 32.
+// - Q3_K (110: 32 bytes of high bits, 64 of 2-bit lows, 12 bytes of 6-bit scales, d): run r = 4h + j
+//   (weights 32r .. 32r + 31) takes bits 2j of byte 32 + 32h + l and bit r of byte l as its third bit;
+//   per 16 weights a = d (sc - 32), OFF 4.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -107,6 +110,17 @@ struct Q6_K {
   }
 };
 
+struct Q3_K {
+  static constexpr int W = 256, BYTES = 110, OFF = 4;
+  static constexpr bool SIGNED = false, MIN = false;
+  static void params(const uint8_t* p, float* a, float* b) {
+    const float d = half_bits(p + 108);
+    int8_t sc[16];
+    q3_scales(p + 96, sc);  // (gguf_kdot.h)
+    for (int g = 0; g < 16; ++g) a[g] = d * static_cast<float>(sc[g]), b[g] = 0.f;
+  }
+};
+
 // run r of a block as 32 bytes of q, scalar (the reference the vector forms follow)
 template <typename F>
 void run_scalar(const uint8_t* p, int r, uint8_t* q) {
@@ -128,6 +142,9 @@ void run_scalar(const uint8_t* p, int r, uint8_t* q) {
     for (int l = 0; l < 32; ++l) q[l] = (s[l] >> shift) & 15;
     if constexpr (std::is_same_v<F, Q5_K>)
       for (int l = 0; l < 32; ++l) q[l] |= ((F::high(p)[l] >> r) & 1) << 4;
+  } else if constexpr (std::is_same_v<F, Q3_K>) {
+    const uint8_t* lo = p + 32 + 32 * (r / 4);
+    for (int l = 0; l < 32; ++l) q[l] = ((lo[l] >> (2 * (r % 4))) & 3) | (((p[l] >> r) & 1) << 2);
   } else {  // Q6_K
     const int h = r / 4, t = r % 4;
     const uint8_t* lo = p + 64 * h + 32 * (t % 2);
@@ -168,6 +185,11 @@ inline __m256i run_vec(const uint8_t* p, int r) {
       q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(1)), 4));
     }
     return q;
+  } else if constexpr (std::is_same_v<F, Q3_K>) {
+    const __m256i lo = _mm256_srl_epi16(load32(p + 32 + 32 * (r / 4)), _mm_cvtsi32_si128(2 * (r % 4)));
+    const __m256i hi = _mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(r));
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(3)),
+                           _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(1)), 2));
   } else {  // Q6_K
     const int h = r / 4, t = r % 4;
     const __m256i lo = _mm256_srl_epi16(load32(p + 64 * h + 32 * (t % 2)), _mm_cvtsi32_si128(4 * (t / 2)));
@@ -296,6 +318,12 @@ inline void dequant_row(const uint8_t* row, int64_t K, T* out) {
   }
 }
 
+// a K-quant format's GGML type number (gguf_kdot.h's KBlock)
+template <typename F>
+constexpr int k_type() {
+  return std::is_same_v<F, Q3_K> ? 11 : std::is_same_v<F, Q4_K> ? 12 : std::is_same_v<F, Q5_K> ? 13 : 14;
+}
+
 template <typename Fn>
 void with_format(int64_t type, Fn&& f) {
   switch (type) {
@@ -304,6 +332,7 @@ void with_format(int64_t type, Fn&& f) {
     case 6: f.template operator()<Q5_0>(); break;
     case 7: f.template operator()<Q5_1>(); break;
     case 8: f.template operator()<Q8_0>(); break;
+    case 11: f.template operator()<Q3_K>(); break;
     case 12: f.template operator()<Q4_K>(); break;
     case 13: f.template operator()<Q5_K>(); break;
     case 14: f.template operator()<Q6_K>(); break;

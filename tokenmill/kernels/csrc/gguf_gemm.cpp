@@ -101,8 +101,8 @@ void gemm256(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, c
 
 template <typename F, typename T>
 void gemm_any(at::Tensor& out, const T* x, int64_t x_row, int64_t M, int64_t K, const at::Tensor& w) {
-  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K> || std::is_same_v<F, Q6_K>)
-    gemm256<std::is_same_v<F, Q4_K> ? 12 : std::is_same_v<F, Q5_K> ? 13 : 14>(out, x, x_row, M, K, w);
+  if constexpr (F::W == QK)
+    gemm256<k_type<F>()>(out, x, x_row, M, K, w);
   else
     gemm32<F>(out, x, x_row, M, K, w);
 }

@@ -1,12 +1,12 @@
-// The decode product for GGUF's 256-weight K-quant blocks (Q4_K, Q5_K, Q6_K), in integers a whole
+// The decode product for GGUF's 256-weight K-quant blocks (Q3_K, Q4_K, Q5_K, Q6_K), in integers a whole
 // block at a time (gguf_blocks.cpp dispatches here; the 32-weight types stay there).
 //
 // x is rounded to int8 per 256 (one float scale xd a block of x, symmetric: |xq| <= 127), with the
 // integer sums of xq per 16 and per 32 kept beside. A weight block is d * sc_g * q - dmin * mn_g
-// (Q4_K / Q5_K: sc, mn 6-bit per 32, q 4 or 5 bits) or d * sc_g * (q - 32) (Q6_K: sc int8 per 16, q 6
-// bits), so a block's dot with x's block is
+// (Q4_K / Q5_K: sc, mn 6-bit per 32, q 4 or 5 bits) or d * sc_g * (q - OFF) (Q6_K: sc int8 per 16, q 6
+// bits, OFF 32; Q3_K: sc 6-bit less 32 per 16, q 3 bits, OFF 4), so a block's dot with x's block is
 //   xd * (d * sum_g sc_g * (q_g . xq_g) - dmin * sum_g mn_g * sum(xq_g))        (Q4_K, Q5_K)
-//   xd * d * (sum_g sc_g * (q_g . xq_g) - 32 * sum_g sc_g * sum(xq_g))          (Q6_K)
+//   xd * d * (sum_g sc_g * (q_g . xq_g) - OFF * sum_g sc_g * sum(xq_g))         (Q6_K, Q3_K)
 // with every sum over g an exact int32: q . xq per pair of bytes by vpmaddubsw (q unsigned <= 63, xq
 // signed: |pair| <= 2 * 63 * 127, within int16), the pairs times the scales widened to int16 and summed
 // in pairs by vpmaddwd (AVX-512 VNNI: vpdpwssd, the multiply and the add in one), |sum| < 2^26.
@@ -150,11 +150,27 @@ inline void k4_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
   mn = (w1 & 0x3f3f3f3fu) | uint64_t{((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)} << 32;
 }
 
+// Q3_K's 12 scale bytes -> its 16 scales less 32, int8 (4-bit lows in bytes 0-7, their top 2 bits in 8-11)
+inline void q3_scales(const uint8_t* s, int8_t* out) {
+  uint32_t v[3], sc[4];
+  std::memcpy(v, s, 12);
+  sc[0] = (v[0] & 0x0f0f0f0fu) | ((v[2] & 0x03030303u) << 4);
+  sc[1] = (v[1] & 0x0f0f0f0fu) | (((v[2] >> 2) & 0x03030303u) << 4);
+  sc[2] = ((v[0] >> 4) & 0x0f0f0f0fu) | (((v[2] >> 4) & 0x03030303u) << 4);
+  sc[3] = ((v[1] >> 4) & 0x0f0f0f0fu) | (((v[2] >> 6) & 0x03030303u) << 4);
+  for (int g = 0; g < 16; ++g) out[g] = static_cast<int8_t>(static_cast<int>((sc[g / 4] >> (8 * (g % 4))) & 63) - 32);
+}
+inline __m128i q3_scales_vec(const uint8_t* s) {
+  alignas(16) int8_t v[16];
+  q3_scales(s, v);
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(v));
+}
+
 // ---- scalar: the same integer sums (the reference the vector forms follow) ----
 // type 12 / 13 / 14: Q4_K / Q5_K / Q6_K; one weight row (K / 256 blocks of `bytes`) . x row m
 template <int TYPE>
 float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
-  const int64_t K = x.K, bytes = TYPE == 12 ? 144 : TYPE == 13 ? 176 : 210;
+  const int64_t K = x.K, bytes = TYPE == 11 ? 110 : TYPE == 12 ? 144 : TYPE == 13 ? 176 : 210;
   float acc = 0.f;
   for (int64_t b = 0; b < K / QK; ++b) {
     const uint8_t* p = row + b * bytes;
@@ -162,7 +178,17 @@ float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
     const int16_t* s16 = x.sum16.data() + m * (K / 16) + b * 16;
     int32_t dot = 0, mins = 0;
     float d, dmin = 0.f;
-    if constexpr (TYPE == 14) {
+    if constexpr (TYPE == 11) {
+      int8_t sc[16];
+      q3_scales(p + 96, sc);
+      d = half_bits(p + 108);
+      for (int i = 0; i < QK; ++i) {
+        const int r = i / 32, l = i % 32;
+        const int q = ((p[32 + 32 * (r / 4) + l] >> (2 * (r % 4))) & 3) | (((p[l] >> r) & 1) << 2);
+        dot += sc[i / 16] * q * xq[i];
+      }
+      for (int g = 0; g < 16; ++g) dot -= 4 * sc[g] * s16[g];
+    } else if constexpr (TYPE == 14) {
       d = half_bits(p + 208);
       for (int i = 0; i < QK; ++i) {
         const int h = i / 128, t = (i / 32) % 4, l = i % 32;
@@ -185,7 +211,7 @@ float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
     }
     const float xd = x.d[m * (K / QK) + b];
     acc = std::fma(static_cast<float>(dot), d * xd, acc);
-    if constexpr (TYPE != 14) acc = std::fma(static_cast<float>(mins), -dmin * xd, acc);
+    if constexpr (TYPE == 12 || TYPE == 13) acc = std::fma(static_cast<float>(mins), -dmin * xd, acc);
   }
   return acc;
 }
@@ -334,19 +360,38 @@ struct KBlock<13> : K4Block<13> {
   using K4Block<13>::K4Block;
 };
 
-template <>
-struct KBlock<14> {  // Q6_K
-  static constexpr int BYTES = 210;
-  const uint8_t* p;
+// The 16 signed scales a 16 of Q6_K (int8) and Q3_K (6-bit, less 32), a block's offset 2^SHIFT times
+// each: scale(r) run r's as int16 pairs, step1() / step8() the float step as K4Block's, with dot -
+// 2^SHIFT * sc . sum16 (exact).
+template <int SHIFT>
+struct Signed16 {
   __m256i sc, lo8, hi8;  // the 16 scales as int16; scales 0-7 in both 128-bit lanes; 8-15 in both
   float d;
-  explicit KBlock(const uint8_t* b) : p(b) {
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    sc = _mm256_cvtepi8_epi16(s8);
+  Signed16(__m128i s8, float dd) : sc(_mm256_cvtepi8_epi16(s8)), d(dd) {
     lo8 = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc));
     hi8 = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc, 1));
-    d = half_bits(b + 208);
   }
+  __m256i scale(int r) const { return pick16(r < 4 ? lo8 : hi8, (2 * r) % 8, (2 * r + 1) % 8); }
+  float step1(int32_t dot, const KX& x, int64_t m, int64_t b, float acc) const {
+    const __m256i off = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + m * (x.K / 16) + b * 16)));
+    const float xd = x.d[m * (x.K / QK) + b];
+    return fma1(static_cast<float>(dot - (hsum_i(off) << SHIFT)), d * xd, acc);
+  }
+  __m256 step8(__m256i dots, const KX& x, int64_t g, int64_t b, __m256 facc) const {
+    const int64_t gb = g * (x.K / QK) + b;
+    const __m256i off = pairs8(sc, x.s16p.data() + gb * 128, 8);
+    dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, SHIFT));
+    const __m256 xd = _mm256_loadu_ps(x.d8.data() + gb * XG);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_set1_ps(d), xd), facc);
+  }
+};
+
+template <>
+struct KBlock<14> : Signed16<5> {  // Q6_K
+  static constexpr int BYTES = 210;
+  const uint8_t* p;
+  explicit KBlock(const uint8_t* b)
+      : Signed16<5>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), half_bits(b + 208)), p(b) {}
   __m256i run(int r) const {  // r = 4h + t: 4 bits from ql, 2 from qh (file header's layout)
     const int h = r / 4, t = r % 4;
     const __m256i lo = ld32(p + 64 * h + 32 * (t % 2)), hi = ld32(p + 128 + 32 * h);
@@ -354,24 +399,27 @@ struct KBlock<14> {  // Q6_K
     const __m256i h2 = t == 0 ? _mm256_slli_epi16(hi, 4) : t == 1 ? _mm256_slli_epi16(hi, 2) : t == 2 ? hi : _mm256_srli_epi16(hi, 2);
     return _mm256_or_si256(q4, _mm256_and_si256(h2, _mm256_set1_epi8(0x30)));
   }
-  __m256i scale(int r) const { return pick16(r < 4 ? lo8 : hi8, (2 * r) % 8, (2 * r + 1) % 8); }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   __m512i run2(int j) const { return join(run(2 * j), run(2 * j + 1)); }
   __m512i scale2(int j) const { return join(scale(2 * j), scale(2 * j + 1)); }
 #endif
-  // the float step of one x row m, of a group g of 8: dot - 32 * sc . sum16 (exact), then its fma
-  float step1(int32_t dot, const KX& x, int64_t m, int64_t b, float acc) const {
-    const __m256i off = _mm256_madd_epi16(sc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + m * (x.K / 16) + b * 16)));
-    const float xd = x.d[m * (x.K / QK) + b];
-    return fma1(static_cast<float>(dot - 32 * hsum_i(off)), d * xd, acc);
+};
+
+template <>
+struct KBlock<11> : Signed16<2> {  // Q3_K
+  static constexpr int BYTES = 110;
+  const uint8_t* p;
+  explicit KBlock(const uint8_t* b) : Signed16<2>(q3_scales_vec(b + 96), half_bits(b + 108)), p(b) {}
+  __m256i run(int r) const {  // r = 4h + j: bits 2j of byte 32 + 32h + l, bit r of byte l the third
+    const __m256i lo = _mm256_srl_epi16(ld32(p + 32 + 32 * (r / 4)), _mm_cvtsi32_si128(2 * (r % 4)));
+    const __m256i hi = _mm256_srl_epi16(ld32(p), _mm_cvtsi32_si128(r));
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(3)),
+                           _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(1)), 2));
   }
-  __m256 step8(__m256i dots, const KX& x, int64_t g, int64_t b, __m256 facc) const {
-    const int64_t gb = g * (x.K / QK) + b;
-    const __m256i off = pairs8(sc, x.s16p.data() + gb * 128, 8);
-    dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
-    const __m256 xd = _mm256_loadu_ps(x.d8.data() + gb * XG);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(_mm256_set1_ps(d), xd), facc);
-  }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512i run2(int j) const { return join(run(2 * j), run(2 * j + 1)); }
+  __m512i scale2(int j) const { return join(scale(2 * j), scale(2 * j + 1)); }
+#endif
 };
 
 // one weight row . MM x rows (x.q rows xm0 .. xm0 + MM - 1; MM > 1: xm0 a multiple of XG): sums[m]
