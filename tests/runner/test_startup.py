@@ -104,6 +104,12 @@ def test_cpu_kinds_from_their_flags():
         (ZEN4, "int4", BATCH, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
         (ZEN4, "int4", PROMPT, "bfloat16", ("native", "dequant", "dequant32"), "dequant"),
         (AMX, "int4", PROMPT, "bfloat16", ("dequant", "gemm", "amx"), "dequant"),  # AMX: unmeasured, kept
+        # a GGUF type's prompt product: Q3_K dequantized for the bfloat16 GEMM where the CPU has it;
+        # the other K-quants and AVX2 their integer GEMM (the first candidate)
+        (ZEN4, "gguf_prompt", PROMPT, "Q3_K", ("gemm", "widened", "dequant"), "dequant"),
+        (AMX, "gguf_prompt", PROMPT, "Q3_K", ("gemm", "widened", "dequant"), "dequant"),
+        (AVX2, "gguf_prompt", PROMPT, "Q3_K", ("gemm", "widened", "dequant"), "gemm"),
+        (ZEN4, "gguf_prompt", PROMPT, "Q4_K", ("gemm", "widened", "dequant"), "gemm"),
         (AVX2, "greedy_head", DECODE, "float32", ("head", "logits"), "logits"),
         # a prompt chunk's attention: the paged kernel, but on AMX (unmeasured there) torch's SDPA
         (AVX2, "prompt_attention", PROMPT, "bfloat16", ("native", "sdpa"), "native"),

@@ -217,8 +217,8 @@ def kept_quantized(model: LlamaForCausalLM, checkpoint: GGUFCheckpoint, dtype: t
     if unkept := sorted(t for t in dequantized if t in DEQUANTIZED_TYPES):
         logger.warning(
             "GGUF %s: no kernel here reads these types as stored; their matrices are dequantized to %s at "
-            "load, held and read at its size, not the file's (a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 file stays "
-            "quantized)",
+            "load, held and read at its size, not the file's (a Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 file "
+            "stays quantized)",
             ", ".join(unkept),
             str(dtype).removeprefix("torch."),
         )

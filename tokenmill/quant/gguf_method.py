@@ -194,7 +194,7 @@ class GGUFBlocksMethod(LinearMethod):
         # GEMM), or "auto": each block type's default for this CPU kind (kernels/defaults.py)
         self.prompt_kernel = prompt_kernel
         kind = cpu or CpuKind.from_flags(cpu_flags())
-        self.type_prompt = {t: default_choice("gguf_prompt", PROMPT, t, kind, PROMPT_KERNELS[1:3]) for t in BLOCKS}
+        self.type_prompt = {t: default_choice("gguf_prompt", PROMPT, t, kind, PROMPT_KERNELS[1:]) for t in BLOCKS}
         # the REPACKED_TYPES put into 16-row groups at load: those the CPU kind's rule prefers so
         # (kernels/defaults.py `gguf_repack`), unless told (True: all of them; False: none)
         if repack is None:
