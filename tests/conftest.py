@@ -24,10 +24,12 @@ SHARDED = {"llama", "qwen3"}
 
 @pytest.fixture(scope="session", autouse=True)
 def _quantized_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Quantized weights and GGUF headers and tokenizers the tests cache go to this session's folders,
-    not the user's cache."""
+    """Quantized weights, GGUF headers and tokenizers, and kernel choices the tests cache go to this
+    session's folders, not the user's cache."""
     os.environ.setdefault("TOKENMILL_QUANTIZED_CACHE_DIR", str(tmp_path_factory.mktemp("quantized-cache")))
     os.environ.setdefault("TOKENMILL_GGUF_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+    # (and kernel choices: a user's tuned or earlier sessions' choices would change which kernels run)
+    os.environ.setdefault("TOKENMILL_AUTOTUNE_CACHE_DIR", str(tmp_path_factory.mktemp("autotune-cache")))
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ read back, so a second start on the same machine makes the same choices (reprodu
 starts fast. Entries are keyed by the machine (the CPU's instruction-set flags, torch's version, the
 device, the thread count and the native kernels' sources: the things a timing depends on) and then
 by the op and its shape. The cache is one JSON file, `$TOKENMILL_CACHE_DIR/autotune.json` (default
-`~/.cache/tokenmill/autotune.json`), rewritten whole (write, then rename) after each new choice.
+`~/.cache/tokenmill/autotune.json`; `$TOKENMILL_AUTOTUNE_CACHE_DIR` moves it), rewritten whole (write,
+then rename) after each new choice.
 
 A measurement: each candidate runs once untimed, then `repeats` rounds in which every candidate runs
 once in turn (interleaved, so a noisy moment hits all of them); the median per candidate decides.
@@ -69,7 +70,9 @@ class Choice:
 
 
 def default_cache_path() -> Path:
-    return cache_home() / "autotune.json"
+    """`$TOKENMILL_AUTOTUNE_CACHE_DIR/autotune.json` where set (a test session's folder), else in the cache home."""
+    own = os.environ.get("TOKENMILL_AUTOTUNE_CACHE_DIR")
+    return (Path(own) if own else cache_home()) / "autotune.json"
 
 
 def machine_key(device: torch.device) -> str:
