@@ -133,6 +133,7 @@ def test_an_empty_cache_variable_means_the_default_not_the_working_folder(monkey
     home = Path.home() / ".cache" / "tokenmill"
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", "")
     monkeypatch.setenv("TOKENMILL_GGUF_CACHE_DIR", "")
+    monkeypatch.setenv("TOKENMILL_AUTOTUNE_CACHE_DIR", "")
     assert cache_dir("gguf") == home / "gguf"
     assert cache_root() == home / "kernels"
     assert default_cache_path() == home / "autotune.json"

@@ -167,11 +167,12 @@ def test_a_run_stays_within_its_time_and_its_grant():
     ("quantization", "layout"),
     [("int8", "blocks"), ("int4", "blocks"), ("int8", "int"), ("int4", "int"), ("w8a8", "int")],
 )
-def test_a_tied_quantized_head_gives_the_runs_table(tiny_model_dir, quantization, layout):
+def test_a_tied_quantized_head_gives_the_runs_table(tiny_model_dir, tmp_path, monkeypatch, quantization, layout):
     """`--quantization int8 / int4` on a tied model drops the table and reads its rows from the head
     (HeadRows); where the head is kept in Q8_0 / Q4_1 blocks those blocks are the run's table in the
     native call, and so are tokenmill's int8 and int4 formats (which AMX keeps, and AVX2 for int8, and
     W8A8's), each row dequantized in the call with the head's scales: the tokens a step a token gives."""
+    monkeypatch.setenv("TOKENMILL_AUTOTUNE_CACHE_DIR", str(tmp_path))  # (the defaults: no choice another test timed)
     model = str(tiny_model_dir("llama", True))
     kept = {"quantization": quantization, "gguf_layout": layout, "dtype": "float32"}
     ps, params = prompts(3, seed=3), [greedy(n) for n in (9, 14, 5)]
