@@ -181,9 +181,9 @@ RULES: tuple[Rule, ...] = (
     Rule("gguf_layout", ANY, ANY, "avx2", ("blocks", "q8_0", "int")),
     Rule("gguf_layout", ANY, ANY, ANY, ("q8_0", "int", "blocks")),
     # a GGUF block type's prompt product (`gguf_prompt`; the rule's dtype is the block type): `gemm`
-    # (int8 activations, integer sums: quant/gguf_method.py), `dequant` (below) or `widened` (each tile of 6 weight rows
-    # dequantized to float32 in cache for the dense kernel's outer-product tiles: AVX2 builds alone;
-    # elsewhere it runs `gemm`). On AVX2 the K-quants' integer sums run a float step per 256 weights
+    # (int8 activations, integer sums: quant/gguf_method.py), `dequant` (below) or `widened` (each tile
+    # of 6 weight rows dequantized to float32 in cache for the dense kernel's outer-product tiles: AVX2
+    # builds alone; elsewhere it runs `gemm`). On AVX2 the K-quants' integer sums run a float step per 256 weights
     # and outpace float32 FMAs; the 32-weight types pay a sign step and a float step per 32, and the
     # float32 tiles outpace them (benchmarks/gguf_prefill.py). AVX-512 keeps `gemm` everywhere.
     # (`dequant`: the layer dequantized a chunk of rows at a time for torch's GEMM, bfloat16 in hardware

@@ -37,7 +37,7 @@ from tokenmill.quant.quantize import Int4Weight, Int8Weight
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Tensor types read (names as gguf.GGMLQuantizationType spells them): those the model can keep as stored,
 # and those only ever dequantized at load by gguf's dequantizer (no native kernel reads them: Q2_K and
-# the i-quants of Q2_K / IQ* files), which then take the model dtype's memory.
+# the i-quants, IQ*), which then take the model dtype's memory.
 KEPT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZED_TYPES = ("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = KEPT_TYPES + DEQUANTIZED_TYPES

@@ -314,9 +314,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:  # [B, steps] int64, -1 where a logit was NaN
         """`steps` greedy decode steps of B sequences in one native call (`FusedDecode.run`), each step
         computed as `forward`, `compute_logits` and an argmax compute it; None where that call does not
-        apply (no fused layers at B rows, an embedding that is neither a dense table nor GGUF blocks (a
-        file's table, a tied head's) in a native dtype, a head the fused layers do not chain): the caller
-        steps through `forward` then."""
+        apply (no fused layers at B rows, an embedding that is neither a dense table, GGUF blocks (a file's
+        table, a tied head's) nor a tied head in tokenmill's int8 / int4 format, in a native dtype; a head
+        the fused layers do not chain): the caller steps through `forward` then."""
         fused, rows = self.fused_decode, ids.shape[0]
         kinds = fused.kinds(rows) if fused is not None else None
         tail = self._greedy_tail(rows) if kinds is not None else None

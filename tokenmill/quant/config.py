@@ -256,8 +256,9 @@ def gguf_methods(
 ) -> dict[str, LinearMethod]:
     """A GGUF tensor type -> the method that keeps such matrices as stored: the K-quants (Q3_K to Q6_K)
     and Q5_0 / Q5_1 in their own blocks (which also take layers mixing block types, and embedding
-    tables); Q8_0, Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of them Q8_0 in
-    int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids). `repack`: `gguf_repack`'s."""
+    tables); Q8_0, Q4_0 and Q4_1 as well with `layout` blocks (Q8_0 alone with `q8_0`), the others of
+    them Q8_0 in int8 and Q4_0 / Q4_1 in int4, in groups of 32 (the same grids). `repack`:
+    `gguf_repack`'s."""
     blocks = GGUFBlocksMethod(kernels, repack=repack)
     kept: dict[str, LinearMethod] = {t: blocks for t in ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")}
     int8 = Int8LinearMethod(QuantSpec("int8", GGUF_BLOCK), kernels, prequantized=True)

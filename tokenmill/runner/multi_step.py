@@ -6,9 +6,9 @@ tenth of that or more. Where the scheduler grants it (`ScheduledChunk.num_steps`
 want no log-probabilities or structure, no request waiting to be admitted, the slots reserved), the
 runner runs the model up to that many times in a row, each forward's argmax token the next one's
 input, and hands every token back at once: the engine's work then comes once a run, not once a token.
-Where the model offers it (`greedy_run`: the fused CPU layers, an embedding table dense or in GGUF
-blocks, a file's or a tied head's), the whole run is one native call; otherwise the runner calls the model's forward and
-the argmax step by step.
+Where the model offers it (`greedy_run`: the fused CPU layers, an embedding table dense, in GGUF
+blocks or read from a tied quantized head), the whole run is one native call; otherwise the runner
+calls the model's forward and the argmax step by step.
 
 A run is kept under RUN_SECONDS, judged by the forwards timed before at the same batch size (a step
 that was never timed runs once), so a request that arrives meanwhile waits no longer than that for its

@@ -167,7 +167,7 @@ inline __m128i q3_scales_vec(const uint8_t* s) {
 }
 
 // ---- scalar: the same integer sums (the reference the vector forms follow) ----
-// type 12 / 13 / 14: Q4_K / Q5_K / Q6_K; one weight row (K / 256 blocks of `bytes`) . x row m
+// type 11 / 12 / 13 / 14: Q3_K / Q4_K / Q5_K / Q6_K; one weight row (K / 256 blocks of `bytes`) . x row m
 template <int TYPE>
 float krow_dot_scalar(const uint8_t* row, const KX& x, int64_t m) {
   const int64_t K = x.K, bytes = TYPE == 11 ? 110 : TYPE == 12 ? 144 : TYPE == 13 ? 176 : 210;
